@@ -1,0 +1,68 @@
+"""Build the compiled core: one table of extensions, flags chosen in one place.
+
+Environment switches:
+  ECHO_NATIVE_NATIVE=1    tune for this CPU (-march=native); default builds are portable.
+  ECHO_NATIVE_DEBUG=1     Cython bounds checks on, -O1 -g, asserts kept (test builds).
+  ECHO_NATIVE_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer (implies DEBUG).
+"""
+import os
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+
+def _flag(name):
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+SANITIZE = _flag("ECHO_NATIVE_SANITIZE")
+DEBUG = SANITIZE or _flag("ECHO_NATIVE_DEBUG")
+
+compile_args = ["-std=c11", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+link_args = []
+if DEBUG:
+    compile_args += ["-O1", "-g", "-fno-omit-frame-pointer", "-UNDEBUG"]
+else:
+    compile_args += ["-O3"]
+if _flag("ECHO_NATIVE_NATIVE"):
+    compile_args.append("-march=native")
+if SANITIZE:
+    san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+    compile_args += san
+    link_args += san
+
+directives = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": False,
+    "cdivision": True,
+    "initializedcheck": DEBUG,
+    "embedsignature": True,
+}
+
+
+def ext(name, sources, libraries=()):
+    return Extension(
+        name,
+        sources=sources,
+        include_dirs=[os.path.dirname(sources[0]), numpy.get_include()],
+        libraries=list(libraries),
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+
+
+EXTENSIONS = [
+    ext(
+        "echo_native._kernel",
+        ["src/kernel/_kernel.pyx", "src/kernel/en_jpeg.c", "src/kernel/en_resize.c",
+         "src/kernel/en_augment.c"],
+        libraries=["jpeg", "m"],
+    ),
+    ext("echo_native._bench", ["src/bench/_bench.pyx", "src/bench/roi_ceiling.c"], ["jpeg"]),
+]
+
+setup(ext_modules=cythonize(EXTENSIONS, compiler_directives=directives,
+                            build_dir="build/cython"))

@@ -1,0 +1,348 @@
+"""Thin bindings over the C kernel (src/kernel/en_*.c).
+
+Every byte-level call runs with the GIL released; the GIL is taken again only
+to turn a failure status into an exception.  Argument checks live here, the
+pixels never leave C.
+"""
+from libc.stdint cimport uint8_t, uint64_t
+cimport numpy as cnp
+import numpy as np
+
+from echo_native.errors import DecodeError
+
+cnp.import_array()
+
+
+cdef extern from "en_kernel.h" nogil:
+    ctypedef struct en_decoder:
+        pass
+    ctypedef struct en_limits:
+        uint64_t max_pixels
+        int max_scans
+        int strict
+    ctypedef struct en_image_info:
+        int width, height, components, progressive, colorspace
+    ctypedef struct en_box:
+        double top, left, height, width
+    ctypedef struct en_rrc_spec:
+        double scale_lo, scale_hi, ratio_lo, ratio_hi, flip_p
+    ctypedef struct en_key:
+        uint64_t seed, epoch, sample_id, echo_index
+
+    int EN_OK, EN_ERR_DECODE, EN_ERR_LIMIT, EN_ERR_ARG, EN_ERR_NOMEM
+    uint64_t EN_DEFAULT_MAX_PIXELS
+    int EN_DEFAULT_MAX_SCANS
+
+    en_decoder *en_decoder_new()
+    void en_decoder_free(en_decoder *d)
+    void en_decoder_set_limits(en_decoder *d, en_limits limits)
+    en_limits en_decoder_get_limits(const en_decoder *d)
+    const char *en_decoder_errmsg(const en_decoder *d)
+    int en_decoder_warnings(const en_decoder *d)
+    int en_decoder_last_scale(const en_decoder *d)
+    int en_jpeg_info(en_decoder *d, const uint8_t *data, size_t length, en_image_info *info)
+    int en_jpeg_decode(en_decoder *d, const uint8_t *data, size_t length, uint8_t *out,
+                       size_t out_cap, size_t stride)
+    int en_pick_scale(en_box box, int out_h, int out_w)
+    int en_jpeg_decode_crop(en_decoder *d, const uint8_t *data, size_t length, en_box box,
+                            int out_h, int out_w, int flip, uint8_t *out, size_t stride)
+    int en_jpeg_decode_canvas(en_decoder *d, const uint8_t *data, size_t length, int min_side,
+                              uint8_t *out, size_t out_cap, int *out_h, int *out_w, int *scale)
+    int en_resize_rgb(en_decoder *d, const uint8_t *src, int h, int w, size_t src_stride,
+                      en_box box, int out_h, int out_w, int flip, uint8_t *out, size_t stride)
+    void en_philox4x64(const uint64_t *ctr, const uint64_t *key, uint64_t *out)
+    void en_random_resized_crop(en_key key, int height, int width, en_rrc_spec spec,
+                                en_box *box, int *flip)
+    en_box en_center_crop_box(int height, int width, int resize_side, int out_side)
+    int en_jpeg_decode_random_crop(en_decoder *d, const uint8_t *data, size_t length,
+                                   en_key key, en_rrc_spec spec, int out_h, int out_w,
+                                   uint8_t *out, size_t stride, en_box *box, int *flip)
+
+
+DEFAULT_MAX_PIXELS = EN_DEFAULT_MAX_PIXELS
+DEFAULT_MAX_SCANS = EN_DEFAULT_MAX_SCANS
+
+# A valid address for zero-length input; the C side checks the length first.
+cdef uint8_t _EMPTY[1]
+
+
+cdef inline const uint8_t *_bytes_ptr(const uint8_t[::1] data):
+    return &data[0] if data.shape[0] > 0 else _EMPTY
+
+
+cdef int _raise(en_decoder *d, int status) except -1:
+    msg = en_decoder_errmsg(d).decode("utf-8", "replace")
+    if status == EN_ERR_ARG:
+        raise ValueError(msg)
+    if status == EN_ERR_NOMEM:
+        raise MemoryError(msg)
+    raise DecodeError(msg)
+
+
+cdef en_box _box(box) except *:
+    try:
+        top, left, height, width = box
+    except (TypeError, ValueError):
+        raise TypeError(f"box must be (top, left, height, width), got {box!r}") from None
+    cdef en_box b
+    b.top, b.left, b.height, b.width = float(top), float(left), float(height), float(width)
+    return b
+
+
+cdef tuple _size(size):
+    try:
+        h, w = size
+        h, w = int(h), int(w)
+    except (TypeError, ValueError):
+        raise TypeError(f"size must be (height, width), got {size!r}") from None
+    if h <= 0 or w <= 0 or h > 65535 or w > 65535:
+        raise ValueError(f"size must be positive and at most 65535, got {size!r}")
+    return h, w
+
+
+cdef cnp.ndarray _output(out, int h, int w):
+    """A fresh (h, w, 3) uint8 array, or `out` checked to be one we may write."""
+    if out is None:
+        return np.empty((h, w, 3), dtype=np.uint8)
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
+    shape, strides = out.shape, out.strides
+    if out.dtype != np.uint8 or shape != (h, w, 3):
+        raise ValueError(f"out must be a ({h}, {w}, 3) uint8 array, got {shape} {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
+    if strides[2] != 1 or strides[1] != 3 or strides[0] < w * 3:
+        raise ValueError(f"out rows must be contiguous RGB pixels, got strides {strides}")
+    return out
+
+
+cdef class Decoder:
+    """One libjpeg decompressor and its scratch buffers, reused call after call.
+
+    Not thread-safe: give each thread its own (the module-level functions in
+    :mod:`echo_native.decode` do this for you).
+    """
+    cdef en_decoder *_d
+
+    def __cinit__(self, max_pixels=EN_DEFAULT_MAX_PIXELS, max_scans=EN_DEFAULT_MAX_SCANS,
+                  strict=True):
+        self._d = en_decoder_new()
+        if self._d == NULL:
+            raise MemoryError("cannot allocate a JPEG decoder")
+        self.set_limits(max_pixels, max_scans, strict)
+
+    def __dealloc__(self):
+        en_decoder_free(self._d)
+
+    def set_limits(self, max_pixels, max_scans, strict):
+        if max_pixels <= 0 or max_scans <= 0:
+            raise ValueError(f"max_pixels and max_scans must be positive, got "
+                             f"{max_pixels} and {max_scans}")
+        cdef en_limits lim
+        lim.max_pixels = max_pixels
+        lim.max_scans = max_scans
+        lim.strict = 1 if strict else 0
+        en_decoder_set_limits(self._d, lim)
+
+    @property
+    def limits(self):
+        cdef en_limits lim = en_decoder_get_limits(self._d)
+        return {"max_pixels": lim.max_pixels, "max_scans": lim.max_scans,
+                "strict": bool(lim.strict)}
+
+    @property
+    def last_scale(self):
+        """DCT denominator (1, 2, 4 or 8) the last decode used."""
+        return en_decoder_last_scale(self._d)
+
+    @property
+    def warnings(self):
+        """libjpeg warnings (corrupt or truncated data) seen by the last call."""
+        return en_decoder_warnings(self._d)
+
+    def info(self, const uint8_t[::1] data not None):
+        """(height, width, components, progressive) from the JPEG header."""
+        cdef en_image_info info
+        cdef int st
+        cdef const uint8_t *src = _bytes_ptr(data)
+        with nogil:
+            st = en_jpeg_info(self._d, src, data.shape[0], &info)
+        if st:
+            _raise(self._d, st)
+        return info.height, info.width, info.components, bool(info.progressive)
+
+    def decode(self, const uint8_t[::1] data not None):
+        h, w, _, _ = self.info(data)
+        cdef cnp.ndarray out = np.empty((h, w, 3), dtype=np.uint8)
+        cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(out)
+        cdef size_t cap = out.nbytes, stride = w * 3
+        cdef int st
+        cdef const uint8_t *src = _bytes_ptr(data)
+        with nogil:
+            st = en_jpeg_decode(self._d, src, data.shape[0], p, cap, stride)
+        if st:
+            _raise(self._d, st)
+        return out
+
+    def decode_crop(self, const uint8_t[::1] data not None, box, size, flip=False, out=None):
+        cdef en_box b = _box(box)
+        oh, ow = _size(size)
+        cdef cnp.ndarray o = _output(out, oh, ow)
+        cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(o)
+        cdef size_t stride = o.strides[0]
+        cdef int st, f = 1 if flip else 0, h = oh, w = ow
+        cdef const uint8_t *src = _bytes_ptr(data)
+        with nogil:
+            st = en_jpeg_decode_crop(self._d, src, data.shape[0], b, h, w, f, p,
+                                     stride)
+        if st:
+            _raise(self._d, st)
+        return o
+
+    def decode_random_crop(self, const uint8_t[::1] data not None, size, uint64_t seed,
+                           uint64_t epoch, uint64_t sample_id, uint64_t echo_index=0,
+                           scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0 / 3.0), double flip_p=0.5,
+                           out=None):
+        """RandomResizedCrop + flip drawn from the key, fused with the decode.
+
+        Returns (box, flip) where box is (top, left, height, width).
+        """
+        oh, ow = _size(size)
+        cdef en_rrc_spec spec = _spec(scale, ratio, flip_p)
+        cdef cnp.ndarray o = _output(out, oh, ow)
+        cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(o)
+        cdef size_t stride = o.strides[0]
+        cdef en_key key
+        key.seed, key.epoch, key.sample_id, key.echo_index = seed, epoch, sample_id, echo_index
+        cdef en_box b
+        cdef int st, f = 0, h = oh, w = ow
+        cdef const uint8_t *src = _bytes_ptr(data)
+        with nogil:
+            st = en_jpeg_decode_random_crop(self._d, src, data.shape[0], key, spec,
+                                            h, w, p, stride, &b, &f)
+        if st:
+            _raise(self._d, st)
+        return (int(b.top), int(b.left), int(b.height), int(b.width)), bool(f)
+
+    def canvas_shape(self, const uint8_t[::1] data not None, int min_side):
+        """(height, width, scale) of the canvas :meth:`decode_canvas` would produce."""
+        cdef int h = 0, w = 0, s = 0, st
+        if min_side <= 0:
+            raise ValueError(f"min_side must be positive, got {min_side}")
+        cdef const uint8_t *src = _bytes_ptr(data)
+        with nogil:
+            st = en_jpeg_decode_canvas(self._d, src, data.shape[0], min_side, NULL,
+                                       0, &h, &w, &s)
+        if st:
+            _raise(self._d, st)
+        return h, w, s
+
+    def decode_canvas(self, const uint8_t[::1] data not None, int min_side, out=None):
+        """Whole image at the coarsest DCT scale keeping its shorter side >= min_side.
+
+        `out` may be any writable uint8 buffer large enough (a slot of the echo
+        buffer); the canvas fills its first h*w*3 bytes.  Returns (canvas, scale)
+        where canvas is an (h, w, 3) view.
+        """
+        if min_side <= 0:
+            raise ValueError(f"min_side must be positive, got {min_side}")
+        cdef int h = 0, w = 0, s = 0, st
+        cdef uint8_t[::1] buf
+        if out is None:
+            h, w, s = self.canvas_shape(data, min_side)
+            out = np.empty(h * w * 3, dtype=np.uint8)
+        try:
+            buf = np.asarray(out).reshape(-1)
+        except ValueError:
+            raise ValueError("out must be a writable contiguous uint8 buffer") from None
+        if np.asarray(out).dtype != np.uint8:
+            raise ValueError(f"out must be uint8, got {np.asarray(out).dtype}")
+        cdef uint8_t *p = &buf[0] if buf.shape[0] else _EMPTY
+        cdef size_t cap = buf.shape[0]
+        cdef const uint8_t *src = _bytes_ptr(data)
+        with nogil:
+            st = en_jpeg_decode_canvas(self._d, src, data.shape[0], min_side, p,
+                                       cap, &h, &w, &s)
+        if st:
+            _raise(self._d, st)
+        return np.asarray(buf)[: h * w * 3].reshape(h, w, 3), s
+
+    def resize(self, image, box, size, flip=False, out=None):
+        """Crop `box` of an (H, W, 3) uint8 image and resize it, like decode_crop."""
+        cdef const uint8_t[:, :, ::1] src
+        try:
+            src = image
+        except (TypeError, ValueError, BufferError) as e:
+            raise TypeError(f"image must be a C-contiguous (H, W, 3) uint8 array: {e}") from None
+        if src.shape[2] != 3:
+            raise ValueError(f"image must have 3 channels, got shape {np.shape(image)}")
+        cdef en_box b = _box(box)
+        oh, ow = _size(size)
+        cdef cnp.ndarray o = _output(out, oh, ow)
+        cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(o)
+        cdef size_t stride = o.strides[0], sstride = src.strides[0]
+        cdef int st, f = 1 if flip else 0, h = oh, w = ow
+        cdef int ih = src.shape[0], iw = src.shape[1]
+        if ih == 0 or iw == 0:
+            raise ValueError("image is empty")
+        with nogil:
+            st = en_resize_rgb(self._d, &src[0, 0, 0], ih, iw, sstride, b, h, w, f, p, stride)
+        if st:
+            _raise(self._d, st)
+        return o
+
+
+cdef en_rrc_spec _spec(scale, ratio, double flip_p) except *:
+    cdef en_rrc_spec spec
+    spec.scale_lo, spec.scale_hi = float(scale[0]), float(scale[1])
+    spec.ratio_lo, spec.ratio_hi = float(ratio[0]), float(ratio[1])
+    spec.flip_p = flip_p
+    if not (0 < spec.scale_lo <= spec.scale_hi <= 1):
+        raise ValueError(f"scale must satisfy 0 < lo <= hi <= 1, got {tuple(scale)!r}")
+    if not (0 < spec.ratio_lo <= spec.ratio_hi):
+        raise ValueError(f"ratio must satisfy 0 < lo <= hi, got {tuple(ratio)!r}")
+    if not (0 <= flip_p <= 1):
+        raise ValueError(f"flip_p must be in [0, 1], got {flip_p}")
+    return spec
+
+
+def random_resized_crop_params(uint64_t seed, uint64_t epoch, uint64_t sample_id,
+                               uint64_t echo_index, int height, int width,
+                               scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0 / 3.0),
+                               double flip_p=0.5):
+    """((top, left, height, width), flip) for one key, as the fused decode draws it."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    cdef en_rrc_spec spec = _spec(scale, ratio, flip_p)
+    cdef en_key key
+    key.seed, key.epoch, key.sample_id, key.echo_index = seed, epoch, sample_id, echo_index
+    cdef en_box b
+    cdef int f
+    en_random_resized_crop(key, height, width, spec, &b, &f)
+    return (int(b.top), int(b.left), int(b.height), int(b.width)), bool(f)
+
+
+def center_crop_box(int height, int width, int resize_side, int out_side):
+    """Box of the original that Resize(resize_side) + CenterCrop(out_side) keeps."""
+    if min(height, width, resize_side, out_side) <= 0:
+        raise ValueError("sizes must be positive")
+    cdef en_box b = en_center_crop_box(height, width, resize_side, out_side)
+    return b.top, b.left, b.height, b.width
+
+
+def pick_scale(box, size):
+    """DCT denominator decode_crop uses for `box` resized to `size`."""
+    oh, ow = _size(size)
+    return en_pick_scale(_box(box), oh, ow)
+
+
+def philox4x64(ctr, key):
+    """Philox4x64-10 block (exposed for known-answer tests)."""
+    cdef uint64_t c[4]
+    cdef uint64_t k[2]
+    cdef uint64_t o[4]
+    for i in range(4):
+        c[i] = ctr[i]
+    k[0], k[1] = key[0], key[1]
+    en_philox4x64(c, k, o)
+    return o[0], o[1], o[2], o[3]

@@ -1,0 +1,347 @@
+/*
+ * JPEG side of the fused kernel: libjpeg-turbo with region-of-interest
+ * decoding (jpeg_crop_scanline + jpeg_skip_scanlines) and DCT-domain scaling.
+ *
+ * Error handling: libjpeg reports fatal errors by calling error_exit, which
+ * must not return.  We longjmp back to the public function that called into
+ * libjpeg; each such function sets its own jump point, so the jump never
+ * crosses a frame that is not ours (in particular, never a Cython frame).
+ */
+#include "en_kernel.h"
+#include "en_resize.h"
+
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jpeglib.h>
+
+struct en_decoder {
+    struct jpeg_decompress_struct cinfo;
+    struct jpeg_error_mgr jerr;
+    struct jpeg_progress_mgr progress;
+    jmp_buf jump;
+    en_limits limits;
+    int status;        /* en_status of the failure being unwound */
+    int warnings;
+    int last_scale;
+    int cmyk_inverted; /* Adobe CMYK is stored inverted */
+    en_resampler rs;
+    en_buf region;     /* decoded RGB pixels of the region of interest */
+    en_buf rowbuf;     /* CMYK scanlines before conversion */
+    char errmsg[JMSG_LENGTH_MAX + 256];
+};
+
+/* libjpeg hands callbacks a j_common_ptr to the embedded cinfo, which is the
+ * first member, so the decoder is one cast away. */
+static en_decoder *owner(j_common_ptr c) { return (en_decoder *)c; }
+
+static void fail(en_decoder *d, int status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(d->errmsg, sizeof d->errmsg, fmt, ap);
+    va_end(ap);
+    d->status = status;
+    longjmp(d->jump, 1);
+}
+
+static void on_error_exit(j_common_ptr c) {
+    en_decoder *d = owner(c);
+    char buf[JMSG_LENGTH_MAX];
+    (*c->err->format_message)(c, buf);
+    fail(d, EN_ERR_DECODE, "%s", buf);
+}
+
+/* level < 0 is a warning: corrupt or truncated data that libjpeg papers over
+ * (a truncated file is padded with grey).  Strict mode refuses such images. */
+static void on_message(j_common_ptr c, int level) {
+    en_decoder *d = owner(c);
+    if (level >= 0) return;
+    d->warnings++;
+    if (d->limits.strict) {
+        char buf[JMSG_LENGTH_MAX];
+        (*c->err->format_message)(c, buf);
+        fail(d, EN_ERR_DECODE, "%s (strict mode)", buf);
+    }
+}
+
+/* Progressive files are consumed scan by scan inside jpeg_start_decompress;
+ * a file of thousands of tiny scans would otherwise keep a worker busy for
+ * seconds.  libjpeg calls this between input passes. */
+static void on_progress(j_common_ptr c) {
+    en_decoder *d = owner(c);
+    j_decompress_ptr ci = (j_decompress_ptr)c;
+    if (ci->input_scan_number > d->limits.max_scans)
+        fail(d, EN_ERR_LIMIT, "progressive JPEG has more than %d scans (max_scans)",
+             d->limits.max_scans);
+}
+
+en_decoder *en_decoder_new(void) {
+    en_decoder *d = calloc(1, sizeof *d);
+    if (!d) return NULL;
+    d->cinfo.err = jpeg_std_error(&d->jerr);
+    d->jerr.error_exit = on_error_exit;
+    d->jerr.emit_message = on_message;
+    d->progress.progress_monitor = on_progress;
+    d->limits.max_pixels = EN_DEFAULT_MAX_PIXELS;
+    d->limits.max_scans = EN_DEFAULT_MAX_SCANS;
+    d->limits.strict = 1;
+    if (setjmp(d->jump)) {
+        free(d);
+        return NULL;
+    }
+    jpeg_create_decompress(&d->cinfo);
+    d->cinfo.progress = &d->progress;
+    return d;
+}
+
+void en_decoder_free(en_decoder *d) {
+    if (!d) return;
+    jpeg_destroy_decompress(&d->cinfo);
+    en_resampler_free(&d->rs);
+    en_buf_free(&d->region);
+    en_buf_free(&d->rowbuf);
+    free(d);
+}
+
+void en_decoder_set_limits(en_decoder *d, en_limits limits) { d->limits = limits; }
+en_limits en_decoder_get_limits(const en_decoder *d) { return d->limits; }
+const char *en_decoder_errmsg(const en_decoder *d) { return d->errmsg; }
+int en_decoder_warnings(const en_decoder *d) { return d->warnings; }
+int en_decoder_last_scale(const en_decoder *d) { return d->last_scale; }
+
+/* Every public entry point starts with this: it arms the jump point in the
+ * caller's frame.  On a longjmp the macro returns the stored status. */
+#define EN_GUARD(d)                                 \
+    do {                                            \
+        if (setjmp((d)->jump)) {                    \
+            jpeg_abort_decompress(&(d)->cinfo);     \
+            return (d)->status;                     \
+        }                                           \
+    } while (0)
+
+static void begin(en_decoder *d, const uint8_t *data, size_t len) {
+    d->status = EN_OK;
+    d->warnings = 0;
+    d->errmsg[0] = '\0';
+    if (len == 0) fail(d, EN_ERR_DECODE, "empty input (0 bytes)");
+    if (len < 4 || data[0] != 0xFF || data[1] != 0xD8)
+        fail(d, EN_ERR_DECODE, "not a JPEG file: starts with 0x%02x 0x%02x", data[0],
+             len > 1 ? data[1] : 0);
+    jpeg_mem_src(&d->cinfo, data, (unsigned long)len);
+    jpeg_read_header(&d->cinfo, TRUE);
+    j_decompress_ptr ci = &d->cinfo;
+    uint64_t pixels = (uint64_t)ci->image_width * ci->image_height;
+    if (ci->image_width == 0 || ci->image_height == 0)
+        fail(d, EN_ERR_DECODE, "JPEG declares an empty image (%ux%u)", ci->image_width,
+             ci->image_height);
+    if (pixels > d->limits.max_pixels)
+        fail(d, EN_ERR_LIMIT,
+             "JPEG declares %ux%u = %llu pixels, over the decompression-bomb limit "
+             "max_pixels=%llu",
+             ci->image_width, ci->image_height, (unsigned long long)pixels,
+             (unsigned long long)d->limits.max_pixels);
+    if (ci->jpeg_color_space == JCS_CMYK || ci->jpeg_color_space == JCS_YCCK) {
+        ci->out_color_space = JCS_CMYK; /* libjpeg turns YCCK into CMYK for us */
+        d->cmyk_inverted = ci->saw_Adobe_marker;
+    } else {
+        ci->out_color_space = JCS_RGB;  /* grayscale is expanded by libjpeg-turbo */
+    }
+    ci->dct_method = JDCT_ISLOW;       /* the accurate IDCT, as Pillow uses */
+    ci->do_fancy_upsampling = TRUE;
+    ci->scale_num = 1;
+    ci->scale_denom = 1;
+}
+
+/* Same arithmetic as Pillow's CMYK -> RGB: each ink darkens multiplicatively. */
+static void cmyk_to_rgb(const uint8_t *in, uint8_t *out, int n, int inverted) {
+    for (int i = 0; i < n; i++, in += 4, out += 3) {
+        int c = in[0], m = in[1], y = in[2], k = in[3];
+        if (inverted) {
+            c = 255 - c;
+            m = 255 - m;
+            y = 255 - y;
+            k = 255 - k;
+        }
+        int nk = 255 - k, t;
+        t = c * nk + 128;
+        out[0] = (uint8_t)(nk - (((t >> 8) + t) >> 8));
+        t = m * nk + 128;
+        out[1] = (uint8_t)(nk - (((t >> 8) + t) >> 8));
+        t = y * nk + 128;
+        out[2] = (uint8_t)(nk - (((t >> 8) + t) >> 8));
+    }
+}
+
+/* Read `rows` output scanlines into dst (RGB, `stride` bytes apart). */
+static void read_rows(en_decoder *d, uint8_t *dst, size_t stride, int rows) {
+    j_decompress_ptr ci = &d->cinfo;
+    const int w = (int)ci->output_width;
+    const int cmyk = ci->out_color_space == JCS_CMYK;
+    if (cmyk && en_buf_reserve(&d->rowbuf, (size_t)w * 4))
+        fail(d, EN_ERR_NOMEM, "out of memory for a %d-pixel scanline", w);
+    for (int y = 0; y < rows;) {
+        JSAMPROW row = cmyk ? (JSAMPROW)d->rowbuf.p : dst + (size_t)y * stride;
+        JDIMENSION got = jpeg_read_scanlines(ci, &row, 1);
+        if (got == 0) fail(d, EN_ERR_DECODE, "JPEG data ended before scanline %d", y);
+        if (cmyk) cmyk_to_rgb(d->rowbuf.p, dst + (size_t)y * stride, w, d->cmyk_inverted);
+        y += (int)got;
+    }
+}
+
+int en_jpeg_info(en_decoder *d, const uint8_t *data, size_t len, en_image_info *info) {
+    EN_GUARD(d);
+    begin(d, data, len);
+    info->width = (int)d->cinfo.image_width;
+    info->height = (int)d->cinfo.image_height;
+    info->components = d->cinfo.num_components;
+    info->progressive = d->cinfo.progressive_mode;
+    info->colorspace = (int)d->cinfo.jpeg_color_space;
+    jpeg_abort_decompress(&d->cinfo);
+    return EN_OK;
+}
+
+int en_jpeg_decode(en_decoder *d, const uint8_t *data, size_t len, uint8_t *out, size_t out_cap,
+                   size_t stride) {
+    EN_GUARD(d);
+    begin(d, data, len);
+    j_decompress_ptr ci = &d->cinfo;
+    if (stride < (size_t)ci->image_width * 3 || out_cap < stride * ci->image_height)
+        fail(d, EN_ERR_ARG, "output buffer too small for a %ux%u RGB image", ci->image_width,
+             ci->image_height);
+    jpeg_start_decompress(ci);
+    d->last_scale = 1;
+    read_rows(d, out, stride, (int)ci->output_height);
+    jpeg_finish_decompress(ci);
+    return EN_OK;
+}
+
+static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+int en_pick_scale(en_box box, int out_h, int out_w) {
+    for (int denom = 8; denom > 1; denom /= 2)
+        if (box.height / denom >= out_h && box.width / denom >= out_w) return denom;
+    return 1;
+}
+
+/* Decode the rectangle [x0, x1) x [y0, y1) of the image scaled by 1/denom.
+ * libjpeg widens the columns to whole iMCUs; *rx0 and *rstride say where the
+ * first decoded column sits and how far apart the rows are. */
+static uint8_t *decode_region(en_decoder *d, int denom, int x0, int x1, int y0, int y1, int *rx0,
+                              size_t *rstride) {
+    j_decompress_ptr ci = &d->cinfo;
+    ci->scale_num = 1;
+    ci->scale_denom = (unsigned)denom;
+    d->last_scale = denom;
+    jpeg_start_decompress(ci);
+    JDIMENSION xoff = (JDIMENSION)x0, width = (JDIMENSION)(x1 - x0);
+    if (xoff > 0 || width < ci->output_width) jpeg_crop_scanline(ci, &xoff, &width);
+    *rx0 = (int)xoff;
+    *rstride = (size_t)ci->output_width * 3;
+    if (en_buf_reserve(&d->region, *rstride * (size_t)(y1 - y0)))
+        fail(d, EN_ERR_NOMEM, "out of memory for a %ux%d region", ci->output_width, y1 - y0);
+    if (y0 > 0 && jpeg_skip_scanlines(ci, (JDIMENSION)y0) != (JDIMENSION)y0)
+        fail(d, EN_ERR_DECODE, "JPEG data ended before row %d", y0);
+    read_rows(d, d->region.p, *rstride, y1 - y0);
+    return d->region.p;
+}
+
+static int check_box(en_decoder *d, en_box b) {
+    const double eps = 1e-6;
+    const j_decompress_ptr ci = &d->cinfo;
+    if (!(b.height > 0 && b.width > 0 && b.top >= -eps && b.left >= -eps &&
+          b.top + b.height <= ci->image_height + eps && b.left + b.width <= ci->image_width + eps))
+        fail(d, EN_ERR_ARG,
+             "box (top=%g, left=%g, height=%g, width=%g) is not inside the %ux%u image", b.top,
+             b.left, b.height, b.width, ci->image_height, ci->image_width);
+    return 0;
+}
+
+static void crop_resize(en_decoder *d, en_box box, int out_h, int out_w, int flip, uint8_t *out,
+                        size_t stride) {
+    j_decompress_ptr ci = &d->cinfo;
+    check_box(d, box);
+    const int denom = en_pick_scale(box, out_h, out_w);
+    const int sw = ceil_div((int)ci->image_width, denom);
+    const int sh = ceil_div((int)ci->image_height, denom);
+    en_axis ax, ay;
+    if (en_plan_axis(&d->rs, 1, box.left / denom, (box.left + box.width) / denom, sw, out_w, &ax) ||
+        en_plan_axis(&d->rs, 0, box.top / denom, (box.top + box.height) / denom, sh, out_h, &ay))
+        fail(d, EN_ERR_NOMEM, "cannot plan a resize to %dx%d", out_h, out_w);
+    int rx0;
+    size_t rstride;
+    const uint8_t *region = decode_region(d, denom, ax.lo, ax.hi, ay.lo, ay.hi, &rx0, &rstride);
+    if (en_resample(&d->rs, region, rstride, rx0, ay.lo, &ax, &ay, flip, out, stride))
+        fail(d, EN_ERR_NOMEM, "out of memory resizing to %dx%d", out_h, out_w);
+    /* The rows below the crop are never decoded: abort instead of finishing. */
+    jpeg_abort_decompress(ci);
+}
+
+int en_jpeg_decode_crop(en_decoder *d, const uint8_t *data, size_t len, en_box box, int out_h,
+                        int out_w, int flip, uint8_t *out, size_t stride) {
+    EN_GUARD(d);
+    begin(d, data, len);
+    crop_resize(d, box, out_h, out_w, flip, out, stride);
+    return EN_OK;
+}
+
+int en_jpeg_decode_random_crop(en_decoder *d, const uint8_t *data, size_t len, en_key key,
+                               en_rrc_spec spec, int out_h, int out_w, uint8_t *out,
+                               size_t stride, en_box *box, int *flip) {
+    EN_GUARD(d);
+    begin(d, data, len);
+    en_random_resized_crop(key, (int)d->cinfo.image_height, (int)d->cinfo.image_width, spec, box,
+                           flip);
+    crop_resize(d, *box, out_h, out_w, *flip, out, stride);
+    return EN_OK;
+}
+
+int en_jpeg_decode_canvas(en_decoder *d, const uint8_t *data, size_t len, int min_side,
+                          uint8_t *out, size_t out_cap, int *out_h, int *out_w, int *scale) {
+    EN_GUARD(d);
+    begin(d, data, len);
+    j_decompress_ptr ci = &d->cinfo;
+    const int w = (int)ci->image_width, h = (int)ci->image_height;
+    int denom = 8;
+    while (denom > 1 && (ceil_div(w, denom) < min_side || ceil_div(h, denom) < min_side)) denom /= 2;
+    *scale = denom;
+    *out_w = ceil_div(w, denom);
+    *out_h = ceil_div(h, denom);
+    if (!out) {
+        jpeg_abort_decompress(ci);
+        return EN_OK;
+    }
+    if (out_cap < (size_t)*out_h * *out_w * 3)
+        fail(d, EN_ERR_ARG, "canvas buffer holds %zu bytes, a %dx%d canvas needs %zu", out_cap,
+             *out_h, *out_w, (size_t)*out_h * *out_w * 3);
+    ci->scale_denom = (unsigned)denom;
+    d->last_scale = denom;
+    jpeg_start_decompress(ci);
+    read_rows(d, out, (size_t)*out_w * 3, *out_h);
+    jpeg_finish_decompress(ci);
+    return EN_OK;
+}
+
+int en_resize_rgb(en_decoder *d, const uint8_t *src, int h, int w, size_t src_stride, en_box box,
+                  int out_h, int out_w, int flip, uint8_t *out, size_t stride) {
+    d->errmsg[0] = '\0';
+    const double eps = 1e-6;
+    if (!(box.height > 0 && box.width > 0 && box.top >= -eps && box.left >= -eps &&
+          box.top + box.height <= h + eps && box.left + box.width <= w + eps)) {
+        snprintf(d->errmsg, sizeof d->errmsg,
+                 "box (top=%g, left=%g, height=%g, width=%g) is not inside the %dx%d image",
+                 box.top, box.left, box.height, box.width, h, w);
+        return EN_ERR_ARG;
+    }
+    en_axis ax, ay;
+    if (en_plan_axis(&d->rs, 1, box.left, box.left + box.width, w, out_w, &ax) ||
+        en_plan_axis(&d->rs, 0, box.top, box.top + box.height, h, out_h, &ay) ||
+        en_resample(&d->rs, src, src_stride, 0, 0, &ax, &ay, flip, out, stride)) {
+        snprintf(d->errmsg, sizeof d->errmsg, "out of memory resizing to %dx%d", out_h, out_w);
+        return EN_ERR_NOMEM;
+    }
+    return EN_OK;
+}

@@ -1,0 +1,117 @@
+/*
+ * echo_native compiled core: fused JPEG decode + crop + resize + flip.
+ *
+ * Pure C over libjpeg-turbo; never includes Python.h.  Every entry point
+ * returns 0 on success or a negative en_status, with a human-readable reason
+ * in decoder->errmsg.  libjpeg's longjmp never leaves this library: each
+ * function that calls into libjpeg owns its own setjmp.
+ */
+#ifndef EN_KERNEL_H
+#define EN_KERNEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum en_status {
+    EN_OK = 0,
+    EN_ERR_DECODE = -1,   /* the bytes are not a decodable JPEG */
+    EN_ERR_LIMIT = -2,    /* a guard tripped: pixel count, scan count */
+    EN_ERR_ARG = -3,      /* the caller asked for something impossible */
+    EN_ERR_NOMEM = -4,
+} en_status;
+
+typedef struct en_limits {
+    uint64_t max_pixels;  /* decompression-bomb guard on width * height */
+    int max_scans;        /* progressive scans allowed before giving up */
+    int strict;           /* 1: any libjpeg warning (truncation, corrupt data) is an error */
+} en_limits;
+
+#define EN_DEFAULT_MAX_PIXELS ((uint64_t)89478485) /* Pillow's MAX_IMAGE_PIXELS */
+#define EN_DEFAULT_MAX_SCANS 256
+
+typedef struct en_image_info {
+    int width, height;
+    int components;       /* channels stored in the file: 1, 3 or 4 */
+    int progressive;
+    int colorspace;       /* libjpeg J_COLOR_SPACE of the file */
+} en_image_info;
+
+/* A crop box in full-resolution pixel coordinates; fractional boxes are allowed. */
+typedef struct en_box {
+    double top, left, height, width;
+} en_box;
+
+typedef struct en_decoder en_decoder;
+
+en_decoder *en_decoder_new(void);
+void en_decoder_free(en_decoder *d);
+void en_decoder_set_limits(en_decoder *d, en_limits limits);
+en_limits en_decoder_get_limits(const en_decoder *d);
+const char *en_decoder_errmsg(const en_decoder *d);
+int en_decoder_warnings(const en_decoder *d);   /* warnings seen by the last call */
+int en_decoder_last_scale(const en_decoder *d); /* DCT denominator used by the last call */
+
+/* Header only: dimensions, channel count, coding process. */
+int en_jpeg_info(en_decoder *d, const uint8_t *data, size_t len, en_image_info *info);
+
+/* Full-size decode to RGB; out holds height rows of `stride` bytes. */
+int en_jpeg_decode(en_decoder *d, const uint8_t *data, size_t len,
+                   uint8_t *out, size_t out_cap, size_t stride);
+
+/* DCT denominator (1, 2, 4, 8) for cropping box to out_h x out_w: the largest
+ * d with box.height / d >= out_h and box.width / d >= out_w. */
+int en_pick_scale(en_box box, int out_h, int out_w);
+
+/* Fused crop + (DCT scale) + antialiased bilinear resize + optional flip.
+ * Only the iMCU rows and columns the resampling filter touches are decoded. */
+int en_jpeg_decode_crop(en_decoder *d, const uint8_t *data, size_t len, en_box box,
+                        int out_h, int out_w, int flip, uint8_t *out, size_t stride);
+
+/* Canvas for echoing before augmentation: the whole image at the largest DCT
+ * denominator whose shorter side stays >= min_side.  Pass out=NULL to learn the
+ * shape only.  Returns the chosen denominator through *scale. */
+int en_jpeg_decode_canvas(en_decoder *d, const uint8_t *data, size_t len, int min_side,
+                          uint8_t *out, size_t out_cap, int *out_h, int *out_w, int *scale);
+
+/* Resample an RGB image (h x w x 3, row stride in bytes) the same way. */
+int en_resize_rgb(en_decoder *d, const uint8_t *src, int h, int w, size_t src_stride,
+                  en_box box, int out_h, int out_w, int flip, uint8_t *out, size_t stride);
+
+/* ---- augmentation parameters, counter-based ----------------------------- */
+
+typedef struct en_rrc_spec {
+    double scale_lo, scale_hi;   /* fraction of the image area */
+    double ratio_lo, ratio_hi;   /* width / height */
+    double flip_p;               /* probability of a horizontal flip */
+} en_rrc_spec;
+
+typedef struct en_key {
+    uint64_t seed, epoch, sample_id, echo_index;
+} en_key;
+
+/* Philox4x64-10: four 64-bit words from a 256-bit counter and a 128-bit key. */
+void en_philox4x64(const uint64_t ctr[4], const uint64_t key[2], uint64_t out[4]);
+
+/* torchvision's RandomResizedCrop.get_params (ten tries, then a centre crop at
+ * the clamped ratio) with every draw taken from Philox keyed by `key`, so the
+ * box is a pure function of the key and the image size. */
+void en_random_resized_crop(en_key key, int height, int width, en_rrc_spec spec,
+                            en_box *box, int *flip);
+
+/* The fused evaluation transform: resize the shorter side to resize_side, then
+ * take the centre out_side x out_side, as one resampling of a box of the original. */
+en_box en_center_crop_box(int height, int width, int resize_side, int out_side);
+
+/* Random crop + decode in one header parse. */
+int en_jpeg_decode_random_crop(en_decoder *d, const uint8_t *data, size_t len, en_key key,
+                               en_rrc_spec spec, int out_h, int out_w, uint8_t *out,
+                               size_t stride, en_box *box, int *flip);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

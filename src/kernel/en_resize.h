@@ -1,0 +1,46 @@
+/* Internal: antialiased bilinear resampling with Pillow's semantics. */
+#ifndef EN_RESIZE_H
+#define EN_RESIZE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* A growable scratch buffer owned by a decoder: it reaches its working size
+ * after the first few images and then never allocates again. */
+typedef struct en_buf {
+    void *p;
+    size_t cap;
+} en_buf;
+
+int en_buf_reserve(en_buf *b, size_t bytes);
+void en_buf_free(en_buf *b);
+
+/* The resampling plan of one axis: output pixel i reads `count[i]` input
+ * pixels from `first[i]` with fixed-point weights coeffs[i * ksize + k]. */
+typedef struct en_axis {
+    int out_size, ksize;
+    int lo, hi;          /* input pixels [lo, hi) touched by any output pixel */
+    int *first, *count;
+    int32_t *coeffs;
+} en_axis;
+
+typedef struct en_resampler {
+    en_buf xfirst, xcount, xcoef;
+    en_buf yfirst, ycount, ycoef;
+    en_buf tmp;          /* horizontal pass output, rows [y.lo, y.hi) */
+    en_buf acc;          /* one row of 32-bit accumulators for the vertical pass */
+} en_resampler;
+
+void en_resampler_free(en_resampler *r);
+
+/* Plan the x (horizontal=1) or y axis for the interval [in0, in1) of an input
+ * of in_size pixels resampled to out_size pixels. */
+int en_plan_axis(en_resampler *r, int horizontal, double in0, double in1, int in_size,
+                 int out_size, en_axis *axis);
+
+/* Run both passes.  src points at input pixel (src_x0, src_y0) of the planned
+ * coordinate system and must cover [x.lo, x.hi) x [y.lo, y.hi). */
+int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0, int src_y0,
+                const en_axis *x, const en_axis *y, int flip, uint8_t *out, size_t stride);
+
+#endif
