@@ -61,6 +61,7 @@ EXTENSIONS = [
          "src/kernel/en_augment.c"],
         libraries=["jpeg", "m"],
     ),
+    ext("echo_native._ring", ["src/ring/_ring.pyx", "src/ring/en_ring.c"], ["rt"]),
     ext("echo_native._bench", ["src/bench/_bench.pyx", "src/bench/roi_ceiling.c"], ["jpeg"]),
 ]
 

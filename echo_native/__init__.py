@@ -1,7 +1,11 @@
 """echo_native: a fast image input pipeline with data echoing.
 
 Pipeline order, one module per stage:
+  source   where the bytes come from (ImageFolder, Samples)
   decode   JPEG bytes -> augmented pixels (native kernel, libjpeg-turbo)
+  ring     shared-memory ring of batch slots (lock-free hand-off)
+  workers  processes/threads that fill slots, keyed so any of them can
+  loader   the consumer end: ordered zero-copy batches, supervision, cleanup
 """
 from echo_native.decode import (
     center_crop_box,
@@ -16,10 +20,21 @@ from echo_native.decode import (
     resize_crop,
 )
 from echo_native.errors import DecodeError
+from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError
+from echo_native.source import ImageFolder, Samples
+from echo_native.workers import CenterCrop, RandomResizedCrop
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batch",
+    "CenterCrop",
+    "ImageFolder",
+    "Loader",
+    "RandomResizedCrop",
+    "SampleFailureWarning",
+    "Samples",
+    "WorkerError",
     "DecodeError",
     "__version__",
     "center_crop_box",

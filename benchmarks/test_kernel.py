@@ -1,0 +1,169 @@
+"""Single-thread kernel throughput: fused decode + RandomResizedCrop vs. its peers.
+
+All benchmarks share one corpus (preloaded bytes) and the same boxes and flips,
+and each timed round is one pass over the whole corpus, so every benchmark
+processes exactly the same images.  Compare them as ratios::
+
+    python -m pytest benchmarks/test_kernel.py --benchmark-json=/tmp/kernel.json -q
+    python benchmarks/report.py /tmp/kernel.json
+
+Roles (stored in ``extra_info["role"]``, read by ``report.py``):
+
+fused           ``Decoder.decode_random_crop``: parameters, ROI + DCT-scaled decode,
+                antialiased bilinear resize, flip, into a preallocated buffer
+fused_crop      ``Decoder.decode_crop`` with the boxes given (the contract's entry point)
+fused_api       the public ``echo_native.decode_random_crop`` (thread-local decoder)
+ceiling         libjpeg-turbo ROI decode alone, in C, same boxes, same DCT scale
+pillow          torchvision-style Pillow: open, resize(BILINEAR, box), flip, asarray
+pillow_draft    the same with ``draft`` to the kernel's DCT scale before the resize
+pillow_simd     the draft pipeline when the installed PIL is Pillow-SIMD
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import echo_native as en
+from echo_native import _bench, _kernel
+
+PIL_VERSION = Image.__version__
+IS_PILLOW_SIMD = "post" in PIL_VERSION
+PIL_FLAVOUR = f"Pillow-SIMD {PIL_VERSION}" if IS_PILLOW_SIMD else f"Pillow {PIL_VERSION}"
+
+
+# --- the pipelines, one pass over the corpus each -------------------------------------
+
+def fused_pass(dec, wl, out):
+    size, seed, epoch, scale, ratio, flip_p = wl.size, wl.seed, wl.epoch, wl.scale, wl.ratio, \
+        wl.flip_p
+    for s in wl.samples:
+        dec.decode_random_crop(s.data, size, seed, epoch, s.sample_id, 0, scale, ratio, flip_p,
+                               out)
+
+
+def fused_crop_pass(dec, wl, out):
+    size = wl.size
+    for s in wl.samples:
+        dec.decode_crop(s.data, s.box, size, s.flip, out)
+
+
+def fused_api_pass(wl, out):
+    size, seed, epoch = wl.size, wl.seed, wl.epoch
+    for s in wl.samples:
+        en.decode_random_crop(s.data, size, seed, epoch, s.sample_id, out=out)
+
+
+def ceiling_pass(wl):
+    roi = _bench.roi_decode
+    for s in wl.samples:
+        top, left, h, w = s.box
+        roi(s.data, top, left, h, w, s.denom)
+
+
+def pillow_one(s, out_wh, draft):
+    """torchvision's pil_loader + RandomResizedCrop + RandomHorizontalFlip + asarray.
+
+    torchvision converts every image with ``convert("RGB")``, which copies the
+    whole decoded image even when it is already RGB; here only non-RGB images
+    are converted, which makes this baseline a little faster (stricter) than
+    torchvision itself.  The resize reads the box directly (``box=``) instead of
+    ``crop`` + ``resize``, also the faster of the two equivalent forms.
+    """
+    im = Image.open(io.BytesIO(s.data))
+    top, left, h, w = s.box
+    d = s.denom if draft else 1
+    if d > 1:
+        im.draft("RGB", (s.width // d, s.height // d))
+    if im.mode != "RGB":
+        im = im.convert("RGB")
+    im = im.resize(out_wh, Image.Resampling.BILINEAR,
+                   box=(left / d, top / d, (left + w) / d, (top + h) / d))
+    if s.flip:
+        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return np.asarray(im)
+
+
+def pillow_pass(wl, draft):
+    out_wh = (wl.size[1], wl.size[0])
+    for s in wl.samples:
+        pillow_one(s, out_wh, draft)
+
+
+# --- checks (not timed): every pipeline does the same work -----------------------------
+
+def test_same_work(workload, out_buffer):
+    """Boxes, flips and DCT scales agree across pipelines; outputs are close."""
+    dec = _kernel.Decoder()
+    worst = 0.0
+    for s in workload.samples:
+        box, flip = dec.decode_random_crop(s.data, workload.size, workload.seed, workload.epoch,
+                                           s.sample_id, 0, workload.scale, workload.ratio,
+                                           workload.flip_p, out_buffer)
+        assert (tuple(box), flip) == (tuple(s.box), s.flip), s.sample_id
+        assert dec.last_scale == s.denom, s.sample_id
+        top, left, h, w = s.box
+        assert _bench.roi_decode(s.data, top, left, h, w, s.denom) > 0
+        im = Image.open(io.BytesIO(s.data))
+        if s.denom > 1:
+            im.draft("RGB", (s.width // s.denom, s.height // s.denom))
+        assert im.size == (-(-s.width // s.denom), -(-s.height // s.denom)), s.sample_id
+        if s.sample_id % 10 == 0:
+            ref = pillow_one(s, workload.size[::-1], draft=True).astype(np.int16)
+            worst = max(worst, float(np.abs(out_buffer.astype(np.int16) - ref).mean()))
+    assert worst < 2.0, f"fused output differs from Pillow draft+resize by {worst:.2f} levels"
+
+
+# --- benchmarks -----------------------------------------------------------------------
+
+@pytest.mark.benchmark(group="kernel")
+def test_fused(benchmark, workload, out_buffer):
+    dec = _kernel.Decoder()
+    workload.run(benchmark, lambda: fused_pass(dec, workload, out_buffer),
+                 role="fused", label="fused kernel (Decoder.decode_random_crop)")
+
+
+@pytest.mark.benchmark(group="kernel")
+def test_fused_crop(benchmark, workload, out_buffer):
+    dec = _kernel.Decoder()
+    workload.run(benchmark,
+                 lambda: fused_crop_pass(dec, workload, out_buffer),
+                 role="fused_crop", label="fused kernel, boxes given (Decoder.decode_crop)")
+
+
+@pytest.mark.benchmark(group="kernel")
+def test_fused_api(benchmark, workload, out_buffer):
+    workload.run(benchmark, lambda: fused_api_pass(workload, out_buffer),
+                 role="fused_api", label="public en.decode_random_crop(out=...)")
+
+
+@pytest.mark.benchmark(group="kernel")
+def test_ceiling(benchmark, workload):
+    workload.run(benchmark, lambda: ceiling_pass(workload),
+                 role="ceiling", label="libjpeg-turbo ROI decode only (C, same crops)")
+
+
+@pytest.mark.benchmark(group="kernel")
+def test_pillow(benchmark, workload):
+    workload.run(benchmark, lambda: pillow_pass(workload, draft=False),
+                 role="pillow", label=f"torchvision-style {PIL_FLAVOUR}, no draft",
+                 pil=PIL_FLAVOUR)
+
+
+@pytest.mark.benchmark(group="kernel")
+def test_pillow_draft(benchmark, workload):
+    workload.run(benchmark, lambda: pillow_pass(workload, draft=True),
+                 role="pillow_draft", label=f"torchvision-style {PIL_FLAVOUR} + draft",
+                 pil=PIL_FLAVOUR)
+
+
+@pytest.mark.benchmark(group="kernel")
+def test_pillow_simd(benchmark, workload):
+    if not IS_PILLOW_SIMD:
+        pytest.skip(f"Pillow-SIMD is not installed (PIL is {PIL_FLAVOUR}); "
+                    "its numbers are reported only when it is")
+    workload.run(benchmark, lambda: pillow_pass(workload, draft=True),
+                 role="pillow_simd", label=f"torchvision-style {PIL_FLAVOUR} + draft",
+                 pil=PIL_FLAVOUR)

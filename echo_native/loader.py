@@ -1,0 +1,269 @@
+"""Stage 4 of the pipeline: the consumer end of the ring.
+
+:class:`Loader` owns the ring and the worker pool, hands out batches in ticket
+order as zero-copy views of their slot, supervises the workers while it waits
+(a dead one is replaced and its ticket redone), and cleans up on every exit
+path.  The echo stage (:mod:`echo_native.echo`) sits on top of it.
+
+Slot lifetime: a batch's arrays are views into its slot, and the slot goes
+back to the workers when the next batch is requested (or on
+:meth:`Batch.release`).  Copy what you need to keep (``batch.copy()``).
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from echo_native.errors import DecodeError
+from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, REASONS, Ring
+from echo_native.workers import ON_ERROR, Plan, RandomResizedCrop, WorkerPool
+
+
+class WorkerError(RuntimeError):
+    """A worker raised an unexpected exception; the message carries its traceback."""
+
+
+class SampleFailureWarning(UserWarning):
+    """A sample could not be read or decoded and was replaced or skipped."""
+
+
+@dataclass
+class Batch:
+    """One batch.  Arrays are views of ring memory until :meth:`release`/next batch."""
+
+    images: np.ndarray       # (B, H, W, 3) uint8
+    labels: np.ndarray       # (B,) int64
+    sample_ids: np.ndarray   # (B,) int64, indices into the source
+    fresh: np.ndarray        # (B,) bool: first emission of a sample read this epoch
+    echo_index: np.ndarray   # (B,) int64: 0 for the fresh emission, 1.. for echoes
+    boxes: np.ndarray        # (B, 4) float32: crop (top, left, height, width) in the original
+    flips: np.ndarray        # (B,) bool
+    epoch: int = 0
+    _release: object = None
+
+    def __len__(self):
+        return len(self.labels)
+
+    def release(self):
+        """Give the slot back to the workers now; the arrays must not be used after."""
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+    def copy(self):
+        """A batch that owns its memory (survives the slot's reuse)."""
+        return Batch(self.images.copy(), self.labels.copy(), self.sample_ids.copy(),
+                     self.fresh.copy(), self.echo_index.copy(), self.boxes.copy(),
+                     self.flips.copy(), self.epoch)
+
+
+def _default_workers():
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+class Loader:
+    """Batches of decoded, augmented images from a source, through shared memory.
+
+    One iteration is one epoch (``len(loader)`` batches); iterate again for the
+    next.  Batches come in a fixed order for a seed, whatever the worker count.
+    """
+
+    def __init__(self, source, batch_size, transform=None, *, image_size=224, workers=None,
+                 slots=None, seed=0, shuffle=True, drop_last=False, on_error="replace",
+                 timeout=120.0, worker_mode="process", start_method=None, strict=True):
+        n = len(source)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if n == 0:
+            raise ValueError("the source is empty")
+        if drop_last and batch_size > n:
+            raise ValueError(f"batch_size {batch_size} is larger than the {n} samples "
+                             f"of the source (drop_last=True would yield nothing)")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        if transform is None:
+            if int(image_size) <= 0:
+                raise ValueError(f"image_size must be positive, got {image_size}")
+            transform = RandomResizedCrop((int(image_size), int(image_size)))
+        self.source = source
+        self.workers = _default_workers() if workers is None else int(workers)
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.slots = slots or max(4, 2 * self.workers)
+        self.timeout = float(timeout)
+        self.plan = Plan(num_samples=n, batch_size=int(batch_size), transform=transform,
+                         seed=int(seed), shuffle=shuffle, drop_last=drop_last,
+                         on_error=on_error, strict=strict)
+        self._worker_mode, self._start_method = worker_mode, start_method
+        self._ring = self._pool = None
+        self._ticket = 0           # next ticket the consumer takes
+        self._held = None          # ticket whose slot the consumer still reads
+        self._finalizer = None
+        self._stats = _Counters()
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self):
+        if self._ring is not None:
+            return self
+        shape = getattr(self.plan.transform, "sample_bytes")
+        self._ring = Ring.create(self.slots, self.plan.batch_size, shape)
+        self._pool = WorkerPool(self._ring, self.plan, self.source, self.workers,
+                                self._worker_mode, self._start_method)
+        # Runs on close(), garbage collection and interpreter exit alike.
+        self._finalizer = weakref.finalize(self, _shutdown, self._ring, self._pool)
+        self._pool.start()
+        self._stats.started = time.perf_counter()
+        return self
+
+    def close(self):
+        """Stop the workers and remove the shared memory.  Idempotent."""
+        self._held = None
+        if self._finalizer is not None:
+            self._finalizer()
+        self._ring = self._pool = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def ring_name(self):
+        return None if self._ring is None else self._ring.name
+
+    def worker_pids(self):
+        return [] if self._pool is None else self._pool.pids()
+
+    # -- iteration -----------------------------------------------------------------------
+    def __len__(self):
+        return self.plan.batches_per_epoch
+
+    @property
+    def epoch(self):
+        """The epoch the next batch belongs to."""
+        return self._ticket // len(self)
+
+    def __iter__(self):
+        self.start()
+        for _ in range(len(self)):
+            yield self.next_batch()
+
+    def next_batch(self) -> Batch:
+        """The next batch in ticket order (releasing the previous one's slot)."""
+        self.start()
+        self._release_held()
+        ticket = self._ticket
+        self._wait(ticket)
+        self._ticket += 1
+        self._held = ticket
+        return self._batch(ticket)
+
+    def _release_held(self):
+        if self._held is not None and self._ring is not None:
+            self._ring.release(self._held)
+        self._held = None
+
+    def _wait(self, ticket):
+        ring, pool = self._ring, self._pool
+        t0 = time.perf_counter()
+        deadline = t0 + self.timeout
+        while True:
+            # Short sleeps so that a dead worker is noticed within a second and
+            # Ctrl-C is honoured; the sleep itself is a futex wait, not a spin.
+            rc = ring.wait_filled(ticket, 0.2)
+            if rc == 0:
+                break
+            pool.check(ticket)
+            if time.perf_counter() > deadline:
+                holder = pool.holder(ticket)
+                who = "no worker has claimed it" if holder is None else f"worker {holder} holds it"
+                raise TimeoutError(f"waited {self.timeout:.0f} s for batch {ticket} "
+                                   f"(slot {ticket % ring.layout.nslots}); {who}. A worker may "
+                                   f"be hung on a sample; raise `timeout` if a batch really "
+                                   f"takes that long")
+        self._stats.stall_s += time.perf_counter() - t0
+
+    def _batch(self, ticket):
+        ring = self._ring
+        count, error, failures, report = ring.read_meta(ticket)
+        if error == ERR_WORKER:
+            self._release_held()
+            raise WorkerError(f"a worker failed while filling batch {ticket}:\n{report}")
+        if failures:
+            self._report_failures(report)
+        if error == ERR_DECODE:
+            self._release_held()
+            sid, _, path, message = report.splitlines()[-1].split("\t", 3)
+            raise DecodeError(message, path)
+        slot = ring.slots[ticket % ring.layout.nslots]
+        shape = (count, *_image_shape(self.plan.transform), 3)
+        self._stats.batches += 1
+        self._stats.delivered += count
+        fresh = slot.status[:count] == OK
+        self._stats.fresh += int(fresh.sum())
+        return Batch(images=slot.pixels[:count].reshape(shape), labels=slot.labels[:count],
+                     sample_ids=slot.sample_ids[:count], fresh=fresh,
+                     echo_index=np.zeros(count, dtype=np.int64), boxes=slot.boxes[:count],
+                     flips=slot.flip[:count].view(bool), epoch=ticket // len(self),
+                     _release=self._release_held)
+
+    def _report_failures(self, report):
+        for line in report.splitlines():
+            sid, reason, path, message = line.split("\t", 3)
+            name = REASONS.get(int(reason), "other")
+            self._stats.failures[name] = self._stats.failures.get(name, 0) + 1
+            action = {"replace": "replaced", "skip": "skipped", "raise": "raised"}[
+                self.plan.on_error]
+            warnings.warn(f"{path}: {message} (sample {sid}, {action})", SampleFailureWarning,
+                          stacklevel=4)
+
+    def stats(self):
+        s = self._stats
+        elapsed = max(time.perf_counter() - s.started, 1e-9) if s.started else 0.0
+        occupancy = 0.0
+        if self._ring is not None:
+            ready = sum(self._ring.is_published(t)
+                        for t in range(self._ticket, self._ticket + self._ring.layout.nslots))
+            occupancy = ready / self._ring.layout.nslots
+        return {
+            "batches": s.batches,
+            "fresh": s.fresh,
+            "delivered": s.delivered,
+            "fresh_per_s": s.fresh / elapsed if elapsed else 0.0,
+            "delivered_per_s": s.delivered / elapsed if elapsed else 0.0,
+            "stall_s": s.stall_s,
+            "ring_occupancy": occupancy,
+            "failures": dict(s.failures),
+            "worker_restarts": self._pool.restarts if self._pool else 0,
+        }
+
+
+class _Counters:
+    def __init__(self):
+        self.started = 0.0
+        self.batches = self.fresh = self.delivered = 0
+        self.stall_s = 0.0
+        self.failures = {}
+
+
+def _image_shape(transform):
+    size = transform.size
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def _shutdown(ring, pool):
+    try:
+        pool.close()
+    finally:
+        ring.unlink()

@@ -1,0 +1,370 @@
+"""Stage 3 of the pipeline: workers that turn tickets into filled slots.
+
+A ticket is a batch number in an endless stream of epochs.  What a ticket
+holds is a pure function of the ticket and the :class:`Plan` (seed, epoch
+permutation, batch size), and every augmentation is keyed by (seed, epoch,
+sample id, echo index), so any worker can fill any ticket, and a ticket whose
+worker died is simply filled again by another with identical bytes.
+
+Workers are processes by default (started with ``forkserver``, which is safe
+alongside CUDA), or threads: the native kernel releases the GIL for all byte
+work, so threads scale too when the source's reads release it as well.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from echo_native import _kernel
+from echo_native.decode import DEFAULT_MAX_PIXELS, DEFAULT_MAX_SCANS, is_jpeg, _pillow_rgb
+from echo_native.errors import DecodeError
+from echo_native.ring import (CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, OK, REPLACED,
+                              Ring, _pid_alive)
+
+ON_ERROR = ("replace", "skip", "raise")
+_REASON_DECODE, _REASON_READ = 1, 2
+_MAX_REPLACEMENTS = 16
+# How long one wait sleeps before re-checking the world (owner alive, ring
+# closed).  Bounds how late a worker notices its parent died.
+_POLL_S = 0.25
+
+
+# ---- what each sample becomes ------------------------------------------------
+@dataclass(frozen=True)
+class RandomResizedCrop:
+    """torchvision's RandomResizedCrop + RandomHorizontalFlip, fused with decoding."""
+
+    size: tuple
+    scale: tuple = (0.08, 1.0)
+    ratio: tuple = (3 / 4, 4 / 3)
+    flip_p: float = 0.5
+
+    @property
+    def sample_bytes(self):
+        return self.size[0] * self.size[1] * 3
+
+    def apply(self, dec, data, key, out):
+        seed, epoch, sid, echo = key
+        if is_jpeg(data):
+            return dec.decode_random_crop(data, self.size, seed, epoch, sid, echo, self.scale,
+                                          self.ratio, self.flip_p, out)
+        image = _pillow_rgb(data, dec.limits["max_pixels"])
+        box, flip = _kernel.random_resized_crop_params(seed, epoch, sid, echo, image.shape[0],
+                                                       image.shape[1], self.scale, self.ratio,
+                                                       self.flip_p)
+        dec.resize(image, box, self.size, flip, out)
+        return box, flip
+
+
+@dataclass(frozen=True)
+class CenterCrop:
+    """Evaluation transform: Resize(resize_size) + CenterCrop(size), fused."""
+
+    size: int
+    resize_size: int
+
+    @property
+    def sample_bytes(self):
+        return self.size * self.size * 3
+
+    def apply(self, dec, data, key, out):
+        if is_jpeg(data):
+            h, w, _, _ = dec.info(data)
+        else:
+            data = _pillow_rgb(data, dec.limits["max_pixels"])
+            h, w = data.shape[:2]
+        box = _kernel.center_crop_box(h, w, self.resize_size, self.size)
+        if isinstance(data, np.ndarray):
+            dec.resize(data, box, (self.size, self.size), False, out)
+        else:
+            dec.decode_crop(data, box, (self.size, self.size), False, out)
+        return box, False
+
+
+# ---- which samples each ticket holds ------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Everything a worker needs to fill any ticket, identically in every process."""
+
+    num_samples: int
+    batch_size: int
+    transform: object
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    on_error: str = "replace"
+    strict: bool = True
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_scans: int = DEFAULT_MAX_SCANS
+
+    @property
+    def batches_per_epoch(self):
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def epoch_order(self, epoch):
+        """The epoch's sample order: a pure function of (seed, epoch)."""
+        if not self.shuffle:
+            return np.arange(self.num_samples, dtype=np.int64)
+        gen = np.random.Generator(np.random.Philox(key=[self.seed, 0x6F72646572],
+                                                   counter=[epoch, 0, 0, 0]))
+        return gen.permutation(self.num_samples).astype(np.int64)
+
+    def replacement(self, epoch, sample_id, attempt):
+        """A deterministic stand-in for a sample that failed."""
+        words = _kernel.philox4x64((sample_id, epoch, attempt, 0), (self.seed, 0x7265706C))
+        return int(words[0] % self.num_samples)
+
+
+class _EpochCache:
+    def __init__(self, plan):
+        self.plan, self.epoch, self.order = plan, None, None
+
+    def ticket(self, ticket):
+        bpe = self.plan.batches_per_epoch
+        epoch, b = divmod(ticket, bpe)
+        if epoch != self.epoch:
+            self.epoch, self.order = epoch, self.plan.epoch_order(epoch)
+        B = self.plan.batch_size
+        return epoch, self.order[b * B:(b + 1) * B]
+
+
+# ---- filling one slot -----------------------------------------------------------
+class _Filler:
+    def __init__(self, ring: Ring, plan: Plan, source):
+        self.ring, self.plan, self.source = ring, plan, source
+        self.dec = _kernel.Decoder(plan.max_pixels, plan.max_scans, plan.strict)
+        self.epochs = _EpochCache(plan)
+        self.labels = np.asarray(source.labels, dtype=np.int64)
+        h = getattr(plan.transform, "size", None)
+        self.shape = (h, h) if isinstance(h, int) else tuple(h)
+
+    def _produce(self, sid, epoch, out):
+        """Read + decode one sample into out; returns (box, flip) or raises."""
+        try:
+            data = self.source.read(sid)
+        except OSError as e:
+            raise _SampleFailure(_REASON_READ, self.source.describe(sid),
+                                 f"cannot read: {e.strerror or e}") from None
+        try:
+            return self.plan.transform.apply(self.dec, data, (self.plan.seed, epoch, sid, 0), out)
+        except (DecodeError, ValueError) as e:
+            raise _SampleFailure(_REASON_DECODE, self.source.describe(sid), str(e)) from None
+
+    def fill(self, ticket):
+        plan, slot = self.plan, self.ring.slots[ticket % self.ring.layout.nslots]
+        epoch, ids = self.epochs.ticket(ticket)
+        count, failures, report = 0, 0, []
+        for sid in ids:
+            sid = int(sid)
+            out = slot.pixels[count].reshape(*self.shape, 3)
+            try:
+                box, flip = self._produce(sid, epoch, out)
+                status, used = OK, sid
+            except _SampleFailure as f:
+                failures += 1
+                slot.reason[count] = f.reason
+                report.append(f"{sid}\t{f.reason}\t{f.path}\t{f.message}")
+                if plan.on_error == "raise":
+                    self.ring.write_meta(ticket, count, ERR_DECODE, failures,
+                                         "\n".join(report).encode())
+                    return
+                if plan.on_error == "skip":
+                    continue
+                used = self._replace(epoch, sid, out)
+                if used is None:
+                    continue
+                used, box, flip = used
+                status = REPLACED
+            slot.labels[count] = self.labels[used]
+            slot.sample_ids[count] = used
+            slot.status[count] = status
+            if status == OK:
+                slot.reason[count] = 0
+            slot.flip[count] = flip
+            slot.boxes[count] = box
+            slot.shapes[count] = self.shape
+            count += 1
+        self.ring.write_meta(ticket, count, ERR_NONE, failures, "\n".join(report).encode())
+
+    def _replace(self, epoch, sid, out):
+        for attempt in range(_MAX_REPLACEMENTS):
+            rid = self.plan.replacement(epoch, sid, attempt)
+            try:
+                box, flip = self._produce(rid, epoch, out)
+                return rid, box, flip
+            except _SampleFailure:
+                continue
+        return None
+
+
+class _SampleFailure(Exception):
+    def __init__(self, reason, path, message):
+        super().__init__(message)
+        self.reason, self.path, self.message = reason, path, message
+
+
+# ---- the worker loop --------------------------------------------------------------
+def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None):
+    """Claim tickets and fill slots until the ring closes or its owner dies.
+
+    ``redo`` lists tickets a dead predecessor left unfinished; they come first.
+    The claim word says which ticket this worker holds, so the supervisor can
+    tell which ones a crash lost.
+    """
+    filler = _Filler(ring, plan, source)
+    redo = list(redo)
+    while not (stop is not None and stop.is_set()):
+        if redo:
+            ticket = redo.pop(0)
+            ring.set_claim(index, ticket + 1)
+        else:
+            ring.set_claim(index, CLAIM_PENDING)
+            ticket = ring.take_ticket()
+            ring.set_claim(index, ticket + 1)
+        while True:
+            rc = ring.wait_free(ticket, _POLL_S)
+            if rc == 0:
+                break
+            if rc == 2 or (stop is not None and stop.is_set()):
+                return
+            if owner_pid is not None and not _pid_alive(owner_pid):
+                _orphaned(ring)
+                return
+        try:
+            filler.fill(ticket)
+        except Exception:
+            ring.write_meta(ticket, 0, ERR_WORKER, 0,
+                            f"worker {index} (pid {os.getpid()}):\n{traceback.format_exc()}"
+                            .encode())
+        ring.publish(ticket)
+        ring.set_claim(index, 0)
+
+
+def _orphaned(ring):
+    # The consumer died without closing (SIGKILL, OOM): nobody else will
+    # remove the segment, so the first worker to notice does.
+    try:
+        ring.unlink()
+    except OSError:
+        pass
+
+
+def _process_main(ring, index, plan, source, redo, owner_pid):
+    try:
+        run_worker(ring, index, plan, source, redo, owner_pid)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C reaches the whole process group; the consumer handles it
+
+
+# ---- the supervisor ------------------------------------------------------------------
+class WorkerPool:
+    """Starts the workers, replaces those that die, and stops them all on close."""
+
+    def __init__(self, ring, plan, source, workers, mode="process", start_method=None,
+                 max_restarts=8):
+        if mode not in ("process", "thread"):
+            raise ValueError(f"worker mode must be 'process' or 'thread', got {mode!r}")
+        self.ring, self.plan, self.source = ring, plan, source
+        self.mode, self.count = mode, workers
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._workers = [None] * workers
+        self._thread_errors = []
+        if mode == "process":
+            self._ctx = mp.get_context(start_method or "forkserver")
+            if (start_method or "forkserver") == "forkserver":
+                self._ctx.set_forkserver_preload(["echo_native.workers"])
+
+    def start(self):
+        for i in range(self.count):
+            self._spawn(i, ())
+
+    def _spawn(self, index, redo):
+        if self.mode == "process":
+            p = self._ctx.Process(target=_process_main, name=f"echo_native-worker-{index}",
+                                  args=(self.ring, index, self.plan, self.source, list(redo),
+                                        os.getpid()), daemon=True)
+            p.start()
+        else:
+            def body():
+                try:
+                    run_worker(self.ring, index, self.plan, self.source, redo, stop=self._stop)
+                except BaseException as e:  # surfaced by check()
+                    self._thread_errors.append(e)
+            p = threading.Thread(target=body, name=f"echo_native-worker-{index}", daemon=True)
+            p.start()
+        self._workers[index] = p
+
+    def pids(self):
+        return [w.pid for w in self._workers if self.mode == "process" and w is not None]
+
+    def holder(self, ticket):
+        """Index of the worker holding ``ticket``, or None."""
+        for i in range(self.count):
+            if self.ring.claim(i) == ticket + 1:
+                return i
+        return None
+
+    def check(self, consumer_ticket):
+        """Replace dead workers and re-issue the tickets they held."""
+        if self._thread_errors:
+            raise RuntimeError("a worker thread failed") from self._thread_errors[0]
+        if self.mode != "process":
+            return
+        dead = [i for i, p in enumerate(self._workers) if p.exitcode is not None]
+        if not dead:
+            return
+        self.restarts += len(dead)
+        if self.restarts > self.max_restarts:
+            codes = {i: self._workers[i].exitcode for i in dead}
+            raise RuntimeError(f"echo_native workers keep dying (exit codes {codes}); "
+                               f"{self.restarts} restarts so far, giving up")
+        for i in dead:
+            self._workers[i].join(0)
+            self.ring.set_claim(i, 0)
+        lost = self._lost_tickets(consumer_ticket)
+        for n, i in enumerate(dead):
+            warnings.warn(f"echo_native worker {i} died (exit code {self._workers[i].exitcode});"
+                          f" restarting it", RuntimeWarning, stacklevel=3)
+            self._spawn(i, lost[n::len(dead)])
+
+    def _lost_tickets(self, consumer_ticket):
+        # A live worker may be between taking a ticket and recording it; wait
+        # until none is, so every ticket handed out is either recorded,
+        # published, or lost with the dead.
+        deadline = time.monotonic() + 2.0
+        while any(self.ring.claim(i) == CLAIM_PENDING for i in range(self.count)):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        held = {self.ring.claim(i) - 1 for i in range(self.count) if self.ring.claim(i)}
+        return [t for t in range(consumer_ticket, self.ring.next_ticket)
+                if t not in held and not self.ring.is_published(t)]
+
+    def close(self, timeout=5.0):
+        self._stop.set()
+        self.ring.close()
+        deadline = time.monotonic() + timeout
+        for p in self._workers:
+            if p is None:
+                continue
+            p.join(max(0.0, deadline - time.monotonic()))
+            if self.mode == "process" and p.is_alive():
+                p.kill()
+                p.join(1.0)
+        if self.mode == "process":
+            for p in self._workers:
+                if p is not None:
+                    p.close()
+        self._workers = [None] * self.count
