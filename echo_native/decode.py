@@ -169,7 +169,15 @@ def decode_canvas(data, min_side, out=None, *, strict=True, max_pixels=DEFAULT_M
         from PIL import Image
         image = np.asarray(Image.fromarray(image).reduce(d))
     if out is not None:
-        flat = np.asarray(out).reshape(-1)
+        flat = np.asarray(out)
+        # Same checks as the JPEG path: a non-contiguous array would be copied
+        # by reshape (the canvas would never reach `out`), another dtype cast.
+        if (flat.dtype != np.uint8 or not flat.flags.c_contiguous
+                or not flat.flags.writeable):
+            raise ValueError("out must be a writable contiguous uint8 buffer, got "
+                             f"{flat.dtype} contiguous={flat.flags.c_contiguous} "
+                             f"writeable={flat.flags.writeable}")
+        flat = flat.reshape(-1)
         if flat.size < image.size:
             raise ValueError(f"canvas buffer holds {flat.size} bytes, a {image.shape[0]}x"
                              f"{image.shape[1]} canvas needs {image.size}")

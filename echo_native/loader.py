@@ -11,6 +11,7 @@ back to the workers when the next batch is requested (or on
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -161,13 +162,49 @@ class Loader:
 
     def next_batch(self) -> Batch:
         """The next batch in ticket order (releasing the previous one's slot)."""
+        filled = self.next_filled()
+        slot, count = filled.slot, filled.count
+        h, w = _image_shape(self.plan.transform)
+        fresh = slot.status[:count] == OK
+        return Batch(images=slot.pixels[:count].reshape(count, h, w, 3),
+                     labels=slot.labels[:count], sample_ids=slot.sample_ids[:count], fresh=fresh,
+                     echo_index=np.zeros(count, dtype=np.int64), boxes=slot.boxes[:count],
+                     flips=slot.flip[:count].view(bool), epoch=filled.epoch,
+                     _release=functools.partial(self.release, filled.ticket))
+
+    def next_filled(self) -> "Filled":
+        """The next published slot in ticket order, for stages that read slots directly.
+
+        Releases the previously held slot first; raises the worker's error, or
+        DecodeError under ``on_error="raise"``.
+        """
         self.start()
         self._release_held()
         ticket = self._ticket
         self._wait(ticket)
         self._ticket += 1
         self._held = ticket
-        return self._batch(ticket)
+        ring = self._ring
+        count, error, failures, report = ring.read_meta(ticket)
+        if error == ERR_WORKER:
+            self._release_held()
+            raise WorkerError(f"a worker failed while filling batch {ticket}:\n{report}")
+        if failures:
+            self._report_failures(report)
+        if error == ERR_DECODE:
+            self._release_held()
+            sid, _, path, message = report.splitlines()[-1].split("\t", 3)
+            raise DecodeError(message, path)
+        slot = ring.slots[ticket % ring.layout.nslots]
+        self._stats.batches += 1
+        self._stats.delivered += count
+        self._stats.fresh += int(np.count_nonzero(slot.status[:count] == OK))
+        return Filled(ticket, ticket // len(self), slot, count)
+
+    def release(self, ticket):
+        """Give the slot of ``ticket`` back to the workers if the consumer still holds it."""
+        if self._held == ticket:
+            self._release_held()
 
     def _release_held(self):
         if self._held is not None and self._ring is not None:
@@ -194,29 +231,9 @@ class Loader:
                                    f"takes that long")
         self._stats.stall_s += time.perf_counter() - t0
 
-    def _batch(self, ticket):
-        ring = self._ring
-        count, error, failures, report = ring.read_meta(ticket)
-        if error == ERR_WORKER:
-            self._release_held()
-            raise WorkerError(f"a worker failed while filling batch {ticket}:\n{report}")
-        if failures:
-            self._report_failures(report)
-        if error == ERR_DECODE:
-            self._release_held()
-            sid, _, path, message = report.splitlines()[-1].split("\t", 3)
-            raise DecodeError(message, path)
-        slot = ring.slots[ticket % ring.layout.nslots]
-        shape = (count, *_image_shape(self.plan.transform), 3)
-        self._stats.batches += 1
-        self._stats.delivered += count
-        fresh = slot.status[:count] == OK
-        self._stats.fresh += int(fresh.sum())
-        return Batch(images=slot.pixels[:count].reshape(shape), labels=slot.labels[:count],
-                     sample_ids=slot.sample_ids[:count], fresh=fresh,
-                     echo_index=np.zeros(count, dtype=np.int64), boxes=slot.boxes[:count],
-                     flips=slot.flip[:count].view(bool), epoch=ticket // len(self),
-                     _release=self._release_held)
+    def ready(self):
+        """True when the next batch is already published (taking it will not wait)."""
+        return self._ring is not None and self._ring.is_published(self._ticket)
 
     def _report_failures(self, report):
         for line in report.splitlines():
@@ -249,6 +266,16 @@ class Loader:
         }
 
 
+@dataclass
+class Filled:
+    """A published slot: ticket, epoch, the slot's views and how many samples it holds."""
+
+    ticket: int
+    epoch: int
+    slot: object
+    count: int
+
+
 class _Counters:
     def __init__(self):
         self.started = 0.0
@@ -258,7 +285,10 @@ class _Counters:
 
 
 def _image_shape(transform):
-    size = transform.size
+    size = getattr(transform, "size", None)
+    if size is None:
+        raise TypeError(f"{type(transform).__name__} makes variable-size canvases; read them "
+                        f"with next_filled() (the echo stage does)")
     return (size, size) if isinstance(size, int) else tuple(size)
 
 

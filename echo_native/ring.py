@@ -10,11 +10,15 @@ Segment layout (all offsets in bytes; slots start page-aligned)::
     header  magic, geometry, closed flag, next ticket, per-worker claims
     slot 0  seq | count | ticket | error kind | failures | report text
             labels i64[B] | sample ids i64[B] | status u8[B] | reason u8[B]
-            flip u8[B] | boxes f32[B, 4] | canvas shape u16[B, 2] | (page) pixels u8[B, S]
+            flip u8[B] | boxes f32[B, 4] | image shape u16[B, 2] | source shape i32[B, 2]
+            canvas scale f32[B, 2] | (page) pixels u8[B, S]
     slot 1  ...
 
 ``S`` is the bytes reserved per sample: H*W*3 for final crops, or a canvas
-budget when echoing before augmentation.
+budget when echoing before augmentation.  For a canvas, "source shape" is the
+original image size and "canvas scale" maps canvas pixels to original pixels
+(original = canvas * scale), so every echo can draw its crop in the
+original's coordinates.
 """
 from __future__ import annotations
 
@@ -96,8 +100,16 @@ class Layout:
         return self.boxes + 16 * self.batch_size
 
     @property
+    def source_hw(self):
+        return _align(self.shapes + 4 * self.batch_size, 8)
+
+    @property
+    def canvas_scale(self):
+        return self.source_hw + 8 * self.batch_size
+
+    @property
     def pixels(self):
-        return _align(self.shapes + 4 * self.batch_size, PAGE)
+        return _align(self.canvas_scale + 8 * self.batch_size, PAGE)
 
     @property
     def slot_bytes(self):
@@ -152,6 +164,9 @@ class SlotView:
         self.flip = np.frombuffer(b, np.uint8, B, base + layout.flip)
         self.boxes = np.frombuffer(b, np.float32, 4 * B, base + layout.boxes).reshape(B, 4)
         self.shapes = np.frombuffer(b, np.uint16, 2 * B, base + layout.shapes).reshape(B, 2)
+        self.source_hw = np.frombuffer(b, np.int32, 2 * B, base + layout.source_hw).reshape(B, 2)
+        self.canvas_scale = np.frombuffer(b, np.float32, 2 * B,
+                                          base + layout.canvas_scale).reshape(B, 2)
         self.pixels = np.frombuffer(b, np.uint8, layout.sample_bytes * B,
                                     base + layout.pixels).reshape(B, layout.sample_bytes)
         self.report_area = np.frombuffer(b, np.uint8, REPORT_BYTES, base + _S_REPORT)

@@ -38,6 +38,14 @@ _POLL_S = 0.25
 
 
 # ---- what each sample becomes ------------------------------------------------
+# A transform writes sample i of a slot: its pixels and the metadata that says
+# how they were made (crop box, flip, shapes).  It raises DecodeError (or
+# ValueError) for bad data; the filler applies the error policy.
+
+def _size2(size):
+    return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
 @dataclass(frozen=True)
 class RandomResizedCrop:
     """torchvision's RandomResizedCrop + RandomHorizontalFlip, fused with decoding."""
@@ -49,19 +57,25 @@ class RandomResizedCrop:
 
     @property
     def sample_bytes(self):
-        return self.size[0] * self.size[1] * 3
+        h, w = _size2(self.size)
+        return h * w * 3
 
-    def apply(self, dec, data, key, out):
+    def apply(self, dec, data, key, slot, i):
         seed, epoch, sid, echo = key
+        size = _size2(self.size)
+        out = slot.pixels[i].reshape(*size, 3)
         if is_jpeg(data):
-            return dec.decode_random_crop(data, self.size, seed, epoch, sid, echo, self.scale,
-                                          self.ratio, self.flip_p, out)
-        image = _pillow_rgb(data, dec.limits["max_pixels"])
-        box, flip = _kernel.random_resized_crop_params(seed, epoch, sid, echo, image.shape[0],
-                                                       image.shape[1], self.scale, self.ratio,
-                                                       self.flip_p)
-        dec.resize(image, box, self.size, flip, out)
-        return box, flip
+            box, flip = dec.decode_random_crop(data, size, seed, epoch, sid, echo, self.scale,
+                                               self.ratio, self.flip_p, out)
+        else:
+            image = _pillow_rgb(data, dec.limits["max_pixels"])
+            box, flip = _kernel.random_resized_crop_params(
+                seed, epoch, sid, echo, image.shape[0], image.shape[1], self.scale, self.ratio,
+                self.flip_p)
+            dec.resize(image, box, size, flip, out)
+        slot.boxes[i] = box
+        slot.flip[i] = flip
+        slot.shapes[i] = size
 
 
 @dataclass(frozen=True)
@@ -75,18 +89,73 @@ class CenterCrop:
     def sample_bytes(self):
         return self.size * self.size * 3
 
-    def apply(self, dec, data, key, out):
+    def apply(self, dec, data, key, slot, i):
+        size = (self.size, self.size)
+        out = slot.pixels[i].reshape(*size, 3)
         if is_jpeg(data):
             h, w, _, _ = dec.info(data)
+            box = _kernel.center_crop_box(h, w, self.resize_size, self.size)
+            dec.decode_crop(data, box, size, False, out)
         else:
-            data = _pillow_rgb(data, dec.limits["max_pixels"])
-            h, w = data.shape[:2]
-        box = _kernel.center_crop_box(h, w, self.resize_size, self.size)
-        if isinstance(data, np.ndarray):
-            dec.resize(data, box, (self.size, self.size), False, out)
+            image = _pillow_rgb(data, dec.limits["max_pixels"])
+            box = _kernel.center_crop_box(image.shape[0], image.shape[1], self.resize_size,
+                                          self.size)
+            dec.resize(image, box, size, False, out)
+        slot.boxes[i] = box
+        slot.flip[i] = False
+        slot.shapes[i] = size
+
+
+@dataclass(frozen=True)
+class Canvas:
+    """The whole image, kept for echoing before augmentation.
+
+    Decoded at the coarsest DCT scale whose shorter side is still >=
+    ``min_side``; if that canvas exceeds ``max_pixels`` (very elongated or very
+    large images) it is shrunk uniformly to fit, so the per-sample budget, and
+    with it the ring and echo-buffer memory, is fixed.  The crop of each
+    emission is drawn later, in the original's coordinates.
+    """
+
+    min_side: int
+    max_pixels: int
+
+    @property
+    def sample_bytes(self):
+        return self.max_pixels * 3
+
+    def apply(self, dec, data, key, slot, i):
+        row = slot.pixels[i]
+        if is_jpeg(data):
+            H, W, _, _ = dec.info(data)
+            ch, cw, d = dec.canvas_shape(data, self.min_side)
+            if ch * cw <= self.max_pixels:
+                dec.decode_canvas(data, self.min_side, row)
+                shape, scale = (ch, cw), (float(d), float(d))
+            else:
+                canvas, d = dec.decode_canvas(data, self.min_side)
+                shape, scale = self._fit(dec, canvas, H * W, row)
+                scale = (scale[0] * d, scale[1] * d)
         else:
-            dec.decode_crop(data, box, (self.size, self.size), False, out)
-        return box, False
+            canvas = _pillow_rgb(data, dec.limits["max_pixels"])
+            H, W = canvas.shape[:2]
+            if H * W <= self.max_pixels:
+                row[:canvas.size] = canvas.reshape(-1)
+                shape, scale = (H, W), (1.0, 1.0)
+            else:
+                shape, scale = self._fit(dec, canvas, H * W, row)
+        slot.shapes[i] = shape
+        slot.source_hw[i] = (H, W)
+        slot.canvas_scale[i] = scale
+        slot.boxes[i] = (0, 0, H, W)
+        slot.flip[i] = False
+
+    def _fit(self, dec, canvas, source_pixels, row):
+        ch, cw = canvas.shape[:2]
+        t = math.sqrt(self.max_pixels / (ch * cw))
+        h, w = max(1, int(ch * t)), max(1, int(cw * t))
+        dec.resize(canvas, (0, 0, ch, cw), (h, w), False, row[:h * w * 3].reshape(h, w, 3))
+        return (h, w), (ch / h, cw / w)
 
 
 # ---- which samples each ticket holds ------------------------------------------
@@ -145,18 +214,16 @@ class _Filler:
         self.dec = _kernel.Decoder(plan.max_pixels, plan.max_scans, plan.strict)
         self.epochs = _EpochCache(plan)
         self.labels = np.asarray(source.labels, dtype=np.int64)
-        h = getattr(plan.transform, "size", None)
-        self.shape = (h, h) if isinstance(h, int) else tuple(h)
 
-    def _produce(self, sid, epoch, out):
-        """Read + decode one sample into out; returns (box, flip) or raises."""
+    def _produce(self, sid, epoch, slot, i):
+        """Read + decode one sample into position i of the slot, or raise _SampleFailure."""
         try:
             data = self.source.read(sid)
         except OSError as e:
             raise _SampleFailure(_REASON_READ, self.source.describe(sid),
                                  f"cannot read: {e.strerror or e}") from None
         try:
-            return self.plan.transform.apply(self.dec, data, (self.plan.seed, epoch, sid, 0), out)
+            self.plan.transform.apply(self.dec, data, (self.plan.seed, epoch, sid, 0), slot, i)
         except (DecodeError, ValueError) as e:
             raise _SampleFailure(_REASON_DECODE, self.source.describe(sid), str(e)) from None
 
@@ -166,9 +233,8 @@ class _Filler:
         count, failures, report = 0, 0, []
         for sid in ids:
             sid = int(sid)
-            out = slot.pixels[count].reshape(*self.shape, 3)
             try:
-                box, flip = self._produce(sid, epoch, out)
+                self._produce(sid, epoch, slot, count)
                 status, used = OK, sid
             except _SampleFailure as f:
                 failures += 1
@@ -180,28 +246,24 @@ class _Filler:
                     return
                 if plan.on_error == "skip":
                     continue
-                used = self._replace(epoch, sid, out)
+                used = self._replace(epoch, sid, slot, count)
                 if used is None:
                     continue
-                used, box, flip = used
                 status = REPLACED
             slot.labels[count] = self.labels[used]
             slot.sample_ids[count] = used
             slot.status[count] = status
             if status == OK:
                 slot.reason[count] = 0
-            slot.flip[count] = flip
-            slot.boxes[count] = box
-            slot.shapes[count] = self.shape
             count += 1
         self.ring.write_meta(ticket, count, ERR_NONE, failures, "\n".join(report).encode())
 
-    def _replace(self, epoch, sid, out):
+    def _replace(self, epoch, sid, slot, i):
         for attempt in range(_MAX_REPLACEMENTS):
             rid = self.plan.replacement(epoch, sid, attempt)
             try:
-                box, flip = self._produce(rid, epoch, out)
-                return rid, box, flip
+                self._produce(rid, epoch, slot, i)
+                return rid
             except _SampleFailure:
                 continue
         return None

@@ -251,6 +251,11 @@ cdef class Decoder:
         if out is None:
             h, w, s = self.canvas_shape(data, min_side)
             out = np.empty(h * w * 3, dtype=np.uint8)
+        # reshape(-1) of a non-contiguous array is a copy: the canvas would be
+        # written there and `out` left untouched.  Refuse it instead.
+        if not np.asarray(out).flags.c_contiguous:
+            raise ValueError("out must be a writable contiguous uint8 buffer, got a "
+                             "non-contiguous array")
         try:
             buf = np.asarray(out).reshape(-1)
         except ValueError:

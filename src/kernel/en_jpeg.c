@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include <jpeglib.h>
+#include <jerror.h> /* message codes, to name unsupported variants */
 
 struct en_decoder {
     struct jpeg_decompress_struct cinfo;
@@ -48,10 +49,27 @@ static void fail(en_decoder *d, int status, const char *fmt, ...) {
     longjmp(d->jump, 1);
 }
 
+/* libjpeg names unsupported coding processes only by their SOF marker
+ * ("SOF type 0xc3"); the contract is to refuse them by name. */
+static const char *unsupported_name(struct jpeg_error_mgr *err) {
+    if (err->msg_code == JERR_BAD_PRECISION)
+        return "only 8-bit JPEG is supported, not 12-bit or 16-bit";
+    if (err->msg_code != JERR_SOF_UNSUPPORTED) return NULL;
+    switch (err->msg_parm.i[0]) {
+    case 0xc3: case 0xcb: return "lossless JPEG is not supported";
+    case 0xc7: case 0xcf: return "hierarchical lossless JPEG is not supported";
+    case 0xc5: case 0xc6: case 0xcd: case 0xce: return "hierarchical JPEG is not supported";
+    default: return NULL;
+    }
+}
+
 static void on_error_exit(j_common_ptr c) {
     en_decoder *d = owner(c);
     char buf[JMSG_LENGTH_MAX];
     (*c->err->format_message)(c, buf);
+    const char *name = unsupported_name(c->err);
+    if (name)
+        fail(d, EN_ERR_DECODE, "%s (%s)", buf, name);
     fail(d, EN_ERR_DECODE, "%s", buf);
 }
 
@@ -128,6 +146,9 @@ static void begin(en_decoder *d, const uint8_t *data, size_t len) {
     d->warnings = 0;
     d->errmsg[0] = '\0';
     if (len == 0) fail(d, EN_ERR_DECODE, "empty input (0 bytes)");
+    /* A bare SOI is a JPEG cut short, not "not a JPEG": say so. */
+    if (len < 4 && len >= 2 && data[0] == 0xFF && data[1] == 0xD8)
+        fail(d, EN_ERR_DECODE, "truncated JPEG: only %zu bytes", len);
     if (len < 4 || data[0] != 0xFF || data[1] != 0xD8)
         fail(d, EN_ERR_DECODE, "not a JPEG file: starts with 0x%02x 0x%02x", data[0],
              len > 1 ? data[1] : 0);
