@@ -6,6 +6,9 @@ Pipeline order, one module per stage:
   ring     shared-memory ring of batch slots (lock-free hand-off)
   workers  processes/threads that fill slots, keyed so any of them can
   loader   the consumer end: ordered zero-copy batches, supervision, cleanup
+  echo     data echoing: echo counts, the shuffle buffer, auto echo factor
+  device   where echoes are made (CPU: NumPy + native resampler)
+  pipeline EchoRing, the feeder that wires all of the above
 """
 from echo_native.decode import (
     center_crop_box,
@@ -21,6 +24,7 @@ from echo_native.decode import (
 )
 from echo_native.errors import DecodeError
 from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError
+from echo_native.pipeline import EchoRing
 from echo_native.source import ImageFolder, Samples
 from echo_native.workers import CenterCrop, RandomResizedCrop
 
@@ -36,6 +40,7 @@ __all__ = [
     "Samples",
     "WorkerError",
     "DecodeError",
+    "EchoRing",
     "__version__",
     "center_crop_box",
     "decode",

@@ -35,7 +35,14 @@ class SampleFailureWarning(UserWarning):
 
 @dataclass
 class Batch:
-    """One batch.  Arrays are views of ring memory until :meth:`release`/next batch."""
+    """One batch.
+
+    Straight from the ring (echo=1), the arrays are views of the slot until the
+    next batch is requested or :meth:`release` is called.  From the echo stage
+    they live in one of two alternating output buffers, valid until the batch
+    after next.  Either way ``copy()`` what you keep longer.  NumPy arrays
+    export DLPack: ``torch.from_dlpack(batch.images)`` shares the memory.
+    """
 
     images: np.ndarray       # (B, H, W, 3) uint8
     labels: np.ndarray       # (B,) int64

@@ -45,6 +45,7 @@ HEADER_BYTES = PAGE  # _H_CLAIMS + 8 * MAX_WORKERS fits with room to spare
 
 # Per-slot fields.
 _S_SEQ, _S_COUNT, _S_TICKET, _S_ERROR, _S_FAILURES, _S_REPORT_LEN = 0, 4, 8, 16, 20, 24
+_S_FILL_US = 28  # microseconds the worker spent filling the slot (upstream cost)
 _S_REPORT = 64
 
 #: Claim word value while a worker is between taking a ticket and recording it.
@@ -129,8 +130,18 @@ def _pid_alive(pid):
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    # A killed process stays a zombie until its parent reaps it, and kill(0)
+    # still succeeds on a zombie: it is dead all the same (its workers must not
+    # wait for it to be reaped, nor its segments survive).
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return True  # no /proc to ask: trust kill(0)
+    return state not in (b"Z", b"X")
 
 
 def remove_stale_segments(shm_dir="/dev/shm"):
@@ -281,8 +292,9 @@ class Ring:
         base = self.layout.slot(ticket)
         return np.frombuffer(self.buf, np.uint32, 8, base), base
 
-    def write_meta(self, ticket, count, error, failures, report: bytes):
+    def write_meta(self, ticket, count, error, failures, report: bytes, fill_s=0.0):
         words, base = self._slot_words(ticket)
+        words[_S_FILL_US // 4] = min(int(fill_s * 1e6), 0xFFFFFFFF)
         words[_S_COUNT // 4] = count
         words[_S_ERROR // 4] = error
         words[_S_FAILURES // 4] = failures
@@ -291,6 +303,10 @@ class Ring:
         np.frombuffer(self.buf, np.uint64, 1, base + _S_TICKET)[0] = ticket
         self.slots[ticket % self.layout.nslots].report_area[:len(report)] = np.frombuffer(
             report, np.uint8)
+
+    def fill_seconds(self, ticket):
+        """Time the worker spent filling this ticket's slot."""
+        return int(self._slot_words(ticket)[0][_S_FILL_US // 4]) * 1e-6
 
     def read_meta(self, ticket):
         """(count, error kind, failures, report text) of a published slot."""

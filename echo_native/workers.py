@@ -228,6 +228,7 @@ class _Filler:
             raise _SampleFailure(_REASON_DECODE, self.source.describe(sid), str(e)) from None
 
     def fill(self, ticket):
+        t0 = time.perf_counter()
         plan, slot = self.plan, self.ring.slots[ticket % self.ring.layout.nslots]
         epoch, ids = self.epochs.ticket(ticket)
         count, failures, report = 0, 0, []
@@ -256,7 +257,8 @@ class _Filler:
             if status == OK:
                 slot.reason[count] = 0
             count += 1
-        self.ring.write_meta(ticket, count, ERR_NONE, failures, "\n".join(report).encode())
+        self.ring.write_meta(ticket, count, ERR_NONE, failures, "\n".join(report).encode(),
+                             time.perf_counter() - t0)
 
     def _replace(self, epoch, sid, slot, i):
         for attempt in range(_MAX_REPLACEMENTS):

@@ -1,0 +1,208 @@
+"""Stage 5 of the pipeline: data echoing (Choi et al., arXiv 1907.05550).
+
+When reading + decoding cannot keep up with the accelerator, each fresh
+example is emitted e times instead of once.  This module holds the parts that
+decide *what* is emitted; :mod:`echo_native.device` decides *how* the pixels
+are produced (NumPy + native kernel on CPU, CuPy on GPU).
+
+- :func:`echo_counts`: floor(e) emissions per example plus one more with
+  probability frac(e), a pure function of (seed, epoch, sample id).
+- :class:`ExampleBuffer`: the shuffle buffer *after* the echo stage.  Each
+  fresh example is stored once with the number of emissions it has left; a
+  batch picks distinct examples at random, so repeats of one example never
+  share a batch while the buffer holds at least a batch of distinct examples,
+  and land a random distance apart.
+- :class:`BatchWindow`: batch echoing, whole batches repeated in a shuffled
+  window (the paper's weakest variant, kept for comparison).
+- :class:`AutoEcho`: picks e from measured stalls, capped by ``max_echo``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+PLACEMENTS = ("before_augment", "after_augment", "batch")
+
+_TAG_COUNTS = 0x6563686F  # "echo"
+_TAG_SHUFFLE = 0x73687566  # "shuf"
+
+
+def _generator(seed, tag, epoch, extra=0):
+    return np.random.Generator(np.random.Philox(key=[seed, tag], counter=[epoch, extra, 0, 0]))
+
+
+def echo_counts(seed, epoch, num, echo):
+    """Emissions per example for ``num`` examples (or batches) of one epoch.
+
+    floor(echo) each, plus one with probability frac(echo); exact for integer e.
+    """
+    base, frac = int(math.floor(echo)), echo - math.floor(echo)
+    counts = np.full(num, base, dtype=np.int32)
+    if frac > 0:
+        counts += (_generator(seed, _TAG_COUNTS, epoch).random(num) < frac).astype(np.int32)
+    return counts
+
+
+def shuffle_rng(seed, epoch):
+    """The generator that orders emissions within an epoch."""
+    return _generator(seed, _TAG_SHUFFLE, epoch)
+
+
+class ExampleBuffer:
+    """Fixed-capacity store of prepared examples with their remaining emissions.
+
+    Pixels live in ``pixels`` (an array of the device's module, one row of
+    ``entry_bytes`` per entry); bookkeeping stays in host NumPy arrays because
+    it is tiny and drives Python control flow.
+    """
+
+    def __init__(self, capacity, entry_bytes, xp=np):
+        self.capacity = int(capacity)
+        self.pixels = xp.empty((self.capacity, int(entry_bytes)), dtype=xp.uint8)
+        c = self.capacity
+        self.sample_id = np.zeros(c, np.int64)
+        self.label = np.zeros(c, np.int64)
+        self.ok = np.zeros(c, bool)              # the stored sample is the one asked for
+        self.remaining = np.zeros(c, np.int32)   # emissions left
+        self.next_echo = np.zeros(c, np.int32)   # echo index of the next emission
+        self.epoch = np.zeros(c, np.int64)
+        self.shape = np.zeros((c, 2), np.int32)
+        self.source_hw = np.zeros((c, 2), np.int32)
+        self.scale = np.ones((c, 2), np.float32)
+        self.box = np.zeros((c, 4), np.float32)
+        self.flip = np.zeros(c, bool)
+        self.age = np.zeros(c, np.int64)         # insertion order, for eviction
+        self._clock = 0
+        self._free = list(range(c - 1, -1, -1))
+
+    def __len__(self):
+        """Entries holding an example (with emissions left)."""
+        return self.capacity - len(self._free)
+
+    @property
+    def free(self):
+        return len(self._free)
+
+    @property
+    def pending(self):
+        """Emissions still owed by the stored examples."""
+        return int(self.remaining.sum())
+
+    def active(self):
+        return np.flatnonzero(self.remaining > 0)
+
+    def allocate(self, n):
+        if n > len(self._free):
+            raise RuntimeError(f"echo buffer full: {n} entries asked, {len(self._free)} free")
+        entries = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
+        self.age[entries] = self._clock + np.arange(n)
+        self._clock += n
+        return entries
+
+    def retire(self, entries):
+        entries = np.asarray(entries)
+        self.remaining[entries] = 0
+        self._free.extend(int(e) for e in entries)
+
+    def choose(self, n, rng):
+        """``n`` entries to emit: distinct while enough are active, with repeats only in
+        the last batches of an epoch, when fewer than ``n`` distinct examples remain."""
+        active = self.active()
+        if len(active) >= n:
+            return rng.choice(active, size=n, replace=False)
+        picks = list(active)
+        left = self.remaining[active].copy() - 1
+        while len(picks) < n:
+            avail = active[left > 0]
+            if len(avail) == 0:
+                break
+            take = rng.choice(avail, size=min(n - len(picks), len(avail)), replace=False)
+            picks.extend(take)
+            left[np.searchsorted(active, take)] -= 1
+        return np.asarray(picks, dtype=np.int64)
+
+    def emit(self, entries):
+        """Record one emission of each entry; returns their echo indices."""
+        echo = np.empty(len(entries), np.int64)
+        # A loop, not fancy indexing: an entry may appear twice in a tail batch.
+        for i, e in enumerate(entries):
+            echo[i] = self.next_echo[e]
+            self.next_echo[e] += 1
+            self.remaining[e] -= 1
+            if self.remaining[e] == 0:
+                self._free.append(int(e))
+        return echo
+
+    def evict_emitted(self, n):
+        """Free up to ``n`` entries that were emitted at least once, oldest first
+        (auto echo: fresh examples take precedence over further repeats)."""
+        cand = np.flatnonzero((self.remaining > 0) & (self.next_echo > 0))
+        if len(cand) == 0:
+            return 0
+        victims = cand[np.argsort(self.age[cand])[:n]]
+        self.retire(victims)
+        return len(victims)
+
+    def clear(self):
+        self.retire(self.active())
+
+
+class BatchWindow:
+    """Batch echoing: a window of whole batches, each repeated its count of times."""
+
+    def __init__(self, size):
+        self.size = int(size)
+        self.batches = []   # [batch, remaining, emitted]
+        self._last = None
+
+    def __len__(self):
+        return len(self.batches)
+
+    def add(self, batch, count):
+        self.batches.append([batch, int(count), 0])
+
+    def take(self, rng):
+        """A random batch of the window, not the one just emitted when there is a choice;
+        returns (batch, echo index)."""
+        idx = list(range(len(self.batches)))
+        if len(idx) > 1 and self._last is not None and self._last in idx:
+            idx.remove(self._last)
+        i = int(rng.choice(idx))
+        entry = self.batches[i]
+        echo = entry[2]
+        entry[1] -= 1
+        entry[2] += 1
+        if entry[1] == 0:
+            self.batches.pop(i)
+            self._last = None
+        else:
+            self._last = i
+        return entry[0], echo
+
+
+class AutoEcho:
+    """Echo factor from what the consumer experiences.
+
+    Upstream-bound (the consumer had to wait for fresh data): raise e.
+    Consumer-bound (fresh data was ready but the buffer had no room, so
+    repeats were evicted): lower e towards 1.  The paper's rule e ~ R is the
+    fixed point: at that e the consumer neither waits nor leaves fresh data
+    unused.  Capped by ``max_echo`` (the paper validated up to ~4-5 on images).
+    """
+
+    def __init__(self, max_echo=4.0, start=1.0):
+        if max_echo < 1:
+            raise ValueError(f"max_echo must be >= 1, got {max_echo}")
+        self.max_echo = float(max_echo)
+        self.value = float(min(max(start, 1.0), max_echo))
+
+    def stalled(self):
+        self.value = min(self.max_echo, self.value * 1.15 + 0.05)
+
+    def surplus(self):
+        self.value = max(1.0, self.value * 0.85)
+
+    def counts(self, rng, n):
+        base = int(math.floor(self.value))
+        return base + (rng.random(n) < self.value - base).astype(np.int32)

@@ -1,0 +1,407 @@
+"""The public feeder: :class:`EchoRing` = source -> workers -> ring -> echo -> device.
+
+Reading order of the pipeline: :mod:`source`, :mod:`decode`, :mod:`ring`,
+:mod:`workers`, :mod:`loader`, :mod:`echo`, :mod:`device`, then this module,
+which only wires them together and keeps the books (:meth:`EchoRing.stats`).
+"""
+from __future__ import annotations
+
+import math
+import time
+import numpy as np
+
+from echo_native import _kernel
+from echo_native.device import IMAGENET_MEAN, IMAGENET_STD, LAYOUTS, resolve
+from echo_native.echo import (PLACEMENTS, AutoEcho, BatchWindow, ExampleBuffer, echo_counts,
+                              shuffle_rng)
+from echo_native.loader import Batch, Loader
+from echo_native.ring import OK
+from echo_native.workers import Canvas, RandomResizedCrop
+
+
+class EchoRing:
+    """Framework-agnostic feeder with data echoing.
+
+    Parameters
+    ----------
+    source : ImageFolder, Samples or any object with ``len``, ``labels``, ``read(i)``,
+        ``describe(i)``.
+    batch_size, image_size : output batches are (batch_size, image_size, image_size, 3).
+    echo : float >= 1 or "auto".  Each fresh example is emitted floor(e) times plus once
+        more with probability frac(e).  1 is an exact pass-through of the ring.
+    placement : "before_augment" (default; workers keep a canvas and every emission gets
+        its own RandomResizedCrop + flip), "after_augment" (the augmented image is
+        repeated), or "batch" (whole batches repeated).
+    shuffle_buffer : examples held by the echo stage (default 4 x batch_size; at least
+        2 x batch_size).  Memory: shuffle_buffer x bytes per example.
+    workers, device, seed, drop_last, on_error : see :class:`echo_native.Loader`.
+    normalize : None for uint8, True for ImageNet mean/std, or (mean, std) in [0, 1]
+        units; the output is then float32 in ``layout`` ("NHWC" or "NCHW").
+    max_echo : cap for ``echo="auto"``.
+    canvas_side, canvas_max_pixels : before_augment canvas: shorter side at least
+        ``canvas_side`` (default image_size) through DCT scaling, at most
+        ``canvas_max_pixels`` pixels (default 2 x canvas_side^2).
+    echo_flip : after_augment only: each echo draws its own horizontal flip.
+    """
+
+    def __init__(self, source, batch_size=256, image_size=224, echo=2.0,
+                 placement="before_augment", shuffle_buffer=None, workers=None, device="cpu",
+                 seed=0, drop_last=False, on_error="replace", normalize=None, layout="NHWC",
+                 max_echo=4.0, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip_p=0.5,
+                 canvas_side=None, canvas_max_pixels=None, echo_flip=False, slots=None,
+                 timeout=120.0, worker_mode="process", start_method=None, strict=True):
+        n = len(source)
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if batch_size > n:
+            raise ValueError(f"batch_size {batch_size} is larger than the {n} samples of the "
+                             f"source")
+        if not isinstance(image_size, (int, np.integer)) or image_size <= 0:
+            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+        self.auto = echo == "auto"
+        if not self.auto:
+            if isinstance(echo, str) or not isinstance(echo, (int, float, np.number)):
+                raise ValueError(f"echo must be a number >= 1 or 'auto', got {echo!r}")
+            if not echo >= 1 or math.isinf(echo):
+                raise ValueError(f"echo must be >= 1 (1 means no echo), got {echo!r}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        shuffle_buffer = 4 * batch_size if shuffle_buffer is None else int(shuffle_buffer)
+        if shuffle_buffer < 2 * batch_size:
+            raise ValueError(f"shuffle_buffer must be at least 2 x batch_size "
+                             f"({2 * batch_size}), got {shuffle_buffer}")
+        self.echo = "auto" if self.auto else float(echo)
+        self.placement = placement
+        self.batch_size, self.image_size = int(batch_size), int(image_size)
+        self.seed, self.drop_last = int(seed), bool(drop_last)
+        self.shuffle_buffer = shuffle_buffer
+        self.layout = layout
+        self.normalize = _norm_args(normalize)
+        self.echo_flip = bool(echo_flip)
+        self.flip_p = float(flip_p)
+        self._crop_args = (tuple(scale), tuple(ratio), float(flip_p))
+        self.device = resolve(device)
+        self._auto = AutoEcho(max_echo, start=1.0) if self.auto else None
+        self.passthrough = not self.auto and self.echo == 1.0
+        size = (self.image_size, self.image_size)
+        if placement == "before_augment" and not self.passthrough:
+            side = int(canvas_side or self.image_size)
+            budget = int(canvas_max_pixels or 2 * side * side)
+            if side <= 0 or budget < side * side:
+                raise ValueError(f"canvas_max_pixels ({budget}) must be at least canvas_side^2 "
+                                 f"({side * side})")
+            transform = Canvas(min_side=side, max_pixels=budget)
+        else:
+            transform = RandomResizedCrop(size, *self._crop_args)
+        self.loader = Loader(source, self.batch_size, transform, workers=workers, slots=slots,
+                             seed=seed, drop_last=False, on_error=on_error, timeout=timeout,
+                             worker_mode=worker_mode, start_method=start_method, strict=strict)
+        self._buffer = self._window = None
+        self._outputs, self._turn = None, 0
+        self._books = _Books()
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self):
+        self.loader.start()
+        if self._buffer is None and not self.passthrough and self.placement != "batch":
+            xp = self.device.xp
+            try:
+                self._buffer = ExampleBuffer(self.shuffle_buffer,
+                                             self.loader.plan.transform.sample_bytes, xp)
+            except MemoryError:
+                need = self.shuffle_buffer * self.loader.plan.transform.sample_bytes
+                raise MemoryError(f"echo buffer of {self.shuffle_buffer} examples needs "
+                                  f"{need / 2**30:.1f} GiB; lower shuffle_buffer or "
+                                  f"canvas_max_pixels") from None
+        if self._books.started == 0.0:
+            self._books.started = time.perf_counter()
+        return self
+
+    def close(self):
+        """Stop workers, free shared memory.  Idempotent; also runs on GC and at exit."""
+        self.loader.close()
+        self._buffer = self._window = None
+        self._outputs = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- epochs ------------------------------------------------------------------------
+    @property
+    def epoch(self):
+        return self.loader.epoch
+
+    def __len__(self):
+        """Batches in the coming epoch (for echo="auto", the count at the current e)."""
+        n = len(self.loader.source)
+        B = self.batch_size
+        if self.passthrough:
+            return len(self.loader)
+        if self.placement == "batch":
+            total = int(echo_counts(self.seed, self.epoch, len(self.loader), self._e()).sum())
+            return total
+        if self.auto:
+            total = round(n * self._auto.value)
+        else:
+            total = int(echo_counts(self.seed, self.epoch, n, self.echo).sum())
+        return total // B if self.drop_last else math.ceil(total / B)
+
+    def _e(self):
+        return self._auto.value if self.auto else self.echo
+
+    def __iter__(self):
+        self.start()
+        if self.passthrough:
+            gen = self._passthrough()
+        elif self.placement == "batch":
+            gen = self._batch_echo()
+        else:
+            gen = self._example_echo()
+        books = self._books
+        for batch in gen:
+            books.delivered += len(batch)
+            books.batches += 1
+            t = time.perf_counter()
+            yield batch
+            books.consumer_s += time.perf_counter() - t
+
+    def _passthrough(self):
+        for _ in range(len(self.loader)):
+            b = self.loader.next_batch()
+            self._books.fresh += int(b.fresh.sum())
+            self._books.fresh_batches += 1
+            self._note_fill(b)
+            yield self._finish(b.images, b.labels, b.sample_ids, b.fresh, b.echo_index, b.boxes,
+                               b.flips, b.epoch)
+
+    def _note_fill(self, _batch=None):
+        ticket = self.loader._ticket - 1
+        self._books.fill_s += self.loader._ring.fill_seconds(ticket)
+
+    # -- example echo (before / after augmentation) -----------------------------------
+    def _example_echo(self):
+        loader, buf, B = self.loader, self._buffer, self.batch_size
+        epoch = loader.epoch
+        n = len(loader.source)
+        counts = None if self.auto else echo_counts(self.seed, epoch, n, self.echo)
+        rng = shuffle_rng(self.seed, epoch)
+        fresh_left = len(loader)
+        fixed = self.placement == "after_augment"
+        while True:
+            fresh_left -= self._fill(buf, counts, rng, fresh_left, fixed)
+            pending = buf.pending
+            if pending == 0 and fresh_left == 0:
+                return
+            want = min(B, pending)
+            if want < B and (fresh_left > 0):
+                continue  # _fill blocks for more fresh data
+            if want < B and self.drop_last:
+                buf.clear()
+                return
+            entries = buf.choose(want, rng)
+            yield self._emit(buf, entries, epoch)
+
+    def _fill(self, buf, counts, rng, fresh_left, fixed):
+        """Move fresh batches from the ring into the buffer; returns how many were moved.
+
+        Fixed e: keep the buffer as full as a whole slot allows, blocking for
+        data, so the emission order depends only on the seed.  Auto: take
+        what is ready without waiting while enough is buffered, evict repeats
+        to make room for fresh data, and wait only when the buffer runs dry.
+        """
+        moved, B = 0, self.batch_size
+        while fresh_left - moved > 0:
+            if self.auto:
+                ready = self.loader.ready()
+                if buf.free < B:
+                    if not ready:
+                        break
+                    buf.evict_emitted(B - buf.free)
+                    self._auto.surplus()
+                    if buf.free < B:
+                        break
+                if not ready:
+                    if buf.pending >= B:
+                        break
+                    self._auto.stalled()
+            elif buf.free < B:
+                break
+            t0 = time.perf_counter()
+            filled = self.loader.next_filled()
+            self._books.wait_s += time.perf_counter() - t0
+            k = self._auto.counts(rng, filled.count) if self.auto else \
+                counts[filled.slot.sample_ids[:filled.count]]
+            self._add(buf, filled, k, fixed)
+            self.loader.release(filled.ticket)
+            moved += 1
+        return moved
+
+    def _add(self, buf, filled, k, fixed):
+        slot, n = filled.slot, filled.count
+        entries = buf.allocate(n)
+        self.device.store(buf, entries, slot, n, fixed)
+        buf.sample_id[entries] = slot.sample_ids[:n]
+        buf.label[entries] = slot.labels[:n]
+        buf.ok[entries] = slot.status[:n] == OK
+        buf.remaining[entries] = k
+        buf.next_echo[entries] = 0
+        buf.epoch[entries] = filled.epoch
+        buf.shape[entries] = slot.shapes[:n]
+        buf.source_hw[entries] = slot.source_hw[:n]
+        buf.scale[entries] = slot.canvas_scale[:n]
+        buf.box[entries] = slot.boxes[:n]
+        buf.flip[entries] = slot.flip[:n].view(bool)
+        # Entries whose count is 0 (never for e >= 1) must not linger.
+        zero = entries[np.asarray(k) == 0]
+        if len(zero):
+            buf.retire(zero)
+        self._books.fresh += int(np.count_nonzero(buf.ok[entries]))
+        self._books.fresh_batches += 1
+        self._books.fill_s += self.loader._ring.fill_seconds(filled.ticket)
+
+    def _emit(self, buf, entries, epoch):
+        n = len(entries)
+        sample_ids = buf.sample_id[entries].copy()
+        echo_index = buf.emit(entries)
+        images = self._next_images(n)
+        if self.placement == "after_augment":
+            self.device.gather(buf, entries, images)
+            boxes, flips = buf.box[entries].copy(), buf.flip[entries].copy()
+            if self.echo_flip:
+                redo = echo_index > 0
+                new = np.array([_kernel.random_resized_crop_params(
+                    self.seed, int(buf.epoch[e]), int(s), int(j), 1, 1, flip_p=self.flip_p)[1]
+                    for e, s, j in zip(entries, sample_ids, echo_index)], dtype=bool)
+                change = redo & (new != flips)
+                self.device.flip(images, change)
+                flips = np.where(redo, new, flips)
+        else:
+            boxes, flips, canvas_boxes = self._crop_params(buf, entries, sample_ids, echo_index)
+            self.device.crop_resize(buf, entries, canvas_boxes, flips, images)
+        fresh = (echo_index == 0) & buf.ok[entries]
+        return self._finish(images, buf.label[entries].copy(), sample_ids, fresh, echo_index,
+                            boxes, flips, epoch)
+
+    def _crop_params(self, buf, entries, sample_ids, echo_index):
+        """RandomResizedCrop of each emission, drawn in the original image's
+        coordinates from (seed, epoch, sample id, echo index), then mapped
+        onto the stored canvas."""
+        n = len(entries)
+        boxes = np.empty((n, 4), np.float32)
+        canvas_boxes = np.empty((n, 4), np.float64)
+        flips = np.empty(n, bool)
+        scale, ratio, flip_p = self._crop_args
+        for i, e in enumerate(entries):
+            H, W = buf.source_hw[e]
+            box, flip = _kernel.random_resized_crop_params(
+                self.seed, int(buf.epoch[e]), int(sample_ids[i]), int(echo_index[i]), int(H),
+                int(W), scale, ratio, flip_p)
+            sy, sx = buf.scale[e]
+            ch, cw = buf.shape[e]
+            top, left = min(box[0] / sy, ch), min(box[1] / sx, cw)
+            canvas_boxes[i] = (top, left, min(box[2] / sy, ch - top), min(box[3] / sx, cw - left))
+            boxes[i] = box
+            flips[i] = flip
+        return boxes, flips, canvas_boxes
+
+    def _next_images(self, n):
+        shape = (self.batch_size, self.image_size, self.image_size, 3)
+        if self._outputs is None:
+            self._outputs = [self.device.empty(shape, np.uint8) for _ in range(2)]
+        self._turn ^= 1
+        return self._outputs[self._turn][:n]
+
+    # -- batch echo ------------------------------------------------------------------------
+    def _batch_echo(self):
+        loader = self.loader
+        epoch = loader.epoch
+        nb = len(loader)
+        counts = echo_counts(self.seed, epoch, nb, self._e())
+        rng = shuffle_rng(self.seed, epoch)
+        window = BatchWindow(max(2, self.shuffle_buffer // self.batch_size))
+        taken = 0
+        while True:
+            while taken < nb and len(window) < window.size:
+                t0 = time.perf_counter()
+                b = loader.next_batch()
+                self._books.wait_s += time.perf_counter() - t0
+                self._books.fresh += int(b.fresh.sum())
+                self._books.fresh_batches += 1
+                self._note_fill()
+                window.add(b.copy(), counts[taken])
+                b.release()
+                taken += 1
+            if not len(window):
+                return
+            b, echo = window.take(rng)
+            if self.drop_last and len(b) < self.batch_size:
+                continue
+            images = self._next_images(len(b))
+            images[...] = b.images
+            yield self._finish(images, b.labels.copy(), b.sample_ids.copy(),
+                               b.fresh & (echo == 0), np.full(len(b), echo, np.int64),
+                               b.boxes.copy(), b.flips.copy(), epoch)
+
+    # -- output ------------------------------------------------------------------------------
+    def _finish(self, images, labels, sample_ids, fresh, echo_index, boxes, flips, epoch):
+        if self.normalize is not None:
+            mean, std = self.normalize
+            n, h, w, _ = images.shape
+            shape = (n, h, w, 3) if self.layout == "NHWC" else (n, 3, h, w)
+            out = self.device.empty(shape, np.float32)
+            images = self.device.normalize(images, mean, std, self.layout, out)
+        return Batch(images, labels, sample_ids, fresh, echo_index, boxes,
+                     np.asarray(flips, bool), epoch)
+
+    # -- books --------------------------------------------------------------------------------
+    def stats(self):
+        """Rates and counters since start (see README, "Reading stats()")."""
+        s = self._books
+        elapsed = time.perf_counter() - s.started if s.started else 0.0
+        low = self.loader.stats()
+        t_down = s.consumer_s / s.batches if s.batches else 0.0
+        t_up = s.fill_s / max(1, self.loader.workers) / s.fresh_batches if s.fresh_batches else 0.0
+        return {
+            "fresh": s.fresh,
+            "delivered": s.delivered,
+            "batches": s.batches,
+            "fresh_per_s": s.fresh / elapsed if elapsed else 0.0,
+            "delivered_per_s": s.delivered / elapsed if elapsed else 0.0,
+            "effective_echo": s.delivered / s.fresh if s.fresh else 0.0,
+            "echo_factor": self._e(),
+            "estimated_R": t_up / t_down if t_down > 0 else float("nan"),
+            "stall_s": s.wait_s,
+            "consumer_s": s.consumer_s,
+            "ring_occupancy": low["ring_occupancy"],
+            "buffer_fill": (len(self._buffer) / self._buffer.capacity) if self._buffer else 0.0,
+            "failures": low["failures"],
+            "worker_restarts": low["worker_restarts"],
+        }
+
+
+class _Books:
+    def __init__(self):
+        self.started = 0.0
+        self.fresh = self.delivered = self.batches = self.fresh_batches = 0
+        self.wait_s = self.consumer_s = self.fill_s = 0.0
+
+
+def _norm_args(normalize):
+    if normalize is None or normalize is False:
+        return None
+    if normalize is True:
+        return IMAGENET_MEAN, IMAGENET_STD
+    try:
+        mean, std = normalize
+        mean, std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
+    except (TypeError, ValueError):
+        raise ValueError(f"normalize must be None, True or (mean, std), got {normalize!r}") \
+            from None
+    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+        raise ValueError(f"normalize needs 3 means and 3 positive stds, got {normalize!r}")
+    return mean, std

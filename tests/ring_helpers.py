@@ -1,0 +1,319 @@
+"""Helpers for the ring / worker-pool tests that must be importable by workers.
+
+Workers start with ``forkserver``, so anything they run (custom sources, the
+raw-ring producer) must live in an importable module, not in a test file.
+The test files put this folder on ``sys.path`` and ``import ring_helpers``;
+the forkserver hands ``sys.path`` on to every worker.
+
+Run as a script, it is the body of subprocess-based tests (guarded by
+``if __name__ == "__main__"`` as ``forkserver`` requires):
+
+    python ring_helpers.py parent ROOT OUT       start a Loader, report pids, then block
+    python ring_helpers.py onecpu ROOT OUT       a full run meant for ``taskset -c 0``
+    python ring_helpers.py exit                  print a pid and exit (a dead pid)
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+# ---- a small corpus of real-photo JPEGs ---------------------------------------------
+def make_corpus(root, n_images=48, seed=0, classes=3):
+    """An ImageFolder tree of ``n_images`` JPEGs cut from real photographs.
+
+    Uses ``echo_native.corpus.build_corpus`` when it is there; otherwise cuts
+    small JPEGs out of scikit-image's photographs with Pillow.
+    """
+    root = Path(root)
+    try:
+        from echo_native.corpus import build_corpus
+    except ImportError:
+        build_corpus = None
+    if build_corpus is not None:
+        return Path(build_corpus(root, n_images=n_images, seed=seed, classes=classes))
+    from PIL import Image
+    import skimage.data as data
+
+    photos = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
+    rng = np.random.default_rng(seed)
+    for i in range(n_images):
+        src = photos[i % len(photos)]
+        h, w = src.shape[:2]
+        ch, cw = int(rng.integers(h // 2, h)), int(rng.integers(w // 2, w))
+        y, x = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
+        im = Image.fromarray(src[y:y + ch, x:x + cw])
+        scale = rng.uniform(300, 480) / max(im.size)
+        im = im.resize((max(1, int(im.size[0] * scale)), max(1, int(im.size[1] * scale))))
+        d = root / f"class_{i % classes:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        im.save(d / f"img_{i:05d}.jpg", quality=int(rng.integers(80, 96)))
+    return root
+
+
+# ---- sources that misbehave inside workers ----------------------------------------------
+class _Wrapped:
+    """A source that delegates to another one (labels, describe, read)."""
+
+    def __init__(self, base):
+        self.base = base
+        self.labels = base.labels
+
+    def __len__(self):
+        return len(self.base)
+
+    def describe(self, i):
+        return self.base.describe(i)
+
+    def read(self, i):
+        return self.base.read(i)
+
+
+class SlowSource(_Wrapped):
+    """Every read takes ``delay`` seconds (makes batches slow enough to kill mid-way)."""
+
+    def __init__(self, base, delay):
+        super().__init__(base)
+        self.delay = delay
+
+    def read(self, i):
+        time.sleep(self.delay)
+        return self.base.read(i)
+
+
+class RaisingSource(_Wrapped):
+    """Reading one of ``bad`` raises an unexpected (non-OSError) exception."""
+
+    def __init__(self, base, bad):
+        super().__init__(base)
+        self.bad = frozenset(int(b) for b in bad)
+
+    def read(self, i):
+        if int(i) in self.bad:
+            raise LookupError(f"ring_helpers: deliberate failure reading sample {i}")
+        return self.base.read(i)
+
+
+class HangingSource(_Wrapped):
+    """Reading one of ``bad`` never returns (a hung network filesystem, say)."""
+
+    def __init__(self, base, bad):
+        super().__init__(base)
+        self.bad = frozenset(int(b) for b in bad)
+
+    def read(self, i):
+        if int(i) in self.bad:
+            while True:
+                time.sleep(3600)
+        return self.base.read(i)
+
+
+# ---- raw ring protocol: a producer that writes checksummed slots --------------------------
+def pattern(ticket, nbytes):
+    """The bytes a producer writes for ``ticket`` in every sample row."""
+    rng = np.random.default_rng([int(ticket), 0x5EED])
+    return rng.integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def checksum(arr):
+    """A cheap order-sensitive checksum of a uint8 array (int64, non-negative)."""
+    a = np.asarray(arr, dtype=np.uint8).astype(np.int64)
+    return int((a * (np.arange(a.size, dtype=np.int64) % 65521 + 1)).sum() % (2**61 - 1))
+
+
+def fill_slot(ring, ticket):
+    """Write ``ticket``'s pattern + checksums into its slot (the producer's job)."""
+    slot = ring.slots[ticket % ring.layout.nslots]
+    B, S = ring.layout.batch_size, ring.layout.sample_bytes
+    for j in range(B):
+        row = pattern(ticket * B + j, S)
+        slot.pixels[j] = row
+        slot.labels[j] = checksum(row)
+        slot.sample_ids[j] = ticket * B + j
+    ring.write_meta(ticket, B, 0, 0, f"ticket {ticket}".encode())
+
+
+def verify_slot(ring, ticket):
+    """Check a published slot as the consumer sees it; returns a list of problems."""
+    slot = ring.slots[ticket % ring.layout.nslots]
+    B = ring.layout.batch_size
+    problems = []
+    count, error, failures, report = ring.read_meta(ticket)
+    if (count, error, failures, report) != (B, 0, 0, f"ticket {ticket}"):
+        problems.append(f"ticket {ticket}: meta {(count, error, failures, report)!r}")
+    for j in range(B):
+        if int(slot.sample_ids[j]) != ticket * B + j:
+            problems.append(f"ticket {ticket} row {j}: id {int(slot.sample_ids[j])}")
+        if checksum(slot.pixels[j]) != int(slot.labels[j]):
+            problems.append(f"ticket {ticket} row {j}: checksum mismatch")
+        if not np.array_equal(slot.pixels[j], pattern(ticket * B + j, ring.layout.sample_bytes)):
+            problems.append(f"ticket {ticket} row {j}: pixels differ from the pattern")
+    return problems
+
+
+def raw_producer(ring, total, delay=0.0, timeout=20.0):
+    """Take tickets until ``total`` are handed out; fill, publish.  Returns tickets filled."""
+    done = []
+    while True:
+        t = ring.take_ticket()
+        if t >= total:
+            return done
+        rc = ring.wait_free(t, timeout)
+        if rc != 0:
+            raise RuntimeError(f"producer: wait_free({t}) returned {rc}")
+        if delay:
+            time.sleep(delay)
+        fill_slot(ring, t)
+        ring.publish(t)
+        done.append(t)
+
+
+def raw_producer_main(ring, total, delay, conn):
+    """Process entry point: run :func:`raw_producer`, send what it did (or the error)."""
+    try:
+        conn.send(("ok", raw_producer(ring, total, delay)))
+    except BaseException as e:  # reported to the test
+        conn.send(("error", repr(e)))
+    finally:
+        conn.close()
+
+
+# ---- process inspection (psutil when available, /proc otherwise) ---------------------------
+def proc_state(pid):
+    """'R', 'S', 'Z', ... from /proc, or None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def alive(pid):
+    """Running (not gone and not a zombie)."""
+    return proc_state(pid) not in (None, "Z")
+
+
+def descendants(pid=None):
+    """Pids of every live (non-zombie) descendant of ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            return {p.pid for p in psutil.Process(pid).children(recursive=True)
+                    if p.status() != psutil.STATUS_ZOMBIE}
+        except psutil.NoSuchProcess:
+            return set()
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def cpu_seconds(pid):
+    """User + system CPU seconds of a process from /proc/<pid>/stat (0.0 if gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def segments(pid):
+    """Names in /dev/shm of ring segments created by ``pid``."""
+    prefix = f"echo_native-{pid}-"
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+# ---- subprocess bodies --------------------------------------------------------------------
+def _parent_main(root, out):
+    """Start a process-mode Loader, report (pid, worker pids, ring name), then block."""
+    import echo_native as en
+
+    src = en.ImageFolder(root)
+    L = en.Loader(src, batch_size=4, image_size=32, workers=2, worker_mode="process",
+                  slots=2, seed=1)
+    with L:
+        next(iter(L))                    # workers are up and the ring is full
+        info = {"pid": os.getpid(), "workers": L.worker_pids(), "ring": L.ring_name}
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, out)
+        while True:                      # until SIGKILLed by the test
+            time.sleep(1)
+
+
+def _onecpu_main(root, out):
+    """Two epochs with 2 process workers, then a slow consumer: times and CPU use."""
+    import echo_native as en
+
+    src = en.ImageFolder(root)
+    t0 = time.perf_counter()
+    with en.Loader(src, batch_size=8, image_size=48, workers=2, worker_mode="process",
+                   slots=3, seed=5, timeout=30) as L:
+        ids = []
+        c0 = time.process_time()
+        w0 = time.perf_counter()
+        for _ in range(2):
+            for batch in L:
+                ids.extend(int(i) for i in batch.sample_ids)
+        fast_wall, fast_cpu = time.perf_counter() - w0, time.process_time() - c0
+        # Slow consumer: the ring is full most of the time, workers must sleep.
+        pids = L.worker_pids()
+        wcpu0 = sum(cpu_seconds(p) for p in pids)
+        w1 = time.perf_counter()
+        for i, batch in enumerate(L):
+            time.sleep(0.08)
+        slow_wall = time.perf_counter() - w1
+        worker_cpu_slow = sum(cpu_seconds(p) for p in pids) - wcpu0
+        restarts = L.stats()["worker_restarts"]
+    info = {"ids": ids, "n": len(src), "fast_wall": fast_wall, "fast_consumer_cpu": fast_cpu,
+            "slow_wall": slow_wall, "slow_worker_cpu": worker_cpu_slow,
+            "total": time.perf_counter() - t0, "restarts": restarts,
+            "affinity": sorted(os.sched_getaffinity(0))}
+    with open(out, "w") as f:
+        json.dump(info, f)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    import ring_helpers as _rh  # the importable copy, so pickles name `ring_helpers`
+
+    cmd = sys.argv[1]
+    if cmd == "parent":
+        _rh._parent_main(sys.argv[2], sys.argv[3])
+    elif cmd == "onecpu":
+        _rh._onecpu_main(sys.argv[2], sys.argv[3])
+    elif cmd == "exit":
+        print(os.getpid())
+    else:
+        raise SystemExit(f"unknown command {cmd!r}")
