@@ -14,7 +14,6 @@ Run as a script, it is the body of subprocess-based tests (guarded by
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+EPOCHS = 8          # fast-consumer epochs of the one-CPU run
 
 
 # ---- a small corpus of real-photo JPEGs ---------------------------------------------
@@ -273,33 +273,43 @@ def _parent_main(root, out):
 
 
 def _onecpu_main(root, out):
-    """Two epochs with 2 process workers, then a slow consumer: times and CPU use."""
+    """Three phases with 2 process workers; wall times and CPU use of each side.
+
+    fast:   EPOCHS epochs, null consumer (progress: every id, promptly)
+    sleepy: the workers' reads sleep, the consumer waits (a spinning consumer
+            would be the only runnable task and burn the core)
+    slow:   the consumer sleeps per batch, the ring stays full (spinning
+            workers would burn the core)
+    """
     import echo_native as en
 
     src = en.ImageFolder(root)
+    info = {"n": len(src), "affinity": sorted(os.sched_getaffinity(0)), "ids": []}
     t0 = time.perf_counter()
-    with en.Loader(src, batch_size=8, image_size=48, workers=2, worker_mode="process",
+    with en.Loader(src, batch_size=8, image_size=160, workers=2, worker_mode="process",
                    slots=3, seed=5, timeout=30) as L:
-        ids = []
-        c0 = time.process_time()
-        w0 = time.perf_counter()
-        for _ in range(2):
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(EPOCHS):
             for batch in L:
-                ids.extend(int(i) for i in batch.sample_ids)
-        fast_wall, fast_cpu = time.perf_counter() - w0, time.process_time() - c0
-        # Slow consumer: the ring is full most of the time, workers must sleep.
+                info["ids"].extend(int(i) for i in batch.sample_ids)
+        info["fast_wall"] = time.perf_counter() - w0
+        info["fast_consumer_cpu"] = time.process_time() - c0
         pids = L.worker_pids()
-        wcpu0 = sum(cpu_seconds(p) for p in pids)
-        w1 = time.perf_counter()
-        for i, batch in enumerate(L):
-            time.sleep(0.08)
-        slow_wall = time.perf_counter() - w1
-        worker_cpu_slow = sum(cpu_seconds(p) for p in pids) - wcpu0
-        restarts = L.stats()["worker_restarts"]
-    info = {"ids": ids, "n": len(src), "fast_wall": fast_wall, "fast_consumer_cpu": fast_cpu,
-            "slow_wall": slow_wall, "slow_worker_cpu": worker_cpu_slow,
-            "total": time.perf_counter() - t0, "restarts": restarts,
-            "affinity": sorted(os.sched_getaffinity(0))}
+        wcpu0, w1 = sum(cpu_seconds(p) for p in pids), time.perf_counter()
+        for batch in L:
+            time.sleep(0.1)
+        info["slow_wall"] = time.perf_counter() - w1
+        info["slow_worker_cpu"] = sum(cpu_seconds(p) for p in pids) - wcpu0
+        info["restarts"] = L.stats()["worker_restarts"]
+    with en.Loader(SlowSource(src, 0.01), batch_size=4, image_size=16, workers=2,
+                   worker_mode="process", slots=2, seed=5, timeout=30) as L:
+        next(iter(L))                   # started
+        c0, w0 = time.process_time(), time.perf_counter()
+        for batch in L:
+            pass
+        info["sleepy_wall"] = time.perf_counter() - w0
+        info["sleepy_consumer_cpu"] = time.process_time() - c0
+    info["total"] = time.perf_counter() - t0
     with open(out, "w") as f:
         json.dump(info, f)
 

@@ -155,6 +155,16 @@ static void begin(en_decoder *d, const uint8_t *data, size_t len) {
     jpeg_mem_src(&d->cinfo, data, (unsigned long)len);
     jpeg_read_header(&d->cinfo, TRUE);
     j_decompress_ptr ci = &d->cinfo;
+    /* A zero quantizer is invalid (T.81 B.2.4.1: 1..255) and libjpeg accepts
+     * it silently, zeroing those coefficients: a corrupt table would come out
+     * as a plausible-looking flat image.  Refuse it. */
+    for (int t = 0; t < NUM_QUANT_TBLS; t++) {
+        const JQUANT_TBL *q = ci->quant_tbl_ptrs[t];
+        if (!q) continue;
+        for (int k = 0; k < DCTSIZE2; k++)
+            if (q->quantval[k] == 0)
+                fail(d, EN_ERR_DECODE, "corrupt quantization table %d: entry %d is zero", t, k);
+    }
     uint64_t pixels = (uint64_t)ci->image_width * ci->image_height;
     if (ci->image_width == 0 || ci->image_height == 0)
         fail(d, EN_ERR_DECODE, "JPEG declares an empty image (%ux%u)", ci->image_width,
@@ -262,7 +272,8 @@ static uint8_t *decode_region(en_decoder *d, int denom, int x0, int x1, int y0, 
     if (xoff > 0 || width < ci->output_width) jpeg_crop_scanline(ci, &xoff, &width);
     *rx0 = (int)xoff;
     *rstride = (size_t)ci->output_width * 3;
-    if (en_buf_reserve(&d->region, *rstride * (size_t)(y1 - y0)))
+    /* 16 spare bytes: the SIMD resampler may read one byte past the last pixel. */
+    if (en_buf_reserve(&d->region, *rstride * (size_t)(y1 - y0) + 16))
         fail(d, EN_ERR_NOMEM, "out of memory for a %ux%d region", ci->output_width, y1 - y0);
     if (y0 > 0 && jpeg_skip_scanlines(ci, (JDIMENSION)y0) != (JDIMENSION)y0)
         fail(d, EN_ERR_DECODE, "JPEG data ended before row %d", y0);
@@ -304,7 +315,7 @@ static void crop_resize(en_decoder *d, en_box box, int out_h, int out_w, int fli
     const int x0 = ax.lo > EN_CROP_MARGIN ? ax.lo - EN_CROP_MARGIN : 0;
     const int x1 = ax.hi + EN_CROP_MARGIN < sw ? ax.hi + EN_CROP_MARGIN : sw;
     const uint8_t *region = decode_region(d, denom, x0, x1, ay.lo, ay.hi, &rx0, &rstride);
-    if (en_resample(&d->rs, region, rstride, rx0, ay.lo, &ax, &ay, flip, out, stride))
+    if (en_resample(&d->rs, region, rstride, rx0, ay.lo, &ax, &ay, flip, 1, out, stride))
         fail(d, EN_ERR_NOMEM, "out of memory resizing to %dx%d", out_h, out_w);
     /* The rows below the crop are never decoded: abort instead of finishing. */
     jpeg_abort_decompress(ci);
@@ -369,7 +380,7 @@ int en_resize_rgb(en_decoder *d, const uint8_t *src, int h, int w, size_t src_st
     en_axis ax, ay;
     if (en_plan_axis(&d->rs, 1, box.left, box.left + box.width, w, out_w, &ax) ||
         en_plan_axis(&d->rs, 0, box.top, box.top + box.height, h, out_h, &ay) ||
-        en_resample(&d->rs, src, src_stride, 0, 0, &ax, &ay, flip, out, stride)) {
+        en_resample(&d->rs, src, src_stride, 0, 0, &ax, &ay, flip, ay.hi < h, out, stride)) {
         snprintf(d->errmsg, sizeof d->errmsg, "out of memory resizing to %dx%d", out_h, out_w);
         return EN_ERR_NOMEM;
     }

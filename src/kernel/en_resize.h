@@ -28,7 +28,6 @@ typedef struct en_resampler {
     en_buf xfirst, xcount, xcoef;
     en_buf yfirst, ycount, ycoef;
     en_buf tmp;          /* horizontal pass output, rows [y.lo, y.hi) */
-    en_buf acc;          /* one row of 32-bit accumulators for the vertical pass */
 } en_resampler;
 
 void en_resampler_free(en_resampler *r);
@@ -39,8 +38,10 @@ int en_plan_axis(en_resampler *r, int horizontal, double in0, double in1, int in
                  int out_size, en_axis *axis);
 
 /* Run both passes.  src points at input pixel (src_x0, src_y0) of the planned
- * coordinate system and must cover [x.lo, x.hi) x [y.lo, y.hi). */
+ * coordinate system and must cover [x.lo, x.hi) x [y.lo, y.hi).  src_slack
+ * says at least 4 readable bytes follow the last row (lets SIMD take it too). */
 int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0, int src_y0,
-                const en_axis *x, const en_axis *y, int flip, uint8_t *out, size_t stride);
+                const en_axis *x, const en_axis *y, int flip, int src_slack, uint8_t *out,
+                size_t stride);
 
 #endif

@@ -1,0 +1,458 @@
+"""Faults around the ring and the worker pool: killed and failing workers, hung
+reads, a killed parent, every exit path's cleanup, leaks over many start/stop
+cycles, and corrupt files under each on_error policy."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import echo_native as en
+from echo_native import _ring
+from echo_native.ring import Ring, remove_stale_segments
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import ring_helpers as rh  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory):
+    return rh.make_corpus(tmp_path_factory.getbasetemp() / "ring_corpus_48", 48, seed=1,
+                          classes=3)
+
+
+def _own_segments():
+    return set(rh.segments(os.getpid()))
+
+
+def _gone(ring_name, pids, within=5.0):
+    """True once the segment is unlinked and every pid has exited (polls up to ``within`` s)."""
+    deadline = time.monotonic() + within
+    while True:
+        ok = ring_name[1:] not in _own_segments() and not any(rh.alive(p) for p in pids)
+        if ok or time.monotonic() > deadline:
+            return ok
+        time.sleep(0.05)
+
+
+def _epoch(loader):
+    return [b.copy() for b in loader]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(
+        np.array_equal(x.sample_ids, y.sample_ids) and np.array_equal(x.images, y.images)
+        and np.array_equal(x.labels, y.labels) and np.array_equal(x.flips, y.flips)
+        for x, y in zip(a, b))
+
+
+def _reference(src, **kw):
+    with en.Loader(src, worker_mode="thread", workers=2, **kw) as L:
+        return _epoch(L)
+
+
+# ---- a worker killed mid-epoch --------------------------------------------------------------
+def _wait_until_holding(L, worker, timeout=5.0):
+    """Block until ``worker`` holds an unpublished ticket; return that ticket."""
+    ring, deadline = L._ring, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        claim = ring.claim(worker)
+        if 0 < claim < 2**63 and not ring.is_published(claim - 1):
+            return claim - 1
+        time.sleep(0.0005)
+    raise AssertionError(f"worker {worker} never held a ticket")
+
+
+def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
+    """SIGKILLed workers mid-batch are replaced; the epoch has every id once, same pixels."""
+    src = en.ImageFolder(corpus_root)
+    kw = dict(batch_size=4, image_size=32, seed=9, slots=3)
+    ref = _reference(src, **kw)
+    got, killed = [], []
+    t0 = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="died"):
+        with en.Loader(rh.SlowSource(src, 0.004), workers=2, worker_mode="process",
+                       timeout=30, **kw) as L:
+            it = iter(L)
+            got.append(next(it).copy())
+            for i, batch in enumerate(it, start=1):
+                if i in (1, 6):                   # kill worker 0, later worker 1
+                    w = 0 if i == 1 else 1
+                    _wait_until_holding(L, w)
+                    killed.append(L.worker_pids()[w])
+                    os.kill(killed[-1], signal.SIGKILL)
+                got.append(batch.copy())
+            stats = L.stats()
+            pids_after = L.worker_pids()
+    took = time.perf_counter() - t0
+    ids = np.concatenate([b.sample_ids for b in got])
+    assert sorted(ids.tolist()) == list(range(len(src)))      # every id exactly once
+    assert _same(got, ref)                                     # redone batches are identical
+    assert stats["worker_restarts"] >= 2
+    assert not set(killed) & set(pids_after)
+    assert took < 15
+
+
+def test_sigkill_all_workers_while_ring_is_full(corpus_root):
+    """Killing every worker while each waits on a full ring: their tickets are redone."""
+    src = en.ImageFolder(corpus_root)
+    kw = dict(batch_size=6, image_size=24, seed=2, slots=2)
+    ref = _reference(src, **kw)
+    with pytest.warns(RuntimeWarning, match="died"):
+        with en.Loader(src, workers=2, worker_mode="process", timeout=30, **kw) as L:
+            it = iter(L)
+            got = [next(it).copy()]
+            deadline = time.monotonic() + 5
+            # slot 1 filled, slot 0 held by the consumer: both workers hold later
+            # tickets (2 and 3) and sleep waiting for a free slot
+            while not (L._ring.is_published(1)
+                       and all(2 < L._ring.claim(i) < 2**63 for i in range(2))):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            time.sleep(0.05)
+            held = sorted(L._ring.claim(i) - 1 for i in range(2))
+            for pid in L.worker_pids():
+                os.kill(pid, signal.SIGKILL)
+            got.extend(b.copy() for b in it)
+            assert L.stats()["worker_restarts"] >= 2
+    assert held == [2, 3]                        # they were past the ring, waiting
+    assert _same(got, ref)
+
+
+# ---- exceptions and hangs inside workers ----------------------------------------------------
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_unexpected_exception_in_worker_reaches_consumer_with_traceback(corpus_root, mode):
+    """A non-OSError raised by read() surfaces as WorkerError carrying the worker's traceback."""
+    src = en.ImageFolder(corpus_root)
+    L = en.Loader(rh.RaisingSource(src, []), batch_size=4, image_size=16, workers=2, seed=3,
+                  worker_mode=mode)
+    bad = int(L.plan.epoch_order(0)[10])            # in batch 2
+    L = en.Loader(rh.RaisingSource(src, [bad]), batch_size=4, image_size=16, workers=2,
+                  seed=3, worker_mode=mode, timeout=30)
+    delivered = 0
+    with L:
+        name = L.ring_name
+        with pytest.raises(en.WorkerError) as ei:
+            for _ in L:
+                delivered += 1
+    msg = str(ei.value)
+    assert delivered == 2
+    assert "Traceback (most recent call last)" in msg
+    assert "LookupError" in msg and f"deliberate failure reading sample {bad}" in msg
+    assert "batch 2" in msg
+    assert name[1:] not in _own_segments()
+
+
+@pytest.mark.slow
+def test_hung_worker_trips_the_timeout(corpus_root):
+    """Workers hung in read(): the consumer gets TimeoutError naming the wait within ~timeout."""
+    src = en.ImageFolder(corpus_root)
+    L = en.Loader(rh.HangingSource(src, range(len(src))), batch_size=4, image_size=16,
+                  workers=2, worker_mode="process", timeout=2)
+    with L:
+        name, pids = L.ring_name, L.worker_pids()
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError) as ei:
+            L.next_batch()
+        waited = time.perf_counter() - t0
+        t_close = time.perf_counter()
+    closing = time.perf_counter() - t_close
+    msg = str(ei.value)
+    assert 2.0 <= waited < 3.5
+    assert "waited 2 s for batch 0" in msg and "timeout" in msg
+    assert "worker" in msg
+    assert closing < 8.0                       # hung workers are killed, not waited for forever
+    assert _gone(name, pids)
+
+
+# ---- the parent dies -----------------------------------------------------------------------
+@pytest.mark.slow
+def test_parent_sigkilled_workers_exit_and_segment_removed(corpus_root, tmp_path):
+    """kill -9 of the process owning a Loader: its workers exit and its segment is unlinked."""
+    out = tmp_path / "parent.json"
+    p = subprocess.Popen([sys.executable, str(HERE / "ring_helpers.py"), "parent",
+                          str(corpus_root), str(out)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not out.exists():
+            assert p.poll() is None, p.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the parent never started its Loader"
+            time.sleep(0.05)
+        info = json.loads(out.read_text())
+        pid, workers = info["pid"], info["workers"]
+        assert info["ring"] == f"/{rh.segments(pid)[0]}"
+        assert all(rh.alive(w) for w in workers)
+        os.kill(pid, signal.SIGKILL)
+        # Not reaped yet: the parent is a zombie, which must count as dead.
+        t0 = time.monotonic()
+        while (any(rh.alive(w) for w in workers) or rh.segments(pid)) \
+                and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert rh.proc_state(pid) == "Z"
+        assert not [w for w in workers if rh.alive(w)], "workers outlived their parent"
+        assert rh.segments(pid) == [], "the orphaned segment survived"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        p.stderr.close()
+    assert not [n for n in remove_stale_segments() if n.startswith(f"echo_native-{pid}-")]
+
+
+def _dead_pid():
+    out = subprocess.run([sys.executable, str(HERE / "ring_helpers.py"), "exit"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+def test_remove_stale_segments_of_dead_and_zombie_owners():
+    """Segments of exited or zombie owners are unlinked; a live owner's segment is kept."""
+    dead = _dead_pid()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 10
+        while rh.proc_state(zombie.pid) != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        names = {"dead": f"/echo_native-{dead}-abc123def456",
+                 "zombie": f"/echo_native-{zombie.pid}-00ff00ff00ff",
+                 "live": f"/echo_native-{os.getpid()}-feedfacecafe"}
+        for name in names.values():
+            del_me = _ring.Segment(name, 4096, create=True)
+            del del_me                                       # unmapped, name stays
+        removed = remove_stale_segments()
+        assert names["dead"][1:] in removed and names["zombie"][1:] in removed
+        assert names["live"][1:] not in removed
+        listing = os.listdir("/dev/shm")
+        assert names["dead"][1:] not in listing and names["zombie"][1:] not in listing
+        assert names["live"][1:] in listing
+    finally:
+        zombie.wait()
+        for name in names.values():
+            _ring.unlink(name)
+
+
+def test_ring_create_cleans_stale_segments():
+    """Ring.create() (every Loader start) removes segments whose owner is gone."""
+    stale = f"/echo_native-{_dead_pid()}-0123456789ab"
+    seg = _ring.Segment(stale, 4096, create=True)
+    del seg
+    assert stale[1:] in os.listdir("/dev/shm")
+    r = Ring.create(2, 1, 8)
+    try:
+        assert stale[1:] not in os.listdir("/dev/shm")
+    finally:
+        r.unlink()
+        _ring.unlink(stale)
+
+
+# ---- every exit path removes the segment -----------------------------------------------------
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, ValueError])
+def test_exception_inside_with_removes_segment(corpus_root, exc):
+    """KeyboardInterrupt or an error inside `with Loader` stops workers and unlinks the ring."""
+    src = en.ImageFolder(corpus_root)
+    with pytest.raises(exc):
+        with en.Loader(src, batch_size=4, image_size=16, workers=2) as L:
+            name, pids = L.ring_name, L.worker_pids()
+            assert name[1:] in _own_segments() and len(pids) == 2
+            L.next_batch()
+            raise exc()
+    assert _gone(name, pids, within=0.5)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_waiting_for_a_batch_removes_segment(corpus_root):
+    """A real SIGINT while blocked in next_batch raises KeyboardInterrupt and cleans up."""
+    src = rh.SlowSource(en.ImageFolder(corpus_root), 0.5)
+    timer = threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        with en.Loader(src, batch_size=4, image_size=16, workers=2) as L:
+            name, pids = L.ring_name, L.worker_pids()
+            timer.start()
+            L.next_batch()                     # needs 2 s; interrupted at 0.4 s
+    timer.join()
+    assert _gone(name, pids, within=0.5)
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_garbage_collected_loader_removes_segment(corpus_root, mode):
+    """An un-closed Loader in a reference cycle, collected by gc, stops workers and unlinks."""
+    src = en.ImageFolder(corpus_root)
+    L = en.Loader(src, batch_size=4, image_size=16, workers=2, worker_mode=mode)
+    it = iter(L)
+    batch = next(it)
+    name, pids = L.ring_name, L.worker_pids()
+    L.cycle = L                                 # only the cycle collector can free it
+    assert name[1:] in _own_segments()
+    del L, it, batch
+    gc.collect()
+    assert _gone(name, pids, within=0.5)
+
+
+def test_close_is_idempotent_and_reopens(corpus_root):
+    """close() twice is harmless; starting again makes a new ring and works."""
+    src = en.ImageFolder(corpus_root)
+    L = en.Loader(src, batch_size=8, image_size=16, workers=1, worker_mode="thread")
+    L.start()
+    first = L.ring_name
+    L.close()
+    L.close()
+    assert L.ring_name is None and first[1:] not in _own_segments()
+    with L:
+        assert L.ring_name != first
+        assert len(L.next_batch()) == 8
+    assert not _own_segments() & {L.ring_name}
+
+
+# ---- no leaks over many start/stop cycles ------------------------------------------------------
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.slow
+def test_start_stop_cycles_leak_nothing(corpus_root):
+    """100 thread-mode + 10 process-mode start/stop cycles leave no segment, process, fd or thread."""
+    src = en.ImageFolder(corpus_root)
+
+    def cycle(mode):
+        with en.Loader(src, batch_size=4, image_size=16, workers=2, slots=2,
+                       worker_mode=mode) as L:
+            L.next_batch()
+            return L.ring_name, L.worker_pids()
+
+    cycle("process")                             # the forkserver exists from here on
+    cycle("thread")
+    gc.collect()
+    fds0, kids0, threads0 = _fds(), rh.descendants(), threading.active_count()
+    segs0 = _own_segments()
+    names, pids = [], []
+    for _ in range(100):
+        names.append(cycle("thread")[0])
+    for _ in range(10):
+        name, p = cycle("process")
+        names.append(name)
+        pids.extend(p)
+    gc.collect()
+    assert len(set(names)) == 110 and len(set(pids)) == 20
+    assert _own_segments() == segs0
+    assert not [n for n in names if n[1:] in os.listdir("/dev/shm")]
+    assert not [p for p in pids if rh.alive(p)]
+    assert rh.descendants() == kids0             # only the forkserver, as before
+    assert threading.active_count() == threads0
+    assert _fds() <= fds0, f"open fds grew from {fds0} to {_fds()}"
+
+
+# ---- corrupt files inside a dataset -------------------------------------------------------------
+@pytest.fixture
+def corrupt_folder(corpus_root, tmp_path):
+    """24 good JPEGs + a truncated JPEG, random bytes named .jpg, and a file deleted after
+    listing.  Returns (source, {sample id: (path, reason)})."""
+    root = tmp_path / "corrupt"
+    files = sorted(Path(corpus_root).rglob("*.jpg"))[:24]
+    for i, f in enumerate(files):
+        d = root / f"class_{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, d / f.name)
+    good = files[0].read_bytes()
+    (root / "class_0" / "zz_truncated.jpg").write_bytes(good[:len(good) * 2 // 5])
+    rng = np.random.default_rng(0)
+    (root / "class_1" / "zz_random.jpg").write_bytes(rng.integers(0, 256, 5000, np.uint8)
+                                                     .tobytes())
+    (root / "class_2" / "zz_missing.jpg").write_bytes(good)
+    src = en.ImageFolder(root)
+    (root / "class_2" / "zz_missing.jpg").unlink()           # listed, then gone
+    bad = {}
+    for i in range(len(src)):
+        p = src.path(i)
+        if "zz_" in p:
+            bad[i] = (p, "read" if "missing" in p else "decode")
+    assert len(src) == 27 and len(bad) == 3
+    return src, bad
+
+
+def _collect(loader):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        batches = _epoch(loader)
+    return batches, [w for w in rec if issubclass(w.category, en.SampleFailureWarning)]
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_corrupt_files_replace(corrupt_folder, mode):
+    """on_error='replace': full batches, replaced samples not fresh, failures counted and named."""
+    src, bad = corrupt_folder
+    with en.Loader(src, batch_size=5, image_size=32, workers=2, worker_mode=mode, seed=4,
+                   on_error="replace") as L:
+        batches, warned = _collect(L)
+        stats = L.stats()
+    assert [len(b) for b in batches] == [5, 5, 5, 5, 5, 2]
+    ids = np.concatenate([b.sample_ids for b in batches])
+    fresh = np.concatenate([b.fresh for b in batches])
+    assert int((~fresh).sum()) == 3
+    assert not set(ids.tolist()) & set(bad)                  # a bad sample is never delivered
+    fresh_ids = ids[fresh].tolist()
+    assert sorted(fresh_ids) == sorted(set(range(len(src))) - set(bad))   # each once
+    assert stats["failures"] == {"decode": 2, "read": 1}
+    assert stats["fresh"] == 24 and stats["delivered"] == 27
+    for path, _ in bad.values():
+        assert any(path in str(w.message) and "replaced" in str(w.message) for w in warned), path
+    # a replacement carries the replacement sample's label and pixels
+    for b in batches:
+        for j in np.flatnonzero(~b.fresh):
+            rid = int(b.sample_ids[j])
+            assert b.labels[j] == src.labels[rid]
+            ref, _, _ = en.decode_random_crop(src.read(rid), (32, 32), 4, 0, rid, 0)
+            assert np.array_equal(b.images[j], ref)
+
+
+def test_corrupt_files_skip(corrupt_folder):
+    """on_error='skip': bad samples are dropped, batches shrink, every good id once."""
+    src, bad = corrupt_folder
+    with en.Loader(src, batch_size=5, image_size=32, workers=2, seed=4, on_error="skip") as L:
+        batches, warned = _collect(L)
+        stats = L.stats()
+    sizes = [len(b) for b in batches]
+    assert len(batches) == 6 and sum(sizes) == 24 and min(sizes[:5]) < 5
+    ids = np.concatenate([b.sample_ids for b in batches]).tolist()
+    assert sorted(ids) == sorted(set(range(len(src))) - set(bad))
+    assert all(b.fresh.all() for b in batches)
+    assert stats["failures"] == {"decode": 2, "read": 1}
+    for path, _ in bad.values():
+        assert any(path in str(w.message) and "skipped" in str(w.message) for w in warned), path
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_corrupt_files_raise(corrupt_folder, mode):
+    """on_error='raise': DecodeError naming the first bad file, after the good batches before it."""
+    src, bad = corrupt_folder
+    L = en.Loader(src, batch_size=5, image_size=32, workers=2, worker_mode=mode, seed=4,
+                  on_error="raise")
+    order = L.plan.epoch_order(0).tolist()
+    first = min(order.index(i) for i in bad)
+    expected_path = bad[order[first]][0]
+    delivered = 0
+    with L:
+        name = L.ring_name
+        with pytest.raises(en.DecodeError, match=re.escape(expected_path)) as ei:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", en.SampleFailureWarning)
+                for _ in L:
+                    delivered += 1
+    assert delivered == first // 5
+    assert ei.value.path == expected_path
+    assert isinstance(ei.value, ValueError)
+    assert name[1:] not in _own_segments()
