@@ -62,7 +62,8 @@ class PillowImageFolder:
             im = im.convert("RGB").resize((self.size, self.size), Image.BILINEAR, box=box)
         if rng.random() < 0.5:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        return torch.from_numpy(np.asarray(im)).permute(2, 0, 1), int(self.labels[i])
+        # PILToTensor copies the pixels into a tensor: so do we.
+        return torch.from_numpy(np.array(im)).permute(2, 0, 1), int(self.labels[i])
 
 
 def torch_loader(folder, batch_size, workers, size=224, seed=0):

@@ -172,7 +172,9 @@ class EchoRing:
 
     def _passthrough(self):
         for _ in range(len(self.loader)):
+            t0 = time.perf_counter()
             b = self.loader.next_batch()
+            self._books.wait_s += time.perf_counter() - t0
             self._books.fresh += int(b.fresh.sum())
             self._books.fresh_batches += 1
             self._note_fill(b)

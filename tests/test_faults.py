@@ -67,12 +67,15 @@ def _reference(src, **kw):
 
 # ---- a worker killed mid-epoch --------------------------------------------------------------
 def _wait_until_holding(L, worker, timeout=5.0):
-    """Block until ``worker`` holds an unpublished ticket; return that ticket."""
+    """Block until ``worker`` holds a ticket not yet filled; return that ticket.
+
+    (A claim can still name a ticket the worker has just published and the
+    consumer already took: such a worker holds nothing.)"""
     ring, deadline = L._ring, time.monotonic() + timeout
     while time.monotonic() < deadline:
-        claim = ring.claim(worker)
-        if 0 < claim < 2**63 and not ring.is_published(claim - 1):
-            return claim - 1
+        t = ring.claim(worker) - 1
+        if L._ticket <= t < 2**63 and not ring.is_published(t):
+            return t
         time.sleep(0.0005)
     raise AssertionError(f"worker {worker} never held a ticket")
 
@@ -85,7 +88,7 @@ def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
     got, killed = [], []
     t0 = time.perf_counter()
     with pytest.warns(RuntimeWarning, match="died"):
-        with en.Loader(rh.SlowSource(src, 0.004), workers=2, worker_mode="process",
+        with en.Loader(rh.SlowSource(src, 0.02), workers=2, worker_mode="process",
                        timeout=30, **kw) as L:
             it = iter(L)
             got.append(next(it).copy())

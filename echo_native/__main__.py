@@ -1,0 +1,5 @@
+import sys
+
+from echo_native.cli import main
+
+sys.exit(main())
