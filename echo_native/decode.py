@@ -211,8 +211,16 @@ def image_size(data, *, max_pixels=DEFAULT_MAX_PIXELS) -> tuple[int, int]:
 
 
 def _pair(size):
-    h, w = size
-    return int(h), int(w)
+    # Checked here, with the kernel's message, because decode_random_crop
+    # allocates the output before the kernel sees the size.
+    try:
+        h, w = size
+        h, w = int(h), int(w)
+    except (TypeError, ValueError):
+        raise TypeError(f"size must be (height, width), got {size!r}") from None
+    if h <= 0 or w <= 0 or h > 65535 or w > 65535:
+        raise ValueError(f"size must be positive and at most 65535, got {size!r}")
+    return h, w
 
 
 random_resized_crop_params = _kernel.random_resized_crop_params

@@ -67,6 +67,7 @@ class ExampleBuffer:
         self.remaining = np.zeros(c, np.int32)   # emissions left
         self.next_echo = np.zeros(c, np.int32)   # echo index of the next emission
         self.epoch = np.zeros(c, np.int64)
+        self.ticket = np.zeros(c, np.int64)      # fresh batch the example came in
         self.shape = np.zeros((c, 2), np.int32)
         self.source_hw = np.zeros((c, 2), np.int32)
         self.scale = np.ones((c, 2), np.float32)

@@ -70,6 +70,19 @@ class Batch:
                      self.flips.copy(), self.epoch)
 
 
+def distributed_rank(rank=None, world_size=None):
+    """(rank, world_size): given explicitly, else from torchrun's RANK/WORLD_SIZE, else (0, 1)."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0")) if world_size > 1 else 0
+    rank, world_size = int(rank), int(world_size)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, "
+                         f"world_size={world_size}")
+    return rank, world_size
+
+
 def _default_workers():
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -86,15 +99,14 @@ class Loader:
 
     def __init__(self, source, batch_size, transform=None, *, image_size=224, workers=None,
                  slots=None, seed=0, shuffle=True, drop_last=False, on_error="replace",
-                 timeout=120.0, worker_mode="process", start_method=None, strict=True):
+                 timeout=120.0, worker_mode="process", start_method=None, strict=True,
+                 rank=None, world_size=None):
         n = len(source)
+        rank, world_size = distributed_rank(rank, world_size)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if n == 0:
             raise ValueError("the source is empty")
-        if drop_last and batch_size > n:
-            raise ValueError(f"batch_size {batch_size} is larger than the {n} samples "
-                             f"of the source (drop_last=True would yield nothing)")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if timeout <= 0:
@@ -109,9 +121,13 @@ class Loader:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.slots = slots or max(4, 2 * self.workers)
         self.timeout = float(timeout)
-        self.plan = Plan(num_samples=n, batch_size=int(batch_size), transform=transform,
+        self.plan = Plan(total_samples=n, batch_size=int(batch_size), transform=transform,
                          seed=int(seed), shuffle=shuffle, drop_last=drop_last,
-                         on_error=on_error, strict=strict)
+                         on_error=on_error, strict=strict, rank=rank, world_size=world_size)
+        if self.plan.batches_per_epoch == 0:
+            raise ValueError(f"batch_size {batch_size} is larger than the "
+                             f"{self.plan.num_samples} samples of this rank's shard "
+                             f"(drop_last=True would yield nothing)")
         self._worker_mode, self._start_method = worker_mode, start_method
         self._ring = self._pool = None
         self._ticket = 0           # next ticket the consumer takes
@@ -124,7 +140,7 @@ class Loader:
         if self._ring is not None:
             return self
         shape = getattr(self.plan.transform, "sample_bytes")
-        self._ring = Ring.create(self.slots, self.plan.batch_size, shape)
+        self._ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket)
         self._pool = WorkerPool(self._ring, self.plan, self.source, self.workers,
                                 self._worker_mode, self._start_method)
         # Runs on close(), garbage collection and interpreter exit alike.
@@ -139,6 +155,45 @@ class Loader:
         if self._finalizer is not None:
             self._finalizer()
         self._ring = self._pool = None
+
+    def seek(self, ticket):
+        """Continue from ``ticket`` (a batch number counted from epoch 0).
+
+        Workers may already have filled batches past the current position, so
+        moving anywhere but the next ticket restarts them at the new position.
+        """
+        ticket = int(ticket)
+        if ticket < 0:
+            raise ValueError(f"ticket must be >= 0, got {ticket}")
+        if ticket == self._ticket:
+            return
+        running = self._ring is not None
+        if running:
+            self.close()
+        self._ticket = ticket
+        if running:
+            self.start()
+
+    def set_epoch(self, epoch):
+        """Start the next iteration at ``epoch`` (as with ``DistributedSampler.set_epoch``).
+
+        Calling it with the epoch the loader is already in costs nothing, and
+        keeps a position restored mid-epoch by ``load_state_dict``.
+        """
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if self._ticket // len(self) != epoch:
+            self.seek(epoch * len(self))
+
+    def state_dict(self):
+        """Where the fresh stream stands: restoring it continues with the next batch."""
+        return {"ticket": self._ticket, "batches_per_epoch": len(self),
+                "seed": self.plan.seed, "world_size": self.plan.world_size,
+                "rank": self.plan.rank}
+
+    def load_state_dict(self, state):
+        _check_state(self, state)
+        self.seek(state["ticket"])
 
     def __enter__(self):
         return self.start()
@@ -163,8 +218,9 @@ class Loader:
         return self._ticket // len(self)
 
     def __iter__(self):
+        """The rest of the current epoch (all of it unless resumed mid-epoch)."""
         self.start()
-        for _ in range(len(self)):
+        for _ in range(len(self) - self._ticket % len(self)):
             yield self.next_batch()
 
     def next_batch(self) -> Batch:
@@ -297,6 +353,15 @@ def _image_shape(transform):
         raise TypeError(f"{type(transform).__name__} makes variable-size canvases; read them "
                         f"with next_filled() (the echo stage does)")
     return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def _check_state(owner, state):
+    plan = owner.plan
+    for key, mine in (("seed", plan.seed), ("world_size", plan.world_size), ("rank", plan.rank),
+                      ("batches_per_epoch", plan.batches_per_epoch)):
+        if key in state and state[key] != mine:
+            raise ValueError(f"state was saved with {key}={state[key]}, this loader has "
+                             f"{key}={mine}; the fresh stream would not continue exactly")
 
 
 def _shutdown(ring, pool):

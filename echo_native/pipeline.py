@@ -49,13 +49,11 @@ class EchoRing:
                  seed=0, drop_last=False, on_error="replace", normalize=None, layout="NHWC",
                  max_echo=4.0, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip_p=0.5,
                  canvas_side=None, canvas_max_pixels=None, echo_flip=False, slots=None,
-                 timeout=120.0, worker_mode="process", start_method=None, strict=True):
+                 timeout=120.0, worker_mode="process", start_method=None, strict=True,
+                 rank=None, world_size=None):
         n = len(source)
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if batch_size > n:
-            raise ValueError(f"batch_size {batch_size} is larger than the {n} samples of the "
-                             f"source")
         if not isinstance(image_size, (int, np.integer)) or image_size <= 0:
             raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
         self.auto = echo == "auto"
@@ -95,9 +93,21 @@ class EchoRing:
             transform = Canvas(min_side=side, max_pixels=budget)
         else:
             transform = RandomResizedCrop(size, *self._crop_args)
+        # Echo stages need every sample of the epoch; echo=1 is the Loader itself.
         self.loader = Loader(source, self.batch_size, transform, workers=workers, slots=slots,
-                             seed=seed, drop_last=False, on_error=on_error, timeout=timeout,
-                             worker_mode=worker_mode, start_method=start_method, strict=strict)
+                             seed=seed, drop_last=self.drop_last and self.passthrough,
+                             on_error=on_error, timeout=timeout,
+                             worker_mode=worker_mode, start_method=start_method, strict=strict,
+                             rank=rank, world_size=world_size)
+        shard = self.loader.plan.num_samples
+        if batch_size > shard:
+            raise ValueError(f"batch_size {batch_size} is larger than the {shard} samples of "
+                             f"{'the source' if shard == n else 'this rank' + chr(39) + 's shard'}")
+        # Resume bookkeeping: per fresh batch (ticket), how many of its examples
+        # still await their first emission, and which ids already had it.
+        self._unsent = {}
+        self._sent = {}
+        self._skip = set()
         self._buffer = self._window = None
         self._outputs, self._turn = None, 0
         self._books = _Books()
@@ -143,12 +153,16 @@ class EchoRing:
         if self.passthrough:
             return len(self.loader)
         if self.placement == "batch":
-            total = int(echo_counts(self.seed, self.epoch, len(self.loader), self._e()).sum())
-            return total
+            counts = echo_counts(self.seed, self.epoch, len(self.loader), self._e())
+            if self.drop_last and n % B:
+                counts = counts[:-1]  # the short last batch is never delivered
+            return int(counts.sum())
         if self.auto:
             total = round(n * self._auto.value)
         else:
-            total = int(echo_counts(self.seed, self.epoch, n, self.echo).sum())
+            counts = echo_counts(self.seed, self.epoch, n, self.echo)
+            plan = self.loader.plan
+            total = int(counts[plan.epoch_order(self.epoch, self.loader.source)].sum())
         return total // B if self.drop_last else math.ceil(total / B)
 
     def _e(self):
@@ -171,9 +185,10 @@ class EchoRing:
             books.consumer_s += time.perf_counter() - t
 
     def _passthrough(self):
-        for _ in range(len(self.loader)):
+        loader = self.loader
+        for _ in range(len(loader) - loader._ticket % len(loader)):
             t0 = time.perf_counter()
-            b = self.loader.next_batch()
+            b = loader.next_batch()
             self._books.wait_s += time.perf_counter() - t0
             self._books.fresh += int(b.fresh.sum())
             self._books.fresh_batches += 1
@@ -192,18 +207,20 @@ class EchoRing:
         n = len(loader.source)
         counts = None if self.auto else echo_counts(self.seed, epoch, n, self.echo)
         rng = shuffle_rng(self.seed, epoch)
-        fresh_left = len(loader)
+        fresh_left = len(loader) - loader._ticket % len(loader)
         fixed = self.placement == "after_augment"
         while True:
             fresh_left -= self._fill(buf, counts, rng, fresh_left, fixed)
             pending = buf.pending
             if pending == 0 and fresh_left == 0:
+                self._skip = set()
                 return
             want = min(B, pending)
             if want < B and (fresh_left > 0):
                 continue  # _fill blocks for more fresh data
             if want < B and self.drop_last:
                 buf.clear()
+                self._skip = set()
                 return
             entries = buf.choose(want, rng)
             yield self._emit(buf, entries, epoch)
@@ -253,23 +270,30 @@ class EchoRing:
         buf.remaining[entries] = k
         buf.next_echo[entries] = 0
         buf.epoch[entries] = filled.epoch
+        buf.ticket[entries] = filled.ticket
         buf.shape[entries] = slot.shapes[:n]
         buf.source_hw[entries] = slot.source_hw[:n]
         buf.scale[entries] = slot.canvas_scale[:n]
         buf.box[entries] = slot.boxes[:n]
         buf.flip[entries] = slot.flip[:n].view(bool)
-        # Entries whose count is 0 (never for e >= 1) must not linger.
-        zero = entries[np.asarray(k) == 0]
+        if self._skip:  # resumed: these already had their fresh emission before the save
+            buf.remaining[entries[np.isin(buf.sample_id[entries], list(self._skip))]] = 0
+        zero = entries[buf.remaining[entries] == 0]
         if len(zero):
             buf.retire(zero)
-        self._books.fresh += int(np.count_nonzero(buf.ok[entries]))
+        live = entries[buf.remaining[entries] > 0]
+        self._unsent[filled.ticket] = len(live)
+        self._sent[filled.ticket] = []
+        self._books.fresh += int(np.count_nonzero(buf.ok[live]))
         self._books.fresh_batches += 1
         self._books.fill_s += self.loader._ring.fill_seconds(filled.ticket)
 
     def _emit(self, buf, entries, epoch):
         n = len(entries)
         sample_ids = buf.sample_id[entries].copy()
+        tickets = buf.ticket[entries].copy()
         echo_index = buf.emit(entries)
+        self._note_sent(tickets[echo_index == 0], sample_ids[echo_index == 0])
         images = self._next_images(n)
         if self.placement == "after_augment":
             self.device.gather(buf, entries, images)
@@ -288,6 +312,52 @@ class EchoRing:
         fresh = (echo_index == 0) & buf.ok[entries]
         return self._finish(images, buf.label[entries].copy(), sample_ids, fresh, echo_index,
                             boxes, flips, epoch)
+
+    def _note_sent(self, tickets, sample_ids):
+        for t, sid in zip(tickets.tolist(), sample_ids.tolist()):
+            self._unsent[t] -= 1
+            self._sent[t].append(sid)
+        # Forget batches that are fully sent and older than any partly sent one.
+        oldest = min((t for t, left in self._unsent.items() if left), default=None)
+        for t in [t for t in self._unsent if oldest is None or t < oldest]:
+            if not self._unsent[t]:
+                del self._unsent[t], self._sent[t]
+
+    # -- resume ------------------------------------------------------------------------------
+    def state_dict(self):
+        """Position in the fresh stream, for exact resume.
+
+        Restoring it re-reads from the oldest fresh batch that still had
+        examples waiting for their first emission, and skips the examples of
+        those batches that were already emitted, so across the save no sample
+        is read fresh twice or skipped.  The echo buffer itself is not saved:
+        echoes still owed for examples emitted before the save are dropped.
+        """
+        pending = [t for t, left in self._unsent.items() if left]
+        ticket = min(pending) if pending else self.loader._ticket
+        skip = sorted(sid for t, ids in self._sent.items() if t >= ticket for sid in ids)
+        state = self.loader.state_dict()
+        state.update(ticket=ticket, skip=skip, echo=self.echo, placement=self.placement)
+        return state
+
+    def load_state_dict(self, state):
+        """Continue from a :meth:`state_dict` (before iterating; any worker count)."""
+        if state.get("placement", self.placement) != self.placement:
+            raise ValueError(f"state was saved with placement={state['placement']!r}, this "
+                             f"ring has {self.placement!r}")
+        self.loader.load_state_dict(state)
+        self._skip = set(int(s) for s in state.get("skip", ()))
+        self._unsent, self._sent = {}, {}
+        if self._buffer is not None:
+            self._buffer.clear()
+
+    def set_epoch(self, epoch):
+        """As ``DistributedSampler.set_epoch``: the next iteration is ``epoch``."""
+        if self.loader.epoch != epoch:
+            self._skip = set()
+            if self._buffer is not None:
+                self._buffer.clear()
+        self.loader.set_epoch(epoch)
 
     def _crop_params(self, buf, entries, sample_ids, echo_index):
         """RandomResizedCrop of each emission, drawn in the original image's
@@ -326,21 +396,33 @@ class EchoRing:
         counts = echo_counts(self.seed, epoch, nb, self._e())
         rng = shuffle_rng(self.seed, epoch)
         window = BatchWindow(max(2, self.shuffle_buffer // self.batch_size))
-        taken = 0
+        taken = loader._ticket % nb
         while True:
             while taken < nb and len(window) < window.size:
                 t0 = time.perf_counter()
                 b = loader.next_batch()
                 self._books.wait_s += time.perf_counter() - t0
+                ticket = loader._ticket - 1
+                self._note_fill()
+                if self._skip and np.isin(b.sample_ids, list(self._skip)).all():
+                    b.release()  # resumed: this batch was emitted before the save
+                    taken += 1
+                    continue
                 self._books.fresh += int(b.fresh.sum())
                 self._books.fresh_batches += 1
-                self._note_fill()
-                window.add(b.copy(), counts[taken])
+                batch = b.copy()
+                batch.ticket = ticket
+                window.add(batch, counts[taken])
+                self._unsent[ticket], self._sent[ticket] = 1, []
                 b.release()
                 taken += 1
             if not len(window):
+                self._skip = set()
                 return
             b, echo = window.take(rng)
+            if echo == 0:
+                self._unsent[b.ticket] = 0
+                self._sent[b.ticket] = b.sample_ids.tolist()
             if self.drop_last and len(b) < self.batch_size:
                 continue
             images = self._next_images(len(b))

@@ -199,7 +199,7 @@ class Ring:
 
     # -- life cycle ------------------------------------------------------------
     @classmethod
-    def create(cls, nslots, batch_size, sample_bytes):
+    def create(cls, nslots, batch_size, sample_bytes, first_ticket=0):
         if nslots < 2:
             raise ValueError(f"a ring needs at least 2 slots, got {nslots}")
         remove_stale_segments()
@@ -215,7 +215,8 @@ class Ring:
         head[_H_SAMPLE_BYTES // 8] = layout.sample_bytes
         head[_H_SLOT_BYTES // 8] = layout.slot_bytes
         ring = cls(seg, layout)
-        for t in range(layout.nslots):  # slot t is free for ticket t
+        head[_H_NEXT_TICKET // 8] = first_ticket
+        for t in range(first_ticket, first_ticket + layout.nslots):  # each slot free for its ticket
             seg.seq_publish(layout.slot(t) + _S_SEQ, (2 * t) & 0xFFFFFFFF)
         return ring
 

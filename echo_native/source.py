@@ -109,3 +109,169 @@ class Samples:
 
     def __repr__(self):
         return f"Samples({len(self)} samples)"
+
+
+class FileList:
+    """Samples listed in a text/CSV file (or given as rows) of ``path,label``.
+
+    Relative paths are resolved against ``root`` (default: the list file's
+    folder).  Blank lines and lines starting with ``#`` are ignored; a first
+    line ``path,label`` is taken as a header.
+    """
+
+    def __init__(self, path_or_rows, root=None):
+        if isinstance(path_or_rows, (str, os.PathLike)):
+            list_path = Path(path_or_rows)
+            if not list_path.is_file():
+                raise FileNotFoundError(f"FileList {str(list_path)!r} does not exist")
+            with open(list_path, newline="") as f:
+                lines = f.read().splitlines()
+            rows = []
+            for n, line in enumerate(lines, 1):
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                path, sep, label = line.rpartition(",")
+                if not sep:
+                    raise ValueError(f"{list_path}:{n}: expected 'path,label', got {line!r}")
+                if n == 1 and label.strip().lower() == "label":
+                    continue
+                rows.append((path.strip(), label.strip(), f"{list_path}:{n}"))
+            self.root = Path(root) if root is not None else list_path.parent
+        else:
+            rows = [(str(p), lab, f"row {n}") for n, (p, lab) in enumerate(path_or_rows)]
+            self.root = Path(root) if root is not None else Path(".")
+        if not rows:
+            raise ValueError("FileList has no samples")
+        labels = []
+        for path, label, where in rows:
+            try:
+                labels.append(int(label))
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: label {label!r} of {path!r} is not an integer") \
+                    from None
+        self._paths = _PackedPaths([p for p, _, _ in rows])
+        self.labels = np.asarray(labels, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def path(self, i) -> str:
+        return os.path.join(self.root, self._paths[i])
+
+    def describe(self, i) -> str:
+        return self.path(i)
+
+    def read(self, i) -> bytes:
+        with open(self.path(i), "rb") as f:
+            return f.read()
+
+    def __repr__(self):
+        return f"FileList({len(self)} samples, root={str(self.root)!r})"
+
+
+class TarShards:
+    """WebDataset-style tar shards: members ``<key>.jpg`` (or .jpeg/.png/.webp) and
+    ``<key>.cls`` (the integer label) grouped by key.
+
+    The shards are indexed once (member headers only, data is skipped), so a
+    worker reads a sample with one positioned read from the shard, never
+    extracting anything.  Epoch order keeps reads mostly sequential: shards are
+    visited in an order shuffled per epoch and samples are shuffled within a
+    window of ``shuffle_buffer`` consecutive samples (like WebDataset's buffer).
+    """
+
+    IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+
+    def __init__(self, urls_or_paths, shuffle_buffer=1000):
+        import tarfile
+
+        if isinstance(urls_or_paths, (str, os.PathLike)):
+            urls_or_paths = [urls_or_paths]
+        self.shards = [str(p) for p in urls_or_paths]
+        if not self.shards:
+            raise ValueError("TarShards needs at least one shard")
+        self.shuffle_buffer = int(shuffle_buffer)
+        shard_of, offsets, sizes, labels, keys, starts = [], [], [], [], [], [0]
+        for s, shard in enumerate(self.shards):
+            if not os.path.isfile(shard):
+                raise FileNotFoundError(f"tar shard {shard!r} does not exist")
+            images, classes = {}, {}
+            try:
+                with tarfile.open(shard, "r:") as tar:
+                    for m in tar:
+                        if not m.isfile():
+                            continue
+                        key, dot, ext = m.name.rpartition(".")
+                        ext = "." + ext.lower()
+                        if ext in self.IMAGE_EXTS:
+                            images[key] = (m.offset_data, m.size)
+                        elif ext == ".cls":
+                            classes[key] = (m.offset_data, m.size)
+            except tarfile.TarError as e:
+                raise ValueError(f"tar shard {shard!r} is not a readable tar file: {e}") from None
+            with open(shard, "rb") as f:
+                for key in sorted(images):
+                    off, size = images[key]
+                    label = -1
+                    if key in classes:
+                        f.seek(classes[key][0])
+                        text = f.read(classes[key][1]).strip()
+                        try:
+                            label = int(text)
+                        except ValueError:
+                            raise ValueError(f"{shard}: {key}.cls holds {text[:20]!r}, not an "
+                                             f"integer label") from None
+                    shard_of.append(s)
+                    offsets.append(off)
+                    sizes.append(size)
+                    labels.append(label)
+                    keys.append(key)
+            starts.append(len(offsets))
+        if not offsets:
+            raise ValueError(f"no image members in the {len(self.shards)} tar shard(s)")
+        self._shard = np.asarray(shard_of, np.int32)
+        self._offset = np.asarray(offsets, np.int64)
+        self._size = np.asarray(sizes, np.int64)
+        self._starts = np.asarray(starts, np.int64)
+        self._keys = _PackedPaths(keys)
+        self.labels = np.asarray(labels, np.int64)
+        self._files = None
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_files"] = None  # open files stay in the process that opened them
+        return state
+
+    def describe(self, i) -> str:
+        return f"{self.shards[self._shard[i]]}:{self._keys[i]}"
+
+    def read(self, i) -> bytes:
+        if self._files is None:
+            self._files = {}
+        s = int(self._shard[i])
+        fd = self._files.get(s)
+        if fd is None:
+            fd = self._files[s] = os.open(self.shards[s], os.O_RDONLY)
+        size = int(self._size[i])
+        data = os.pread(fd, size, int(self._offset[i]))
+        if len(data) != size:
+            raise OSError(f"short read: {len(data)} of {size} bytes")
+        return data
+
+    def epoch_order(self, seed, epoch):
+        """Shards in a per-epoch order, samples shuffled within windows."""
+        gen = np.random.Generator(np.random.Philox(key=[seed, 0x7461727368], counter=[epoch, 0, 0, 0]))
+        parts = [np.arange(self._starts[s], self._starts[s + 1])
+                 for s in gen.permutation(len(self.shards))]
+        order = np.concatenate(parts)
+        w = max(1, self.shuffle_buffer)
+        for start in range(0, len(order), w):
+            gen.shuffle(order[start:start + w])
+        return order
+
+    def __repr__(self):
+        return f"TarShards({len(self.shards)} shards, {len(self)} samples)"

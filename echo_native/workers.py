@@ -161,9 +161,16 @@ class Canvas:
 # ---- which samples each ticket holds ------------------------------------------
 @dataclass(frozen=True)
 class Plan:
-    """Everything a worker needs to fill any ticket, identically in every process."""
+    """Everything a worker needs to fill any ticket, identically in every process.
 
-    num_samples: int
+    Sharding follows torch's ``DistributedSampler``: every rank draws the same
+    global order for (seed, epoch), pads it by wrapping around to a multiple of
+    ``world_size`` (or, with ``drop_last``, truncates it), and takes every
+    ``world_size``-th sample from position ``rank``.  So ranks are disjoint
+    (apart from the padding) and all yield the same number of batches.
+    """
+
+    total_samples: int
     batch_size: int
     transform: object
     seed: int = 0
@@ -173,6 +180,17 @@ class Plan:
     strict: bool = True
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_scans: int = DEFAULT_MAX_SCANS
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def num_samples(self):
+        """Samples this rank reads per epoch."""
+        if self.world_size == 1:
+            return self.total_samples
+        if self.drop_last:
+            return self.total_samples // self.world_size
+        return math.ceil(self.total_samples / self.world_size)
 
     @property
     def batches_per_epoch(self):
@@ -180,29 +198,41 @@ class Plan:
             return self.num_samples // self.batch_size
         return math.ceil(self.num_samples / self.batch_size)
 
-    def epoch_order(self, epoch):
-        """The epoch's sample order: a pure function of (seed, epoch)."""
+    def global_order(self, epoch, source=None):
+        """The epoch's order over all samples: a pure function of (seed, epoch)."""
         if not self.shuffle:
-            return np.arange(self.num_samples, dtype=np.int64)
+            return np.arange(self.total_samples, dtype=np.int64)
+        if source is not None and hasattr(source, "epoch_order"):
+            return np.asarray(source.epoch_order(self.seed, epoch), dtype=np.int64)
         gen = np.random.Generator(np.random.Philox(key=[self.seed, 0x6F72646572],
                                                    counter=[epoch, 0, 0, 0]))
-        return gen.permutation(self.num_samples).astype(np.int64)
+        return gen.permutation(self.total_samples).astype(np.int64)
+
+    def epoch_order(self, epoch, source=None):
+        """This rank's share of the epoch's order."""
+        order = self.global_order(epoch, source)
+        if self.world_size == 1:
+            return order
+        need = self.num_samples * self.world_size
+        if need > len(order):
+            order = np.resize(order, need)  # wraps around, as DistributedSampler pads
+        return order[:need][self.rank::self.world_size]
 
     def replacement(self, epoch, sample_id, attempt):
         """A deterministic stand-in for a sample that failed."""
         words = _kernel.philox4x64((sample_id, epoch, attempt, 0), (self.seed, 0x7265706C))
-        return int(words[0] % self.num_samples)
+        return int(words[0] % self.total_samples)
 
 
 class _EpochCache:
-    def __init__(self, plan):
-        self.plan, self.epoch, self.order = plan, None, None
+    def __init__(self, plan, source):
+        self.plan, self.source, self.epoch, self.order = plan, source, None, None
 
     def ticket(self, ticket):
         bpe = self.plan.batches_per_epoch
         epoch, b = divmod(ticket, bpe)
         if epoch != self.epoch:
-            self.epoch, self.order = epoch, self.plan.epoch_order(epoch)
+            self.epoch, self.order = epoch, self.plan.epoch_order(epoch, self.source)
         B = self.plan.batch_size
         return epoch, self.order[b * B:(b + 1) * B]
 
@@ -212,7 +242,7 @@ class _Filler:
     def __init__(self, ring: Ring, plan: Plan, source):
         self.ring, self.plan, self.source = ring, plan, source
         self.dec = _kernel.Decoder(plan.max_pixels, plan.max_scans, plan.strict)
-        self.epochs = _EpochCache(plan)
+        self.epochs = _EpochCache(plan, source)
         self.labels = np.asarray(source.labels, dtype=np.int64)
 
     def _produce(self, sid, epoch, slot, i):
@@ -287,7 +317,9 @@ def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None):
     """
     filler = _Filler(ring, plan, source)
     redo = list(redo)
-    while not (stop is not None and stop.is_set()):
+    # Stop taking tickets once the ring is closed (a free slot would otherwise
+    # keep a process worker decoding for nobody until close() kills it).
+    while not (stop is not None and stop.is_set()) and not ring.closed:
         if redo:
             ticket = redo.pop(0)
             ring.set_claim(index, ticket + 1)
@@ -406,14 +438,18 @@ class WorkerPool:
     def _lost_tickets(self, consumer_ticket):
         # A live worker may be between taking a ticket and recording it; wait
         # until none is, so every ticket handed out is either recorded,
-        # published, or lost with the dead.
+        # published, or lost with the dead.  Read the ticket counter first:
+        # a ticket a live worker takes after the claims are read must not
+        # count as lost (it would be filled twice, the second time into a
+        # slot the consumer may already have handed to the next lap).
+        end = self.ring.next_ticket
         deadline = time.monotonic() + 2.0
         while any(self.ring.claim(i) == CLAIM_PENDING for i in range(self.count)):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.001)
         held = {self.ring.claim(i) - 1 for i in range(self.count) if self.ring.claim(i)}
-        return [t for t in range(consumer_ticket, self.ring.next_ticket)
+        return [t for t in range(consumer_ticket, end)
                 if t not in held and not self.ring.is_published(t)]
 
     def close(self, timeout=5.0):

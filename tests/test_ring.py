@@ -432,8 +432,9 @@ def test_epochs_differ_but_each_is_reproducible(corpus_root):
 
 def test_plan_order_is_a_pure_function_of_seed_and_epoch():
     """Plan.epoch_order depends only on (seed, epoch) and is a permutation."""
-    p = Plan(num_samples=100, batch_size=7, transform=en.RandomResizedCrop((8, 8)), seed=4)
-    q = Plan(num_samples=100, batch_size=3, transform=en.RandomResizedCrop((8, 8)), seed=4)
+    t = en.RandomResizedCrop((8, 8))
+    p = Plan(100, 7, t, seed=4)              # (samples, batch size, transform)
+    q = Plan(100, 3, t, seed=4)
     assert np.array_equal(p.epoch_order(3), q.epoch_order(3))
     assert sorted(p.epoch_order(3).tolist()) == list(range(100))
     assert not np.array_equal(p.epoch_order(3), p.epoch_order(4))

@@ -77,9 +77,13 @@ int en_shm_unlink(const char *name) {
 }
 
 uint64_t en_ticket_take(uint64_t *counter) {
-    /* Relaxed is enough: the ticket only names work; the slot's sequence word
-     * carries the data dependencies. */
-    return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+    /* The slot's sequence word carries the data dependencies; the ticket
+     * only names work.  Acquire-release all the same, for the supervisor's
+     * lost-ticket accounting: a worker's earlier CLAIM_PENDING store must be
+     * visible to whoever acquire-loads a counter that includes its ticket,
+     * and its later claim store must not move before the increment.  (Free
+     * on x86, where every locked RMW is a full barrier.) */
+    return __atomic_fetch_add(counter, 1, __ATOMIC_ACQ_REL);
 }
 
 uint64_t en_load64(const uint64_t *word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
