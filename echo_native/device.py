@@ -1,13 +1,18 @@
 """Stage 6 of the pipeline: where the echo buffer lives and how emissions are made.
 
 A device backend turns echo-buffer entries into an output batch:
-``store`` (slot -> buffer), ``gather`` (repeat prepared images),
-``crop_resize`` (re-augment canvases), ``flip`` and ``normalize``.  The CPU
-backend uses NumPy and the native resampler (GIL released).  The bookkeeping
-that decides *which* entries to emit (:mod:`echo_native.echo`) is the same
-for every backend.
+``store`` (ring slot -> buffer), ``gather`` (repeat prepared images),
+``crop_resize`` (re-augment canvases), ``flip``, ``normalize`` and
+``to_device`` (a fresh batch that is not echoed).  :class:`ArrayDevice` writes
+all of it once against an array module (NumPy or CuPy); the CPU backend only
+swaps in the native resampler, and the CUDA backend (:mod:`echo_native.cuda`)
+adds what is CUDA-only: registered ring memory, a copy stream, events, and a
+raw resampling kernel.  The bookkeeping that decides *which* entries to emit
+(:mod:`echo_native.echo`) is the same for every backend.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -16,20 +21,25 @@ from echo_native import _kernel
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 LAYOUTS = ("NHWC", "NCHW")
+DTYPES = ("float32", "float16")
 
 
 def resolve(device):
-    """A backend for ``device``: "cpu", "cuda", "cuda:N" or "auto"."""
+    """A backend for ``device``: "cpu", "cuda", "cuda:N", "auto", or a backend object
+    (an :class:`ArrayDevice`, e.g. ``ArrayDevice(numpy)`` to run the GPU code path
+    on the CPU)."""
+    if isinstance(device, ArrayDevice):
+        return device
     if device in (None, "cpu"):
         return CpuDevice()
     if device == "auto":
-        return CpuDevice() if not _cuda_available() else _cuda_device("cuda")
+        return CpuDevice() if not cuda_available() else _cuda_device("cuda")
     if isinstance(device, str) and (device == "cuda" or device.startswith("cuda:")):
         return _cuda_device(device)
     raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {device!r}")
 
 
-def _cuda_available():
+def cuda_available():
     try:
         import cupy
     except ImportError:
@@ -45,57 +55,160 @@ def _cuda_device(device):
         import cupy  # noqa: F401
     except ImportError:
         raise RuntimeError(f"device={device!r} needs CuPy: pip install 'echo_native[gpu]' "
-                           f"(CUDA 12) or 'echo_native[gpu13]' (CUDA 13)") from None
-    if not _cuda_available():
+                           f"(CUDA 12) or 'echo_native[gpu13]' (CUDA 13), or use "
+                           f"device='cpu'") from None
+    if not cuda_available():
         raise RuntimeError(f"device={device!r} but CuPy finds no usable CUDA device "
                            f"(cupy.is_available() is False); use device='cpu' or 'auto'")
-    raise RuntimeError(f"device={device!r}: the CUDA backend is not part of this build yet; "
-                       f"use device='cpu' (device='auto' falls back to it)")
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    from echo_native.cuda import CudaDevice
+    return CudaDevice(index)
 
 
-class CpuDevice:
-    """Echo buffer in host memory; re-augmentation by the native resampler."""
+def pillow_weights(in0, in1, in_size, out_size):
+    """Dense (out_size, in_size) float64 weights of Pillow's antialiased bilinear filter
+    for the interval [in0, in1) resampled to out_size pixels."""
+    scale = (in1 - in0) / out_size
+    fs = max(scale, 1.0)
+    w = np.zeros((out_size, in_size))
+    for i in range(out_size):
+        center = in0 + (i + 0.5) * scale
+        lo = max(int(center - fs + 0.5), 0)
+        hi = min(int(center + fs + 0.5), in_size)
+        x = np.arange(lo, hi)
+        k = np.clip(1.0 - np.abs((x - center + 0.5) / fs), 0.0, None)
+        total = k.sum()
+        if total > 0:
+            w[i, lo:hi] = k / total
+    return w
 
-    name = "cpu"
-    xp = np
 
-    def __init__(self):
-        self._dec = _kernel.Decoder()
+class ArrayDevice:
+    """Every emission step over an array module ``xp`` (NumPy or CuPy)."""
+
+    name = "array"
+
+    def __init__(self, xp=np):
+        self.xp = xp
+
+    # -- life cycle hooks (CUDA registers ring memory, orders streams) --------------
+    def attach(self, ring):
+        """Called once the ring exists."""
+
+    def detach(self):
+        """Called before the ring goes away."""
+
+    def copied(self):
+        """Called before a ring slot goes back to the workers: every copy out of it
+        must be complete."""
+
+    def ready(self, batch):
+        """Called on each batch before it reaches the consumer."""
+        return batch
+
+    # -- moving pixels -------------------------------------------------------------------
+    def empty(self, shape, dtype):
+        return self.xp.empty(shape, dtype=dtype)
+
+    def to_device(self, host, out=None):
+        if out is None:
+            return self.xp.asarray(host)
+        out[...] = self.xp.asarray(host)
+        return out
 
     def store(self, buffer, entries, slot, count, fixed_shape):
         """Copy ``count`` samples of a slot into buffer entries."""
+        xp = self.xp
+        if fixed_shape:
+            buffer.pixels[xp.asarray(entries)] = xp.asarray(slot.pixels[:count])
+            return
+        for i, e in enumerate(entries):
+            n = int(slot.shapes[i][0]) * int(slot.shapes[i][1]) * 3
+            buffer.pixels[int(e), :n] = xp.asarray(slot.pixels[i, :n])
+
+    def gather(self, buffer, entries, out):
+        xp = self.xp
+        xp.take(buffer.pixels, xp.asarray(entries), axis=0, out=out.reshape(len(entries), -1))
+
+    def flip(self, images, mask):
+        idx = np.flatnonzero(mask)
+        if len(idx):
+            idx = self.xp.asarray(idx)
+            images[idx] = images[idx][:, :, ::-1]
+
+    def crop_resize(self, buffer, entries, boxes, flips, out):
+        """Re-augment: crop box i of canvas ``entries[i]``, resize into out[i], flip.
+
+        One separable weighted sum in float, rounded once (the native CPU path
+        rounds between its two passes, as Pillow does: they agree within 1-2
+        levels)."""
+        xp = self.xp
+        oh, ow = out.shape[1:3]
+        for i, e in enumerate(entries):
+            h, w = (int(v) for v in buffer.shape[e])
+            top, left, bh, bw = (float(v) for v in boxes[i])
+            wy = pillow_weights(top, top + bh, h, oh)
+            wx = pillow_weights(left, left + bw, w, ow)
+            if flips[i]:
+                wx = wx[::-1]
+            canvas = buffer.pixels[int(e), :h * w * 3].reshape(h, w, 3).astype(xp.float32)
+            rows = xp.asarray(wy, dtype=xp.float32)
+            cols = xp.asarray(np.ascontiguousarray(wx), dtype=xp.float32)
+            res = xp.einsum("oh,hwc->owc", rows, canvas)
+            res = xp.einsum("pw,owc->opc", cols, res)
+            out[i] = xp.clip(xp.floor(res + 0.5), 0, 255).astype(xp.uint8)
+
+    def normalize(self, images, mean, std, layout, out):
+        """(x / 255 - mean) / std into ``out`` (float32 or float16), NHWC or NCHW."""
+        xp = self.xp
+        bshape = (1, 1, 1, 3) if layout == "NHWC" else (1, 3, 1, 1)
+        scale = xp.asarray(1.0 / (255.0 * np.asarray(std)), dtype=xp.float32).reshape(bshape)
+        shift = xp.asarray(-np.asarray(mean) / np.asarray(std), dtype=xp.float32).reshape(bshape)
+        src = images if layout == "NHWC" else images.transpose(0, 3, 1, 2)
+        if out.dtype == xp.float32:
+            xp.multiply(src, scale, out=out)
+            out += shift
+        else:
+            out[...] = src * scale + shift
+        return out
+
+
+class CpuDevice(ArrayDevice):
+    """Echo buffer in host memory; re-augmentation by the native resampler with the
+    GIL released, numerically identical to the fused decode path."""
+
+    name = "cpu"
+
+    def __init__(self):
+        super().__init__(np)
+        self._dec = _kernel.Decoder()
+
+    def store(self, buffer, entries, slot, count, fixed_shape):
         if fixed_shape:
             buffer.pixels[entries] = slot.pixels[:count]
             return
         for i, e in enumerate(entries):
-            h, w = slot.shapes[i]
-            n = int(h) * int(w) * 3
+            n = int(slot.shapes[i][0]) * int(slot.shapes[i][1]) * 3
             buffer.pixels[e, :n] = slot.pixels[i, :n]
 
     def gather(self, buffer, entries, out):
         np.take(buffer.pixels, entries, axis=0, out=out.reshape(len(entries), -1))
 
-    def flip(self, images, mask):
-        if mask.any():
-            images[mask] = images[mask][:, :, ::-1]
+    def to_device(self, host, out=None):
+        if out is None:
+            return host
+        out[...] = host
+        return out
 
     def crop_resize(self, buffer, entries, boxes, flips, out):
-        """Re-augment: crop box i of canvas ``entries[i]``, resize into out[i], flip."""
         size = out.shape[1:3]
         for i, e in enumerate(entries):
             h, w = buffer.shape[e]
             canvas = buffer.pixels[e, :h * w * 3].reshape(h, w, 3)
             self._dec.resize(canvas, boxes[i], size, bool(flips[i]), out[i])
 
-    def normalize(self, images, mean, std, layout, out):
-        """(x / 255 - mean) / std in one pass per channel into a float buffer."""
-        scale = (1.0 / (255.0 * np.asarray(std, np.float32))).astype(np.float32)
-        shift = (-np.asarray(mean, np.float32) / np.asarray(std, np.float32)).astype(np.float32)
-        src = images if layout == "NHWC" else images.transpose(0, 3, 1, 2)
-        bshape = (1, 1, 1, 3) if layout == "NHWC" else (1, 3, 1, 1)
-        np.multiply(src, scale.reshape(bshape), out=out, casting="unsafe")
-        out += shift.reshape(bshape).astype(out.dtype)
-        return out
 
-    def empty(self, shape, dtype):
-        return np.empty(shape, dtype=dtype)
+def buffer_bytes(entries, entry_bytes):
+    """Human-readable size of an echo buffer, for error messages."""
+    n = entries * entry_bytes
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{math.ceil(n / 2**20)} MiB"

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from echo_native import _kernel
-from echo_native.device import IMAGENET_MEAN, IMAGENET_STD, LAYOUTS, resolve
+from echo_native.device import DTYPES, IMAGENET_MEAN, IMAGENET_STD, LAYOUTS, buffer_bytes, resolve
 from echo_native.echo import (PLACEMENTS, AutoEcho, BatchWindow, ExampleBuffer, echo_counts,
                               shuffle_rng)
 from echo_native.loader import Batch, Loader
@@ -36,7 +36,8 @@ class EchoRing:
         2 x batch_size).  Memory: shuffle_buffer x bytes per example.
     workers, device, seed, drop_last, on_error : see :class:`echo_native.Loader`.
     normalize : None for uint8, True for ImageNet mean/std, or (mean, std) in [0, 1]
-        units; the output is then float32 in ``layout`` ("NHWC" or "NCHW").
+        units; the output is then ``dtype`` ("float32" or "float16") in ``layout``
+        ("NHWC" or "NCHW").
     max_echo : cap for ``echo="auto"``.
     canvas_side, canvas_max_pixels : before_augment canvas: shorter side at least
         ``canvas_side`` (default image_size) through DCT scaling, at most
@@ -50,7 +51,7 @@ class EchoRing:
                  max_echo=4.0, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip_p=0.5,
                  canvas_side=None, canvas_max_pixels=None, echo_flip=False, slots=None,
                  timeout=120.0, worker_mode="process", start_method=None, strict=True,
-                 rank=None, world_size=None):
+                 rank=None, world_size=None, dtype="float32"):
         n = len(source)
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -66,6 +67,10 @@ class EchoRing:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype (of normalised output) must be one of {DTYPES}, got "
+                             f"{dtype!r}")
+        self.dtype = dtype
         shuffle_buffer = 4 * batch_size if shuffle_buffer is None else int(shuffle_buffer)
         if shuffle_buffer < 2 * batch_size:
             raise ValueError(f"shuffle_buffer must be at least 2 x batch_size "
@@ -114,23 +119,29 @@ class EchoRing:
 
     # -- life cycle -------------------------------------------------------------------
     def start(self):
+        fresh = self.loader._ring is None
         self.loader.start()
+        if fresh:
+            self.device.attach(self.loader._ring)
         if self._buffer is None and not self.passthrough and self.placement != "batch":
             xp = self.device.xp
             try:
                 self._buffer = ExampleBuffer(self.shuffle_buffer,
                                              self.loader.plan.transform.sample_bytes, xp)
             except MemoryError:
-                need = self.shuffle_buffer * self.loader.plan.transform.sample_bytes
-                raise MemoryError(f"echo buffer of {self.shuffle_buffer} examples needs "
-                                  f"{need / 2**30:.1f} GiB; lower shuffle_buffer or "
-                                  f"canvas_max_pixels") from None
+                size = buffer_bytes(self.shuffle_buffer, self.loader.plan.transform.sample_bytes)
+                raise MemoryError(f"echo buffer of {self.shuffle_buffer} examples needs {size} "
+                                  f"on {self.device.name}; try shuffle_buffer="
+                                  f"{max(2 * self.batch_size, self.shuffle_buffer // 2)} or a "
+                                  f"smaller canvas_max_pixels") from None
         if self._books.started == 0.0:
             self._books.started = time.perf_counter()
         return self
 
     def close(self):
         """Stop workers, free shared memory.  Idempotent; also runs on GC and at exit."""
+        if self.loader._ring is not None:
+            self.device.detach()
         self.loader.close()
         self._buffer = self._window = None
         self._outputs = None
@@ -154,13 +165,13 @@ class EchoRing:
             return len(self.loader)
         if self.placement == "batch":
             counts = echo_counts(self.seed, self.epoch, len(self.loader), self._e())
-            if self.drop_last and n % B:
+            if self.drop_last and self.loader.plan.num_samples % B:
                 counts = counts[:-1]  # the short last batch is never delivered
             return int(counts.sum())
         if self.auto:
             total = round(n * self._auto.value)
         else:
-            counts = echo_counts(self.seed, self.epoch, n, self.echo)
+            counts = self._example_counts(self.epoch)
             plan = self.loader.plan
             total = int(counts[plan.epoch_order(self.epoch, self.loader.source)].sum())
         return total // B if self.drop_last else math.ceil(total / B)
@@ -187,14 +198,15 @@ class EchoRing:
     def _passthrough(self):
         loader = self.loader
         for _ in range(len(loader) - loader._ticket % len(loader)):
+            self.device.copied()  # the previous slot is about to go back to the workers
             t0 = time.perf_counter()
             b = loader.next_batch()
             self._books.wait_s += time.perf_counter() - t0
             self._books.fresh += int(b.fresh.sum())
             self._books.fresh_batches += 1
             self._note_fill(b)
-            yield self._finish(b.images, b.labels, b.sample_ids, b.fresh, b.echo_index, b.boxes,
-                               b.flips, b.epoch)
+            yield self._finish(self.device.to_device(b.images), b.labels, b.sample_ids, b.fresh,
+                               b.echo_index, b.boxes, b.flips, b.epoch)
 
     def _note_fill(self, _batch=None):
         ticket = self.loader._ticket - 1
@@ -205,7 +217,7 @@ class EchoRing:
         loader, buf, B = self.loader, self._buffer, self.batch_size
         epoch = loader.epoch
         n = len(loader.source)
-        counts = None if self.auto else echo_counts(self.seed, epoch, n, self.echo)
+        counts = None if self.auto else self._example_counts(epoch)
         rng = shuffle_rng(self.seed, epoch)
         fresh_left = len(loader) - loader._ticket % len(loader)
         fixed = self.placement == "after_augment"
@@ -224,6 +236,20 @@ class EchoRing:
                 return
             entries = buf.choose(want, rng)
             yield self._emit(buf, entries, epoch)
+
+    def _example_counts(self, epoch):
+        """Emissions per sample id this epoch (fixed e).
+
+        With several ranks the counts are drawn per position in the rank's
+        shard, the same draws on every rank, so that every rank emits the same
+        total and takes the same number of steps under a fractional e.
+        """
+        counts = echo_counts(self.seed, epoch, len(self.loader.source), self.echo)
+        plan = self.loader.plan
+        if plan.world_size > 1:
+            order = plan.epoch_order(epoch, self.loader.source)
+            counts[order] = echo_counts(self.seed, epoch, len(order), self.echo)
+        return counts
 
     def _fill(self, buf, counts, rng, fresh_left, fixed):
         """Move fresh batches from the ring into the buffer; returns how many were moved.
@@ -256,6 +282,7 @@ class EchoRing:
             k = self._auto.counts(rng, filled.count) if self.auto else \
                 counts[filled.slot.sample_ids[:filled.count]]
             self._add(buf, filled, k, fixed)
+            self.device.copied()
             self.loader.release(filled.ticket)
             moved += 1
         return moved
@@ -335,7 +362,9 @@ class EchoRing:
         """
         pending = [t for t, left in self._unsent.items() if left]
         ticket = min(pending) if pending else self.loader._ticket
-        skip = sorted(sid for t, ids in self._sent.items() if t >= ticket for sid in ids)
+        skip = {sid for t, ids in self._sent.items() if t >= ticket for sid in ids}
+        # Ids skipped since a restore were emitted before the state it came from.
+        skip = sorted(skip | self._skip)
         state = self.loader.state_dict()
         state.update(ticket=ticket, skip=skip, echo=self.echo, placement=self.placement)
         return state
@@ -411,6 +440,8 @@ class EchoRing:
                 self._books.fresh += int(b.fresh.sum())
                 self._books.fresh_batches += 1
                 batch = b.copy()
+                batch.images = self.device.to_device(b.images)
+                self.device.copied()
                 batch.ticket = ticket
                 window.add(batch, counts[taken])
                 self._unsent[ticket], self._sent[ticket] = 1, []
@@ -437,10 +468,10 @@ class EchoRing:
             mean, std = self.normalize
             n, h, w, _ = images.shape
             shape = (n, h, w, 3) if self.layout == "NHWC" else (n, 3, h, w)
-            out = self.device.empty(shape, np.float32)
+            out = self.device.empty(shape, np.dtype(self.dtype))
             images = self.device.normalize(images, mean, std, self.layout, out)
-        return Batch(images, labels, sample_ids, fresh, echo_index, boxes,
-                     np.asarray(flips, bool), epoch)
+        return self.device.ready(Batch(images, labels, sample_ids, fresh, echo_index, boxes,
+                                       np.asarray(flips, bool), epoch))
 
     # -- books --------------------------------------------------------------------------------
     def stats(self):

@@ -54,8 +54,9 @@ class ImageFolder:
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         paths, labels = [], []
         for idx, cls in enumerate(self.classes):
-            for dirpath, dirnames, filenames in os.walk(self.root / cls, followlinks=True):
-                dirnames.sort()
+            # sorted(os.walk(...)) as torchvision: folders in path-string order
+            # ("a/b-c" before "a/b/x"), not depth first.
+            for dirpath, _, filenames in sorted(os.walk(self.root / cls, followlinks=True)):
                 rel = os.path.relpath(dirpath, self.root)
                 for name in sorted(filenames):
                     if name.lower().endswith(exts):
@@ -116,7 +117,7 @@ class FileList:
 
     Relative paths are resolved against ``root`` (default: the list file's
     folder).  Blank lines and lines starting with ``#`` are ignored; a first
-    line ``path,label`` is taken as a header.
+    (non-comment) line ``path,label`` is taken as a header.
     """
 
     def __init__(self, path_or_rows, root=None):
@@ -134,7 +135,7 @@ class FileList:
                 path, sep, label = line.rpartition(",")
                 if not sep:
                     raise ValueError(f"{list_path}:{n}: expected 'path,label', got {line!r}")
-                if n == 1 and label.strip().lower() == "label":
+                if not rows and label.strip().lower() == "label":  # header
                     continue
                 rows.append((path.strip(), label.strip(), f"{list_path}:{n}"))
             self.root = Path(root) if root is not None else list_path.parent
@@ -179,6 +180,7 @@ class TarShards:
     extracting anything.  Epoch order keeps reads mostly sequential: shards are
     visited in an order shuffled per epoch and samples are shuffled within a
     window of ``shuffle_buffer`` consecutive samples (like WebDataset's buffer).
+    A sample without a ``.cls`` member gets label -1.
     """
 
     IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")

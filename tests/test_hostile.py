@@ -590,6 +590,35 @@ def test_decoder_reusable_after_every_error(images, jpeg):
     assert_still_decodes(images)
 
 
+def _strip_segments(images, data, marker):
+    out = bytearray(data[:2])
+    for m, pos, length in images.segments(data):
+        if m == 0xDA:
+            return bytes(out + data[pos:])
+        if m != marker:
+            out += data[pos:pos + 2 + length]
+    raise AssertionError("no SOS")
+
+
+def test_no_table_state_leaks_between_images(images):
+    """A file's decode never depends on the tables of files decoded before on the same decoder."""
+    src = images.photo("chelsea")
+    std = images.pil_jpeg(src, 90)                    # libjpeg's standard Huffman tables
+    custom = images.pil_jpeg(src, 90, optimize=True)  # its own optimised tables
+    no_dht = _strip_segments(images, std, 0xC4)       # Motion-JPEG style: relies on the standard ones
+    ref = images.pil_decode(std)
+    dec = _kernel.Decoder()
+    np.testing.assert_array_equal(dec.decode(no_dht), ref)
+    dec.decode(custom)                                 # leaves custom tables behind in libjpeg
+    np.testing.assert_array_equal(dec.decode(no_dht), ref)
+    # A file using a quantisation table it never defines is refused even if the
+    # previous file defined that table.
+    no_dqt = _strip_segments(images, std, 0xDB)
+    dec.decode(std)
+    with pytest.raises(en.DecodeError, match="Quantization table 0x00 was not defined"):
+        dec.decode(no_dqt)
+
+
 def test_decode_error_pickles_with_message():
     """DecodeError crosses process boundaries with its message and path."""
     err = en.DecodeError("Bogus marker length", path="/data/x.jpg")

@@ -152,6 +152,16 @@ static void begin(en_decoder *d, const uint8_t *data, size_t len) {
     if (len < 4 || data[0] != 0xFF || data[1] != 0xD8)
         fail(d, EN_ERR_DECODE, "not a JPEG file: starts with 0x%02x 0x%02x", data[0],
              len > 1 ? data[1] : 0);
+    /* libjpeg keeps Huffman and quantisation tables in a decompressor from one
+     * image to the next (for abbreviated datastreams).  For independent files
+     * that is hidden state: a file without DHT (Motion-JPEG style, relying on
+     * the standard tables) or one using a table it never defines would decode
+     * with whatever the previous image on this thread left behind (found by
+     * fuzzing: results depended on call history).  A fresh decompressor per
+     * image costs well under a microsecond; err is preserved by create. */
+    jpeg_destroy_decompress(&d->cinfo);
+    jpeg_create_decompress(&d->cinfo);
+    d->cinfo.progress = &d->progress;
     jpeg_mem_src(&d->cinfo, data, (unsigned long)len);
     jpeg_read_header(&d->cinfo, TRUE);
     j_decompress_ptr ci = &d->cinfo;

@@ -1,0 +1,482 @@
+"""Ring + worker pipeline throughput vs a torch DataLoader, on the same files in one run.
+
+    python -m pytest benchmarks/test_pipeline.py -s --benchmark-json=/tmp/pipeline.json
+
+Every benchmark reads the same JPEG files from disk (page cache) and makes
+224x224 RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) + random horizontal
+flip crops, uint8.  Measured, each as images/s (best and median round):
+
+loader_w1, loader_w2   ``echo_native.Loader`` (process workers, shared-memory ring),
+                       null consumer, steady state
+torch_w1, torch_w2     torch ``DataLoader`` (fork workers, default collate) over a
+                       torchvision-style Dataset: Pillow open + convert("RGB") ->
+                       ``RandomResizedCrop.get_params`` (torch RNG, exactly as
+                       torchvision) -> ``resize(size, BILINEAR, box)`` -> random
+                       horizontal flip -> PILToTensor (copy, CHW).  torchvision
+                       itself does not install beside the CPU torch wheel here,
+                       so these are torchvision's Pillow calls, not torchvision.
+kernel                 ``echo_native.decode_random_crop`` in a loop, one thread,
+                       bytes preloaded (the per-core ceiling the workers scale)
+
+and the consumer's cost per batch once the batch is ready:
+
+consumer_loader_b256   ``Loader.next_batch()`` for a 256x224x224x3 batch already in
+                       the ring (workers have filled every slot first)
+consumer_loader_b32    the same for a 32-image batch (O(1) in batch size?)
+consumer_torch_b256    ``next(iterator)`` of a torch DataLoader whose worker already
+                       collated the 256-image batch (IPC receive + rebuild)
+assembly_torch_b256    per-batch time of a torch DataLoader whose dataset returns a
+                       ready tensor: worker-side collate + IPC, no decoding
+
+Throughput is measured in steady state: each round first drains whatever the
+pipeline prefetched while the harness was idle (untimed), then times a fixed
+number of full batches (``drop_last``), so neither side gets a head start.
+
+At the end of the module a ratio table is printed (visible with ``-s``) and
+written to ``benchmarks/results/pipeline.json``.
+
+Environment (besides the corpus settings in ``conftest.py``):
+  ECHO_NATIVE_BENCH_BATCH            batch size of the throughput runs (default 64)
+  ECHO_NATIVE_BENCH_PIPELINE_ROUNDS  timed rounds per throughput benchmark (default 5)
+  ECHO_NATIVE_BENCH_HANDOFF_ROUNDS   timed rounds per consumer-cost benchmark (default 15)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import echo_native as en
+
+torch = pytest.importorskip("torch")
+
+SIZE = 224
+SCALE = (0.08, 1.0)
+RATIO = (3.0 / 4.0, 4.0 / 3.0)
+SEED = 1234
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "pipeline.json"
+TORCH_LABEL = "torch DataLoader + torchvision-style Pillow transforms"
+
+
+def _env_int(name, default):
+    value = os.environ.get(name, "")
+    return int(value) if value else default
+
+
+BATCH = _env_int("ECHO_NATIVE_BENCH_BATCH", 64)
+ROUNDS = _env_int("ECHO_NATIVE_BENCH_PIPELINE_ROUNDS", 5)
+HANDOFF_ROUNDS = _env_int("ECHO_NATIVE_BENCH_HANDOFF_ROUNDS", 15)
+
+_results: dict = {}
+
+
+# ---- the same files for everyone ---------------------------------------------------------
+def _files(workload):
+    custom = os.environ.get("ECHO_NATIVE_BENCH_CORPUS")
+    if custom:
+        root = Path(custom).expanduser()
+        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))
+    else:
+        from echo_native import corpus
+
+        files = corpus.corpus_files(workload.root)
+    return files[:workload.n]
+
+
+@pytest.fixture(scope="module")
+def folder(workload, tmp_path_factory):
+    """An ImageFolder tree of symlinks to exactly the workload's files."""
+    root = tmp_path_factory.mktemp("pipeline_folder")
+    for i, path in enumerate(_files(workload)):
+        d = root / (path.parent.name or "class_0")
+        d.mkdir(exist_ok=True)
+        (d / f"{i:06d}_{path.name}").symlink_to(path.resolve())
+    src = en.ImageFolder(root)
+    assert len(src) == workload.n
+    return src
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    """Print the ratio table and save the numbers when the module's benchmarks are done."""
+    yield
+    if _results:
+        _finish(_results)
+
+
+# ---- torchvision-style peer -------------------------------------------------------------------
+def rrc_get_params(width, height, scale=SCALE, ratio=RATIO):
+    """torchvision.transforms.RandomResizedCrop.get_params, verbatim (torch RNG)."""
+    area = height * width
+    log_ratio = torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = torch.randint(0, height - h + 1, size=(1,)).item()
+            j = torch.randint(0, width - w + 1, size=(1,)).item()
+            return i, j, h, w
+    in_ratio = float(width) / float(height)
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+class TorchvisionStyleFolder(torch.utils.data.Dataset):
+    """ImageFolder(transform=Compose([RandomResizedCrop(224), RandomHorizontalFlip(),
+    PILToTensor()])) made of the same Pillow calls torchvision makes."""
+
+    def __init__(self, paths, labels, size=SIZE):
+        self.paths, self.labels, self.size = list(paths), [int(x) for x in labels], size
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        from PIL import Image
+
+        with open(self.paths[index], "rb") as f:      # torchvision's pil_loader
+            img = Image.open(f)
+            img = img.convert("RGB")
+        i, j, h, w = rrc_get_params(*img.size)
+        img = img.resize((self.size, self.size), Image.BILINEAR, box=(j, i, j + w, i + h))
+        if torch.rand(1) < 0.5:                        # RandomHorizontalFlip
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        # PILToTensor: a copy of the pixels, HWC -> CHW
+        return torch.from_numpy(np.array(img, copy=True)).permute(2, 0, 1), self.labels[index]
+
+
+class _Repeat(torch.utils.data.Dataset):
+    """``times`` passes of a dataset as one, so one iterator streams many epochs."""
+
+    def __init__(self, ds, times):
+        self.ds, self.times = ds, times
+
+    def __len__(self):
+        return len(self.ds) * self.times
+
+    def __getitem__(self, index):
+        return self.ds[index % len(self.ds)]
+
+
+class _Constant(torch.utils.data.Dataset):
+    """A ready 3x224x224 uint8 tensor per sample: isolates collate + IPC."""
+
+    def __init__(self, n):
+        self.n = n
+        self.img = torch.randint(0, 256, (3, SIZE, SIZE), dtype=torch.uint8)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return self.img, index
+
+
+def _torch_loader(ds, batch_size, workers, prefetch_factor=2):
+    g = torch.Generator().manual_seed(SEED)
+    return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, generator=g,
+                                       num_workers=workers, drop_last=True,
+                                       prefetch_factor=prefetch_factor,
+                                       persistent_workers=False)
+
+
+# ---- streams: next() returns the batch's image count ----------------------------------------
+class LoaderStream:
+    label = "echo_native Loader (process workers, shm ring)"
+
+    def __init__(self, src, workers, batch_size):
+        self.L = en.Loader(src, batch_size=batch_size, image_size=SIZE, workers=workers,
+                           worker_mode="process", seed=SEED, drop_last=True, timeout=120)
+        self.L.start()
+        self.ahead = self.L.slots          # batches it can hold ready
+
+    def next(self):
+        return len(self.L.next_batch())
+
+    def close(self):
+        self.L.close()
+
+
+class TorchStream:
+    label = TORCH_LABEL
+
+    def __init__(self, src, workers, batch_size):
+        ds = TorchvisionStyleFolder([src.path(i) for i in range(len(src))], src.labels)
+        self.dl = _torch_loader(_Repeat(ds, 10_000), batch_size, workers)
+        self.it = iter(self.dl)
+        self.ahead = 2 * workers           # prefetch_factor x workers
+
+    def next(self):
+        return int(next(self.it)[0].shape[0])
+
+    def close(self):
+        del self.it                        # shuts its workers down
+
+
+def _throughput(benchmark, stream, role, batches, workers, n_files):
+    times = []
+
+    def drain():
+        for _ in range(stream.ahead):
+            stream.next()
+
+    def timed():
+        t0 = time.perf_counter()
+        images = 0
+        for _ in range(batches):
+            images += stream.next()
+        times.append(time.perf_counter() - t0)
+        assert images == batches * BATCH
+
+    try:
+        for _ in range(2):                 # warm-up: workers started, caches hot
+            drain()
+        benchmark.extra_info.update(role=role, label=stream.label, images=batches * BATCH,
+                                    workers=workers, batch_size=BATCH, files=n_files)
+        benchmark.pedantic(timed, setup=drain, rounds=ROUNDS, iterations=1)
+    finally:
+        stream.close()
+    images = batches * BATCH
+    _results[role] = {"label": stream.label, "workers": workers, "images_per_round": images,
+                      "best": images / min(times), "median": images / statistics.median(times),
+                      "rounds": len(times)}
+
+
+def _batches_per_round(n_files):
+    # about three passes over the files per round, whole batches
+    return max(4, (3 * n_files) // BATCH)
+
+
+# ---- benchmarks ------------------------------------------------------------------------------------
+@pytest.mark.benchmark(group="pipeline")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_loader_throughput(benchmark, folder, workers):
+    """Images/s of Loader (process workers) with a null consumer."""
+    _throughput(benchmark, LoaderStream(folder, workers, BATCH), f"loader_w{workers}",
+                _batches_per_round(len(folder)), workers, len(folder))
+
+
+@pytest.mark.benchmark(group="pipeline")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_torch_dataloader_throughput(benchmark, folder, workers):
+    """Images/s of torch DataLoader + torchvision-style Pillow transforms, null consumer."""
+    _throughput(benchmark, TorchStream(folder, workers, BATCH), f"torch_w{workers}",
+                _batches_per_round(len(folder)), workers, len(folder))
+
+
+@pytest.mark.benchmark(group="pipeline")
+def test_kernel_single_thread(benchmark, folder):
+    """Images/s of decode_random_crop in one thread over the same files (bytes preloaded)."""
+    data = [folder.read(i) for i in range(len(folder))]
+    out = np.empty((SIZE, SIZE, 3), np.uint8)
+    times = []
+
+    def one_pass():
+        t0 = time.perf_counter()
+        for sid, blob in enumerate(data):
+            en.decode_random_crop(blob, (SIZE, SIZE), SEED, 0, sid, out=out)
+        times.append(time.perf_counter() - t0)
+
+    one_pass()
+    times.clear()
+    benchmark.extra_info.update(role="kernel", label="decode_random_crop, one thread",
+                                images=len(data))
+    benchmark.pedantic(one_pass, rounds=ROUNDS, iterations=1)
+    _results["kernel"] = {"label": "echo_native.decode_random_crop, one thread, preloaded",
+                          "workers": 1, "images_per_round": len(data),
+                          "best": len(data) / min(times),
+                          "median": len(data) / statistics.median(times), "rounds": len(times)}
+
+
+def _ring_full(L):
+    """True when every slot but the one the consumer holds is published."""
+    need = (L.slots - 1) / L.slots
+    return L.stats()["ring_occupancy"] >= need - 1e-9
+
+
+@pytest.mark.benchmark(group="pipeline-handoff")
+@pytest.mark.parametrize("batch_size", [256, 32])
+def test_consumer_cost_loader(benchmark, folder, batch_size):
+    """Time of Loader.next_batch() when the batch is already in a full ring."""
+    times = []
+    with en.Loader(folder, batch_size=batch_size, image_size=SIZE, workers=2, slots=3,
+                   worker_mode="process", seed=SEED, drop_last=True, timeout=120) as L:
+
+        def wait_full():
+            deadline = time.monotonic() + 60
+            while not _ring_full(L):
+                assert time.monotonic() < deadline, "the workers never filled the ring"
+                time.sleep(0.005)
+
+        def handoff():
+            t0 = time.perf_counter()
+            batch = L.next_batch()
+            times.append(time.perf_counter() - t0)
+            assert batch.images.shape == (batch_size, SIZE, SIZE, 3)
+
+        for _ in range(2):
+            wait_full()
+            handoff()
+        times.clear()
+        benchmark.extra_info.update(role=f"consumer_loader_b{batch_size}",
+                                    label=f"Loader.next_batch(), {batch_size}x224x224x3 ready",
+                                    batch_size=batch_size)
+        benchmark.pedantic(handoff, setup=wait_full, rounds=HANDOFF_ROUNDS, iterations=1)
+    _results[f"consumer_loader_b{batch_size}"] = _ms(times, batch_size)
+
+
+@pytest.mark.benchmark(group="pipeline-handoff")
+def test_consumer_cost_torch(benchmark):
+    """Time of next(DataLoader iterator) when the worker has already collated the batch."""
+    batch_size = 256
+    dl = _torch_loader(_Constant(batch_size * 1000), batch_size, workers=1)
+    it = iter(dl)
+    times = []
+
+    def wait_ready():
+        time.sleep(0.4)                     # the worker collates its 2 prefetched batches
+
+    def handoff():
+        t0 = time.perf_counter()
+        images, _ = next(it)
+        times.append(time.perf_counter() - t0)
+        assert images.shape == (batch_size, 3, SIZE, SIZE)
+
+    try:
+        for _ in range(2):
+            wait_ready()
+            handoff()
+        times.clear()
+        benchmark.extra_info.update(role="consumer_torch_b256",
+                                    label="torch next(it), 256x3x224x224 already collated",
+                                    batch_size=batch_size)
+        benchmark.pedantic(handoff, setup=wait_ready, rounds=HANDOFF_ROUNDS, iterations=1)
+    finally:
+        del it
+    _results["consumer_torch_b256"] = _ms(times, batch_size)
+
+
+@pytest.mark.benchmark(group="pipeline-handoff")
+def test_batch_assembly_torch(benchmark):
+    """Per-batch time of a torch DataLoader that only collates + ships ready tensors."""
+    batch_size = 256
+    dl = _torch_loader(_Constant(batch_size * 1000), batch_size, workers=1)
+    it = iter(dl)
+    times = []
+    per_round = 8
+
+    def stream():
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            next(it)
+        times.append((time.perf_counter() - t0) / per_round)
+
+    try:
+        for _ in range(3):
+            next(it)
+        benchmark.extra_info.update(role="assembly_torch_b256",
+                                    label="torch DataLoader collate + IPC per 256-batch",
+                                    batch_size=batch_size)
+        benchmark.pedantic(stream, rounds=max(3, HANDOFF_ROUNDS // 3), iterations=1)
+    finally:
+        del it
+    _results["assembly_torch_b256"] = _ms(times, batch_size)
+
+
+def _ms(times, batch_size):
+    return {"batch_size": batch_size, "best_ms": 1e3 * min(times),
+            "median_ms": 1e3 * statistics.median(times), "rounds": len(times)}
+
+
+# ---- the summary ------------------------------------------------------------------------------------
+def _ratio(num, den, key):
+    if num in _results and den in _results:
+        return _results[num][key] / _results[den][key]
+    return None
+
+
+def _finish(res):
+    rows, ratios = [], []
+    for role in ("kernel", "loader_w1", "loader_w2", "torch_w1", "torch_w2"):
+        if role in res:
+            r = res[role]
+            rows.append(f"| {role} | {r['label']} | {r['workers']} | {r['best']:,.0f} | "
+                        f"{r['median']:,.0f} |")
+
+    def add(label, value_best, value_median, target, higher=True):
+        if value_best is None:
+            return
+        if target is None:
+            verdict = ""
+        else:
+            ok = [(v >= target) if higher else (v <= target) for v in (value_best, value_median)]
+            verdict = "met" if all(ok) else ("met (best only)" if ok[0] else "**missed**")
+        tgt = "-" if target is None else (f">= {target:g}" if higher else f"<= {target:g}")
+        ratios.append((label, value_best, value_median, tgt, verdict))
+
+    for w in (1, 2):
+        add(f"Loader / torch DataLoader, {w} worker(s)",
+            _ratio(f"loader_w{w}", f"torch_w{w}", "best"),
+            _ratio(f"loader_w{w}", f"torch_w{w}", "median"), 2.5)
+    for w in (1, 2):
+        if f"loader_w{w}" in res and "kernel" in res:
+            add(f"scaling efficiency, {w} worker(s): Loader / (kernel x {w})",
+                res[f"loader_w{w}"]["best"] / (w * res["kernel"]["best"]),
+                res[f"loader_w{w}"]["median"] / (w * res["kernel"]["median"]), 0.9)
+    if "torch_w1" in res and "torch_w2" in res:
+        add("torch DataLoader 2 workers / 1 worker", _ratio("torch_w2", "torch_w1", "best"),
+            _ratio("torch_w2", "torch_w1", "median"), None)
+    for key, label, target in (
+            ("consumer_loader_b256", "Loader consumer cost, 256x224x224x3 batch (ms)", 1.0),
+            ("consumer_loader_b32", "Loader consumer cost, 32x224x224x3 batch (ms)", 1.0),
+            ("consumer_torch_b256", "torch consumer cost, next() of a ready 256-batch (ms)",
+             None),
+            ("assembly_torch_b256", "torch collate + IPC per 256-batch, worker side (ms)",
+             None)):
+        if key in res:
+            add(label, res[key]["best_ms"], res[key]["median_ms"], target, higher=False)
+    if "consumer_loader_b256" in res and "consumer_loader_b32" in res:
+        add("Loader consumer cost b256 / b32 (O(1) in batch size: ~1)",
+            res["consumer_loader_b256"]["best_ms"] / res["consumer_loader_b32"]["best_ms"],
+            res["consumer_loader_b256"]["median_ms"] / res["consumer_loader_b32"]["median_ms"],
+            None)
+    if "consumer_loader_b256" in res and "consumer_torch_b256" in res:
+        add("torch consumer cost / Loader consumer cost, 256-batch",
+            res["consumer_torch_b256"]["best_ms"] / res["consumer_loader_b256"]["best_ms"],
+            res["consumer_torch_b256"]["median_ms"] / res["consumer_loader_b256"]["median_ms"],
+            None)
+    if "consumer_loader_b256" in res and "assembly_torch_b256" in res:
+        add("torch (collate + IPC) / Loader consumer cost, 256-batch",
+            res["assembly_torch_b256"]["best_ms"] / res["consumer_loader_b256"]["best_ms"],
+            res["assembly_torch_b256"]["median_ms"] / res["consumer_loader_b256"]["median_ms"],
+            None)
+
+    lines = ["", f"Pipeline benchmark: {BATCH}-image batches, 224x224 RandomResizedCrop + flip, "
+             f"uint8, same files; cores available: {len(os.sched_getaffinity(0))}",
+             "", "| role | pipeline | workers | img/s (best round) | img/s (median round) |",
+             "|---|---|---:|---:|---:|", *rows,
+             "", "| ratio / cost | best | median | target | |", "|---|---:|---:|---:|---|"]
+    for label, b, m, tgt, verdict in ratios:
+        lines.append(f"| {label} | {b:.3f} | {m:.3f} | {tgt} | {verdict} |")
+    print("\n".join(lines))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump({"batch_size": BATCH, "results": res,
+                   "ratios": [dict(zip(("label", "best", "median", "target", "verdict"), r))
+                              for r in ratios]}, f, indent=1)
