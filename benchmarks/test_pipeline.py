@@ -71,8 +71,9 @@ def _env_int(name, default):
 
 
 BATCH = _env_int("ECHO_NATIVE_BENCH_BATCH", 64)
-ROUNDS = _env_int("ECHO_NATIVE_BENCH_PIPELINE_ROUNDS", 5)
+ROUNDS = _env_int("ECHO_NATIVE_BENCH_PIPELINE_ROUNDS", 3)
 HANDOFF_ROUNDS = _env_int("ECHO_NATIVE_BENCH_HANDOFF_ROUNDS", 15)
+PAIRED_ROUNDS = _env_int("ECHO_NATIVE_BENCH_PAIRED_ROUNDS", 5)
 
 _results: dict = {}
 
@@ -106,8 +107,10 @@ def folder(workload, tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def report():
     """Print the ratio table and save the numbers when the module's benchmarks are done."""
+    _results["_load"] = {"start": os.getloadavg()[0]}
     yield
-    if _results:
+    _results["_load"]["end"] = os.getloadavg()[0]
+    if len(_results) > 1:
         _finish(_results)
 
 
@@ -229,79 +232,155 @@ class TorchStream:
         del self.it                        # shuts its workers down
 
 
-def _throughput(benchmark, stream, role, batches, workers, n_files):
-    times = []
+class KernelStream:
+    """One thread running the fused kernel over the preloaded bytes of the same files."""
+    label = "echo_native.decode_random_crop, one thread, bytes preloaded"
+    ahead = 0
 
-    def drain():
+    def __init__(self, src, batch_size):
+        self.data = [src.read(i) for i in range(len(src))]
+        self.out = np.empty((SIZE, SIZE, 3), np.uint8)
+        self.batch_size, self.pos = batch_size, 0
+
+    def next(self):
+        for _ in range(self.batch_size):
+            sid = self.pos % len(self.data)
+            en.decode_random_crop(self.data[sid], (SIZE, SIZE), SEED, 0, sid, out=self.out)
+            self.pos += 1
+        return self.batch_size
+
+    def close(self):
+        pass
+
+
+ROLES = {  # role -> (kind, workers), in the order of a paired cycle
+    "kernel": ("kernel", 1),
+    "loader_w1": ("loader", 1), "torch_w1": ("torch", 1),
+    "loader_w2": ("loader", 2), "torch_w2": ("torch", 2),
+}
+
+
+class Streams:
+    """Every pipeline of the comparison, started once and kept alive for the module.
+
+    A pipeline that is not being measured is idle: its ring (or prefetch queue)
+    is full and its workers sleep, so it takes no CPU from the one measured.
+    """
+
+    def __init__(self, src):
+        self.src, self.live = src, {}
+        self.batches = max(4, (3 * len(src)) // BATCH)   # ~3 passes over the files a round
+
+    def get(self, role):
+        if role not in self.live:
+            kind, w = ROLES[role]
+            if kind == "loader":
+                stream = LoaderStream(self.src, w, BATCH)
+            elif kind == "torch":
+                stream = TorchStream(self.src, w, BATCH)
+            else:
+                stream = KernelStream(self.src, BATCH)
+            self.live[role] = stream
+            for _ in range(2):                # warm-up: workers started, caches hot
+                for _ in range(stream.ahead + 1):
+                    stream.next()
+        return self.live[role]
+
+    def drain(self, role):
+        """Take (untimed) what the pipeline prefetched while it was not measured."""
+        stream = self.get(role)
         for _ in range(stream.ahead):
             stream.next()
 
-    def timed():
+    def timed(self, role):
+        """One timed round of ``batches`` whole batches; returns seconds."""
+        stream = self.get(role)
         t0 = time.perf_counter()
         images = 0
-        for _ in range(batches):
+        for _ in range(self.batches):
             images += stream.next()
-        times.append(time.perf_counter() - t0)
-        assert images == batches * BATCH
+        took = time.perf_counter() - t0
+        assert images == self.batches * BATCH
+        return took
 
-    try:
-        for _ in range(2):                 # warm-up: workers started, caches hot
-            drain()
-        benchmark.extra_info.update(role=role, label=stream.label, images=batches * BATCH,
-                                    workers=workers, batch_size=BATCH, files=n_files)
-        benchmark.pedantic(timed, setup=drain, rounds=ROUNDS, iterations=1)
-    finally:
-        stream.close()
-    images = batches * BATCH
-    _results[role] = {"label": stream.label, "workers": workers, "images_per_round": images,
-                      "best": images / min(times), "median": images / statistics.median(times),
-                      "rounds": len(times)}
+    def close(self):
+        for stream in self.live.values():
+            stream.close()
+        self.live.clear()
 
 
-def _batches_per_round(n_files):
-    # about three passes over the files per round, whole batches
-    return max(4, (3 * n_files) // BATCH)
+@pytest.fixture(scope="module")
+def streams(folder):
+    s = Streams(folder)
+    yield s
+    s.close()
+
+
+def _throughput(benchmark, streams, role):
+    stream = streams.get(role)
+    times = []
+
+    def timed():
+        times.append(streams.timed(role))
+
+    images = streams.batches * BATCH
+    benchmark.extra_info.update(role=role, label=stream.label, images=images,
+                                workers=ROLES[role][1], batch_size=BATCH,
+                                files=len(streams.src))
+    benchmark.pedantic(timed, setup=lambda: streams.drain(role), rounds=ROUNDS, iterations=1)
+    _results[role] = {"label": stream.label, "workers": ROLES[role][1],
+                      "images_per_round": images, "best": images / min(times),
+                      "median": images / statistics.median(times), "rounds": len(times)}
 
 
 # ---- benchmarks ------------------------------------------------------------------------------------
 @pytest.mark.benchmark(group="pipeline")
 @pytest.mark.parametrize("workers", [1, 2])
-def test_loader_throughput(benchmark, folder, workers):
+def test_loader_throughput(benchmark, streams, workers):
     """Images/s of Loader (process workers) with a null consumer."""
-    _throughput(benchmark, LoaderStream(folder, workers, BATCH), f"loader_w{workers}",
-                _batches_per_round(len(folder)), workers, len(folder))
+    _throughput(benchmark, streams, f"loader_w{workers}")
 
 
 @pytest.mark.benchmark(group="pipeline")
 @pytest.mark.parametrize("workers", [1, 2])
-def test_torch_dataloader_throughput(benchmark, folder, workers):
+def test_torch_dataloader_throughput(benchmark, streams, workers):
     """Images/s of torch DataLoader + torchvision-style Pillow transforms, null consumer."""
-    _throughput(benchmark, TorchStream(folder, workers, BATCH), f"torch_w{workers}",
-                _batches_per_round(len(folder)), workers, len(folder))
+    _throughput(benchmark, streams, f"torch_w{workers}")
 
 
 @pytest.mark.benchmark(group="pipeline")
-def test_kernel_single_thread(benchmark, folder):
+def test_kernel_single_thread(benchmark, streams):
     """Images/s of decode_random_crop in one thread over the same files (bytes preloaded)."""
-    data = [folder.read(i) for i in range(len(folder))]
-    out = np.empty((SIZE, SIZE, 3), np.uint8)
-    times = []
+    _throughput(benchmark, streams, "kernel")
 
-    def one_pass():
-        t0 = time.perf_counter()
-        for sid, blob in enumerate(data):
-            en.decode_random_crop(blob, (SIZE, SIZE), SEED, 0, sid, out=out)
-        times.append(time.perf_counter() - t0)
 
-    one_pass()
-    times.clear()
-    benchmark.extra_info.update(role="kernel", label="decode_random_crop, one thread",
-                                images=len(data))
-    benchmark.pedantic(one_pass, rounds=ROUNDS, iterations=1)
-    _results["kernel"] = {"label": "echo_native.decode_random_crop, one thread, preloaded",
-                          "workers": 1, "images_per_round": len(data),
-                          "best": len(data) / min(times),
-                          "median": len(data) / statistics.median(times), "rounds": len(times)}
+@pytest.mark.benchmark(group="pipeline-paired")
+def test_paired_rounds(benchmark, streams):
+    """All five pipelines measured round-robin, so each ratio compares adjacent rounds."""
+    order = list(ROLES)
+    paired = {r: [] for r in order}
+
+    def cycle():
+        for role in order:
+            streams.drain(role)
+            paired[role].append(streams.timed(role))
+
+    images = streams.batches * BATCH
+    benchmark.extra_info.update(role="paired_cycle", roles=order, images_per_role=images)
+    benchmark.pedantic(cycle, rounds=PAIRED_ROUNDS, iterations=1)
+    rate = {r: [images / t for t in paired[r]] for r in order}
+    n = len(rate["kernel"])
+
+    def per_round(values):
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    out = {"rounds": n, "rates_median": {r: statistics.median(v) for r, v in rate.items()}}
+    for w in (1, 2):
+        out[f"loader_w{w} / torch_w{w}"] = per_round(
+            [rate[f"loader_w{w}"][i] / rate[f"torch_w{w}"][i] for i in range(n)])
+        out[f"loader_w{w} / (kernel x {w})"] = per_round(
+            [rate[f"loader_w{w}"][i] / (w * rate["kernel"][i]) for i in range(n)])
+    _results["paired"] = out
 
 
 def _ring_full(L):
@@ -324,11 +403,15 @@ def test_consumer_cost_loader(benchmark, folder, batch_size):
                 assert time.monotonic() < deadline, "the workers never filled the ring"
                 time.sleep(0.005)
 
+        held = {}
+
         def handoff():
+            # the previous batch is dropped inside the timed region, as in a training loop
             t0 = time.perf_counter()
-            batch = L.next_batch()
+            held.pop("batch", None)
+            held["batch"] = L.next_batch()
             times.append(time.perf_counter() - t0)
-            assert batch.images.shape == (batch_size, SIZE, SIZE, 3)
+            assert held["batch"].images.shape == (batch_size, SIZE, SIZE, 3)
 
         for _ in range(2):
             wait_full()
@@ -338,6 +421,7 @@ def test_consumer_cost_loader(benchmark, folder, batch_size):
                                     label=f"Loader.next_batch(), {batch_size}x224x224x3 ready",
                                     batch_size=batch_size)
         benchmark.pedantic(handoff, setup=wait_full, rounds=HANDOFF_ROUNDS, iterations=1)
+        held.clear()
     _results[f"consumer_loader_b{batch_size}"] = _ms(times, batch_size)
 
 
@@ -346,17 +430,22 @@ def test_consumer_cost_torch(benchmark):
     """Time of next(DataLoader iterator) when the worker has already collated the batch."""
     batch_size = 256
     dl = _torch_loader(_Constant(batch_size * 1000), batch_size, workers=1)
-    it = iter(dl)
+    state = {"it": iter(dl)}
     times = []
 
     def wait_ready():
         time.sleep(0.4)                     # the worker collates its 2 prefetched batches
 
+    held = {}
+
     def handoff():
+        # the previous batch is dropped inside the timed region, as in a training loop
+        # (for torch that unmaps its shared-memory storage)
         t0 = time.perf_counter()
-        images, _ = next(it)
+        held.pop("batch", None)
+        held["batch"] = next(state["it"])
         times.append(time.perf_counter() - t0)
-        assert images.shape == (batch_size, 3, SIZE, SIZE)
+        assert held["batch"][0].shape == (batch_size, 3, SIZE, SIZE)
 
     try:
         for _ in range(2):
@@ -368,7 +457,8 @@ def test_consumer_cost_torch(benchmark):
                                     batch_size=batch_size)
         benchmark.pedantic(handoff, setup=wait_ready, rounds=HANDOFF_ROUNDS, iterations=1)
     finally:
-        del it
+        held.clear()
+        state.clear()                       # shuts the iterator's worker down
     _results["consumer_torch_b256"] = _ms(times, batch_size)
 
 
@@ -377,25 +467,25 @@ def test_batch_assembly_torch(benchmark):
     """Per-batch time of a torch DataLoader that only collates + ships ready tensors."""
     batch_size = 256
     dl = _torch_loader(_Constant(batch_size * 1000), batch_size, workers=1)
-    it = iter(dl)
+    state = {"it": iter(dl)}
     times = []
     per_round = 8
 
     def stream():
         t0 = time.perf_counter()
         for _ in range(per_round):
-            next(it)
+            next(state["it"])
         times.append((time.perf_counter() - t0) / per_round)
 
     try:
         for _ in range(3):
-            next(it)
+            next(state["it"])
         benchmark.extra_info.update(role="assembly_torch_b256",
                                     label="torch DataLoader collate + IPC per 256-batch",
                                     batch_size=batch_size)
         benchmark.pedantic(stream, rounds=max(3, HANDOFF_ROUNDS // 3), iterations=1)
     finally:
-        del it
+        state.clear()
     _results["assembly_torch_b256"] = _ms(times, batch_size)
 
 
@@ -467,13 +557,31 @@ def _finish(res):
             res["assembly_torch_b256"]["median_ms"] / res["consumer_loader_b256"]["median_ms"],
             None)
 
+    load = res.get("_load", {})
     lines = ["", f"Pipeline benchmark: {BATCH}-image batches, 224x224 RandomResizedCrop + flip, "
-             f"uint8, same files; cores available: {len(os.sched_getaffinity(0))}",
+             f"uint8, same files; cores available: {len(os.sched_getaffinity(0))}; "
+             f"1-min load average {load.get('start', float('nan')):.2f} at the start, "
+             f"{load.get('end', float('nan')):.2f} at the end (> 0.5 means other work "
+             f"shared the machine)",
              "", "| role | pipeline | workers | img/s (best round) | img/s (median round) |",
              "|---|---|---:|---:|---:|", *rows,
              "", "| ratio / cost | best | median | target | |", "|---|---:|---:|---:|---|"]
     for label, b, m, tgt, verdict in ratios:
         lines.append(f"| {label} | {b:.3f} | {m:.3f} | {tgt} | {verdict} |")
+    paired = res.get("paired")
+    if paired:
+        lines += ["", f"Paired rounds ({paired['rounds']} cycles, the five pipelines measured "
+                  "back to back in each): per-cycle ratios",
+                  "", "| ratio | median | min | max | target | |", "|---|---:|---:|---:|---:|---|"]
+        for key, target in (("loader_w1 / torch_w1", 2.5), ("loader_w2 / torch_w2", 2.5),
+                            ("loader_w1 / (kernel x 1)", 0.9),
+                            ("loader_w2 / (kernel x 2)", 0.9)):
+            v = paired[key]
+            verdict = "met" if v["median"] >= target else "**missed**"
+            lines.append(f"| {key} | {v['median']:.3f} | {v['min']:.3f} | {v['max']:.3f} | "
+                         f">= {target:g} | {verdict} (median) |")
+        rates = ", ".join(f"{r} {v:,.0f}" for r, v in paired["rates_median"].items())
+        lines += ["", f"Median img/s in the paired cycles: {rates}"]
     print("\n".join(lines))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "w") as f:

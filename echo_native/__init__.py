@@ -25,7 +25,7 @@ from echo_native.decode import (
 from echo_native.errors import DecodeError
 from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError
 from echo_native.pipeline import EchoRing
-from echo_native.source import ImageFolder, Samples
+from echo_native.source import FileList, ImageFolder, Samples, TarShards
 from echo_native.workers import CenterCrop, RandomResizedCrop
 
 __version__ = "0.1.0"
@@ -33,11 +33,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch",
     "CenterCrop",
+    "FileList",
     "ImageFolder",
     "Loader",
     "RandomResizedCrop",
     "SampleFailureWarning",
     "Samples",
+    "TarShards",
     "WorkerError",
     "DecodeError",
     "EchoRing",

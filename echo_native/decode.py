@@ -156,6 +156,8 @@ def decode_canvas(data, min_side, out=None, *, strict=True, max_pixels=DEFAULT_M
     (box coordinates on the canvas are the original's divided by ``scale``).
     Non-JPEG images are decoded by Pillow and reduced by the same rule.
     """
+    if int(min_side) <= 0:   # checked here so the Pillow path refuses it too
+        raise ValueError(f"min_side must be positive, got {min_side}")
     data = _as_bytes(data)
     dec = _decoder(max_pixels, max_scans, strict)
     if is_jpeg(data):

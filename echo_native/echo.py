@@ -105,6 +105,7 @@ class ExampleBuffer:
         entries = np.asarray(entries)
         self.remaining[entries] = 0
         self._free.extend(int(e) for e in entries)
+        self._settle()
 
     def choose(self, n, rng):
         """``n`` entries to emit: distinct while enough are active, with repeats only in
@@ -133,7 +134,15 @@ class ExampleBuffer:
             self.remaining[e] -= 1
             if self.remaining[e] == 0:
                 self._free.append(int(e))
+        self._settle()
         return echo
+
+    def _settle(self):
+        # Once empty, start over from the initial free list: which entries an
+        # epoch uses (and so its emission order) then depends on (seed, epoch)
+        # only, not on the epochs before it (set_epoch, resume at an epoch start).
+        if len(self._free) == self.capacity:
+            self._free = list(range(self.capacity - 1, -1, -1))
 
     def evict_emitted(self, n):
         """Free up to ``n`` entries that were emitted at least once, oldest first

@@ -216,7 +216,6 @@ class EchoRing:
     def _example_echo(self):
         loader, buf, B = self.loader, self._buffer, self.batch_size
         epoch = loader.epoch
-        n = len(loader.source)
         counts = None if self.auto else self._example_counts(epoch)
         rng = shuffle_rng(self.seed, epoch)
         fresh_left = len(loader) - loader._ticket % len(loader)
@@ -439,8 +438,10 @@ class EchoRing:
                     continue
                 self._books.fresh += int(b.fresh.sum())
                 self._books.fresh_batches += 1
-                batch = b.copy()
-                batch.images = self.device.to_device(b.images)
+                batch = b.copy()  # owns its memory: the slot goes back to the workers below
+                on_device = self.device.to_device(b.images)
+                if on_device is not b.images:  # a real transfer; a host backend returns the
+                    batch.images = on_device   # slot view itself, which must not be kept
                 self.device.copied()
                 batch.ticket = ticket
                 window.add(batch, counts[taken])
@@ -454,6 +455,8 @@ class EchoRing:
             if echo == 0:
                 self._unsent[b.ticket] = 0
                 self._sent[b.ticket] = b.sample_ids.tolist()
+                none = np.empty(0, np.int64)
+                self._note_sent(none, none)  # forget older, fully sent batches
             if self.drop_last and len(b) < self.batch_size:
                 continue
             images = self._next_images(len(b))

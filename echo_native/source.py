@@ -34,7 +34,28 @@ class _PackedPaths:
         return os.fsdecode(self.blob[self.offsets[i]:self.offsets[i + 1]])
 
 
-class ImageFolder:
+class _Files:
+    """A source of files named by packed relative paths under ``root``."""
+
+    root: Path
+    labels: np.ndarray
+    _paths: _PackedPaths
+
+    def __len__(self):
+        return len(self.labels)
+
+    def path(self, i) -> str:
+        return os.path.join(self.root, self._paths[i])
+
+    def describe(self, i) -> str:
+        return self.path(i)
+
+    def read(self, i) -> bytes:
+        with open(self.path(i), "rb") as f:
+            return f.read()
+
+
+class ImageFolder(_Files):
     """Class sub-folders to integer labels, ordered exactly as torchvision's ``ImageFolder``.
 
     ``root/<class>/**/<file>``: classes are the sorted sub-folder names, files
@@ -68,19 +89,6 @@ class ImageFolder:
         self._paths = _PackedPaths(paths)
         self.labels = np.asarray(labels, dtype=np.int64)
 
-    def __len__(self):
-        return len(self.labels)
-
-    def path(self, i) -> str:
-        return os.path.join(self.root, self._paths[i])
-
-    def describe(self, i) -> str:
-        return self.path(i)
-
-    def read(self, i) -> bytes:
-        with open(self.path(i), "rb") as f:
-            return f.read()
-
     def __repr__(self):
         return f"ImageFolder({str(self.root)!r}, {len(self)} samples, {len(self.classes)} classes)"
 
@@ -112,7 +120,7 @@ class Samples:
         return f"Samples({len(self)} samples)"
 
 
-class FileList:
+class FileList(_Files):
     """Samples listed in a text/CSV file (or given as rows) of ``path,label``.
 
     Relative paths are resolved against ``root`` (default: the list file's
@@ -143,7 +151,8 @@ class FileList:
             rows = [(str(p), lab, f"row {n}") for n, (p, lab) in enumerate(path_or_rows)]
             self.root = Path(root) if root is not None else Path(".")
         if not rows:
-            raise ValueError("FileList has no samples")
+            where = str(path_or_rows) if isinstance(path_or_rows, (str, os.PathLike)) else "rows"
+            raise ValueError(f"FileList {where!r} has no samples")
         labels = []
         for path, label, where in rows:
             try:
@@ -153,19 +162,6 @@ class FileList:
                     from None
         self._paths = _PackedPaths([p for p, _, _ in rows])
         self.labels = np.asarray(labels, dtype=np.int64)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def path(self, i) -> str:
-        return os.path.join(self.root, self._paths[i])
-
-    def describe(self, i) -> str:
-        return self.path(i)
-
-    def read(self, i) -> bytes:
-        with open(self.path(i), "rb") as f:
-            return f.read()
 
     def __repr__(self):
         return f"FileList({len(self)} samples, root={str(self.root)!r})"
@@ -238,26 +234,35 @@ class TarShards:
         self._starts = np.asarray(starts, np.int64)
         self._keys = _PackedPaths(keys)
         self.labels = np.asarray(labels, np.int64)
-        self._files = None
+        self._files = {}  # shard index -> descriptor, opened on first read in each process
 
     def __len__(self):
         return len(self.labels)
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_files"] = None  # open files stay in the process that opened them
+        state["_files"] = {}  # open files stay in the process that opened them
         return state
+
+    def __del__(self):
+        for fd in (getattr(self, "_files", None) or {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def describe(self, i) -> str:
         return f"{self.shards[self._shard[i]]}:{self._keys[i]}"
 
     def read(self, i) -> bytes:
-        if self._files is None:
-            self._files = {}
         s = int(self._shard[i])
         fd = self._files.get(s)
         if fd is None:
-            fd = self._files[s] = os.open(self.shards[s], os.O_RDONLY)
+            fd = os.open(self.shards[s], os.O_RDONLY)
+            # Reader threads may race here: keep whichever descriptor won.
+            if self._files.setdefault(s, fd) != fd:
+                os.close(fd)
+                fd = self._files[s]
         size = int(self._size[i])
         data = os.pread(fd, size, int(self._offset[i]))
         if len(data) != size:

@@ -92,14 +92,6 @@ def write_shards(folder, blobs, labels, shards, missing_cls=(), extra_members=Tr
 
 
 
-def fresh_ids(batches):
-    """The fresh stream of a list of (sample_ids, fresh) pairs, in order."""
-    out = []
-    for ids, fresh in batches:
-        out.extend(int(s) for s in np.asarray(ids)[np.asarray(fresh, bool)])
-    return out
-
-
 def run_epoch(ring, limit=None):
     """Iterate the current epoch of ``ring`` (an EchoRing or Loader), copying the ids:
     the list of (sample_ids, fresh, labels) of each batch; stops after ``limit`` batches."""
@@ -111,28 +103,8 @@ def run_epoch(ring, limit=None):
     return out
 
 
-class FlakySource:
-    """Wraps a source; ``read`` of the ids in ``bad`` raises ``OSError`` naming the path
-    (a file that vanished between listing and reading, say)."""
-
-    def __init__(self, base, bad):
-        self.base, self.bad = base, frozenset(int(b) for b in bad)
-        self.labels = base.labels
-
-    def __len__(self):
-        return len(self.base)
-
-    def describe(self, i):
-        return self.base.describe(i)
-
-    def read(self, i):
-        if int(i) in self.bad:
-            raise FileNotFoundError(2, "No such file or directory", self.base.describe(i))
-        return self.base.read(i)
-
-
 def empty_tree(root, n_files, n_classes, ext=".jpg"):
-    """``n_files`` empty files spread over ``n_classes`` class folders (benchmark input)."""
+    """``n_files`` empty files spread over ``n_classes`` class folders."""
     root = Path(root)
     per = -(-n_files // n_classes)
     made = 0
@@ -152,6 +124,8 @@ class NotInConsumer:
 
     def __init__(self, base):
         self.base, self.labels, self.owner = base, base.labels, os.getpid()
+        if hasattr(base, "epoch_order"):  # keep the source's own epoch order
+            self.epoch_order = base.epoch_order
 
     def __len__(self):
         return len(self.base)

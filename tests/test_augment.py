@@ -57,6 +57,16 @@ def torchvision_fallback(height, width, ratio=(3 / 4, 4 / 3)):
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def clamped_fallback(height, width, ratio):
+    """torchvision's fallback with each side at least one pixel.
+
+    torchvision can round a side to 0 (e.g. a 1x1 image with ratio (0.5, 0.5))
+    and then fails in resized_crop; the kernel clamps that side to 1 instead."""
+    _, _, h, w = torchvision_fallback(height, width, ratio)
+    h, w = max(h, 1), max(w, 1)
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
 def numpy_philox(ctr, key):
     """One Philox4x64-10 block from numpy: numpy increments its counter before each block."""
     c = sum(int(w) << (64 * i) for i, w in enumerate(ctr))
@@ -110,7 +120,7 @@ def test_philox_known_answers(ctr, key, expected):
 
 
 def test_philox_matches_numpy():
-    """philox4x64 equals numpy.random.Philox block for block, including counter borrow across words."""
+    """philox4x64 equals numpy.random.Philox block for block, counter borrow included."""
     rng = np.random.default_rng(2024)
     cases = [((0, 5, 0, 0), (1, 2)), ((0, 0, 0, 1), (M64, 0)), ((1, 0, 0, 0), (0, M64))]
     for _ in range(200):
@@ -143,7 +153,7 @@ def test_philox_avalanche():
 
 
 def test_params_deterministic_for_a_key():
-    """The same (seed, epoch, sample_id, echo_index) and image size always give the same crop and flip."""
+    """The same (seed, epoch, sample_id, echo_index) and image size give the same crop/flip."""
     for key in [(0, 0, 0, 0), (7, 3, 123456, 2), (2**64 - 1, 2**63, 2**40, 9)]:
         first = en.random_resized_crop_params(*key, 480, 640)
         for _ in range(3):
@@ -168,7 +178,7 @@ def test_params_differ_across_each_key_field(field):
 
 
 def test_key_fields_are_not_interchangeable():
-    """Swapping the values of two key fields gives another crop (the fields are not mixed symmetrically)."""
+    """Swapping two key fields' values gives another crop (fields are not mixed symmetrically)."""
     same = 0
     for a in range(1, 40):
         b = a + 17
@@ -205,7 +215,7 @@ def _possible(lo_val, hi_val, lo, hi):
        ratio_lo=st.floats(0.1, 3.0), ratio_span=st.floats(1.0, 4.0))
 def test_box_always_inside_and_consistent(height, width, seed, epoch, sample_id, echo,
                                           scale_lo, scale_span, ratio_lo, ratio_span):
-    """Every box is integral, inside the image, and either a valid draw or exactly torchvision's fallback."""
+    """Every box is integral, inside the image, and a valid draw or exactly the fallback."""
     scale = (scale_lo, scale_lo + (1 - scale_lo) * scale_span)
     ratio = (ratio_lo, ratio_lo * ratio_span)
     (top, left, h, w), flip = en.random_resized_crop_params(seed, epoch, sample_id, echo,
@@ -213,7 +223,7 @@ def test_box_always_inside_and_consistent(height, width, seed, epoch, sample_id,
     assert all(isinstance(v, int) for v in (top, left, h, w)) and isinstance(flip, bool)
     assert 1 <= h <= height and 1 <= w <= width
     assert 0 <= top <= height - h and 0 <= left <= width - w
-    if (top, left, h, w) == torchvision_fallback(height, width, ratio):
+    if (top, left, h, w) == clamped_fallback(height, width, ratio):
         return
     # A draw: the rounded sides come from an area fraction and ratio inside the ranges.
     area = height * width
@@ -231,19 +241,22 @@ def test_extreme_aspect_falls_back_to_torchvision_centre_crop(height, width):
 
 
 def test_fallback_with_custom_ranges():
-    """scale=(1,1), ratio=(1,1): the centre square of a landscape photo, the whole of a square one."""
-    assert en.random_resized_crop_params(1, 2, 3, 4, 300, 451, (1, 1), (1, 1))[0] == (0, 75, 300, 300)
-    assert en.random_resized_crop_params(1, 2, 3, 4, 451, 300, (1, 1), (1, 1))[0] == (75, 0, 300, 300)
-    assert en.random_resized_crop_params(1, 2, 3, 4, 256, 256, (1, 1), (1, 1))[0] == (0, 0, 256, 256)
-    # A ratio range containing the image's own ratio falls back to the whole image.
-    box, _ = en.random_resized_crop_params(1, 2, 3, 4, 30, 2000, (0.9999, 1.0), (60, 70))
-    assert box == torchvision_fallback(30, 2000, (60, 70))
+    """scale=(1,1), ratio=(1,1): the centre square of a landscape photo, all of a square one."""
+    p = en.random_resized_crop_params
+    assert p(1, 2, 3, 4, 300, 451, (1, 1), (1, 1))[0] == (0, 75, 300, 300)
+    assert p(1, 2, 3, 4, 451, 300, (1, 1), (1, 1))[0] == (75, 0, 300, 300)
+    assert p(1, 2, 3, 4, 256, 256, (1, 1), (1, 1))[0] == (0, 0, 256, 256)
+    # The image's own ratio and full scale: the whole image, whichever way it is reached.
+    assert en.random_resized_crop_params(1, 2, 3, 4, 200, 300, (1, 1), (1.5, 1.5))[0] == (
+        0, 0, 200, 300)
+    # torchvision would round the width of this fallback to 0; the kernel keeps one pixel.
+    assert en.random_resized_crop_params(0, 0, 0, 0, 1, 1, (1, 1), (0.5, 0.5))[0] == (0, 0, 1, 1)
 
 
 @pytest.mark.parametrize("height,width", [(480, 640), (500, 375), (224, 224), (300, 1000),
                                           (1000, 300), (64, 48)])
 def test_distribution_matches_torchvision(height, width):
-    """Area fraction, log aspect, position and flip rate match torchvision's algorithm (two-sample KS)."""
+    """Area fraction, log aspect, position and flip rate match torchvision's (two-sample KS)."""
     n = 8000
     ours = [en.random_resized_crop_params(2024, 1, i, 0, height, width) for i in range(n)]
     rng = np.random.default_rng(height * 10007 + width)
@@ -294,7 +307,8 @@ def test_ks_statistic_detects_a_wrong_algorithm():
         r = rng.uniform(3 / 4, 4 / 3)
         w, h = int(round(math.sqrt(t * r))), int(round(math.sqrt(t / r)))
         wrong.append((0, 0, min(h, height), min(w, width)))
-    a, b = crop_stats(ref, np.zeros(n), height, width), crop_stats(wrong, np.zeros(n), height, width)
+    a = crop_stats(ref, np.zeros(n), height, width)
+    b = crop_stats(wrong, np.zeros(n), height, width)
     assert ks_statistic(a["area fraction"], b["area fraction"]) > 0.05
     assert ks_statistic(a["log aspect ratio"], b["log aspect ratio"]) > 0.035
 
@@ -306,7 +320,7 @@ def test_ks_statistic_detects_a_wrong_algorithm():
 @pytest.mark.parametrize("name", ["baseline-4:2:0", "progressive-4:4:4", "gray", "cmyk-adobe",
                                   "tall-2000x3", "tiny-1x1", "arithmetic"])
 def test_decode_random_crop_equals_decode_crop(images, name):
-    """decode_random_crop returns the params' box and flip, and exactly decode_crop's pixels for them."""
+    """decode_random_crop returns the params' box/flip and exactly decode_crop's pixels for them."""
     sample = images.sample(name)
     h, w = sample.expected.shape[:2]
     for sample_id in range(6):

@@ -83,8 +83,7 @@ def _flat(batches, key):
 @pytest.mark.parametrize("placement", EXAMPLE_PLACEMENTS)
 @pytest.mark.parametrize("e", [2, 3])
 def test_integer_echo_emits_each_sample_e_times(small, placement, e):
-    """Integer e: per epoch every sample is fresh exactly once and emitted exactly e times,
-    with echo indices 0..e-1, and len(ring) and stats() agree with what was delivered."""
+    """Integer e: per epoch each sample is fresh once and emitted exactly e times (index 0..e-1)."""
     n = len(small[0])
     with _ring(small, echo=e, placement=placement) as ring:
         epochs = eh.collect(ring, epochs=2, copy_images=False)
@@ -107,8 +106,7 @@ def test_integer_echo_emits_each_sample_e_times(small, placement, e):
 
 @pytest.mark.parametrize("placement", EXAMPLE_PLACEMENTS)
 def test_fractional_echo_mean_within_tolerance(large, placement):
-    """e=2.5 on 400 samples: each sample is emitted 2 or 3 times (fresh once), the mean is
-    2.5 within 4 binomial standard deviations, and the extra emissions change with the epoch."""
+    """e=2.5, 400 samples: 2 or 3 emissions each, mean 2.5 +- 4 binomial SDs, redrawn per epoch."""
     n, e = len(large[0]), 2.5
     with _ring(large, echo=e, placement=placement, batch_size=16, image_size=16) as ring:
         epochs = eh.collect(ring, epochs=2, copy_images=False)
@@ -127,8 +125,7 @@ def test_fractional_echo_mean_within_tolerance(large, placement):
 
 
 def test_fractional_batch_echo_counts(large):
-    """Batch echo with e=2.5: each fresh batch is repeated 2 or 3 times in total, about half
-    of them 3 times, and every sample is fresh exactly once."""
+    """Batch echo, e=2.5: each fresh batch is delivered 2 or 3 times, about half of them 3 times."""
     n = len(large[0])
     with _ring(large, echo=2.5, placement="batch", batch_size=4, image_size=16) as ring:
         batches = eh.collect(ring, copy_images=False)[0]
@@ -143,9 +140,7 @@ def test_fractional_batch_echo_counts(large):
 
 
 def test_duplicates_in_batch_only_when_unavoidable(large):
-    """For every buffer size (2x to 16x the batch), a batch holds a duplicate only when fewer
-    than a batch of distinct examples is left to emit in the epoch (its tail), so at most
-    (B - 1) x (e - 1) duplicates per epoch whatever the buffer."""
+    """Any shuffle_buffer: a batch has duplicates only when < B distinct examples remain."""
     B, e = 16, 3
     rates = {}
     for mult in (2, 4, 8, 16):
@@ -166,8 +161,7 @@ def test_duplicates_in_batch_only_when_unavoidable(large):
 
 
 def test_repeat_gaps_are_spread_and_grow_with_buffer(large):
-    """Gaps (in batches) between repeats of one example are not all equal, average more than
-    a batch, and scale with the shuffle buffer (about shuffle_buffer / batch_size)."""
+    """Repeat gaps vary, average over 1 batch, grow with the buffer (~ shuffle_buffer / B)."""
     B, e = 16, 2
     means = []
     for mult in (2, 4, 8, 16):
@@ -189,8 +183,7 @@ def test_repeat_gaps_are_spread_and_grow_with_buffer(large):
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("e", [1, 2.5])
 def test_len_matches_delivery(small, placement, drop_last, e):
-    """len(ring) announces the batches of the coming epoch (60 samples, batch 8), and with
-    drop_last=True every batch is full."""
+    """len(ring) is the number of batches an epoch delivers; drop_last=True: only full ones."""
     data = (small[0][:60], small[1][:60])
     with _ring(data, echo=e, placement=placement, drop_last=drop_last,
                image_size=16) as ring:
@@ -209,13 +202,12 @@ def _source_hw(blob):
 
 
 def test_before_augment_echoes_are_new_crops_of_the_source(small):
-    """before_augment with a full-resolution canvas (canvas_side = the images' shorter side,
-    so no DCT reduction and no budget shrink): every emission is the crop + resize + flip of
-    the source for its recorded box (original coordinates), drawn from (seed, epoch, id,
-    echo index); echoes of one example have different boxes and pixels.  The tight reference
-    resizes the full decode with the same resampler (mean |diff| <= 0.1, only box rounding to
-    float32); decode_crop may decode at a DCT scale 1/2.. and so differs by a few levels
-    (mean <= 3)."""
+    """before_augment: each emission is its own crop of the source, equal to decode_crop of its box.
+
+    Full-resolution canvas (canvas_side = the shorter side): the tight reference resizes the
+    full decode with the same resampler (mean <= 0.1, max <= 2: boxes are reported as
+    float32); decode_crop may decode at DCT scale 1/2 for large boxes, hence mean <= 3.
+    """
     blobs, _ = small
     size, seed = 24, 5
     with _ring(small, echo=3, placement="before_augment", image_size=size, seed=seed,
@@ -244,11 +236,12 @@ def test_before_augment_echoes_are_new_crops_of_the_source(small):
 
 
 def test_before_augment_default_canvas(small):
-    """With the default canvas (shorter side >= image_size through DCT scaling), each
-    emission is exactly its box, divided by the DCT scale, resized from that canvas (the
-    reference is built here with decode_canvas + resize_crop).  Against decode_crop of the
-    full-resolution image it is only close on average (mean <= 6 levels): small crops are
-    upsampled from the reduced canvas instead of decoded at full resolution."""
+    """before_augment, default canvas: each emission is its box resized from the DCT-reduced canvas.
+
+    Exact reference: decode_canvas + resize_crop of box / scale.  Against decode_crop of the
+    full image only mean <= 6: small crops are upsampled from a canvas whose shorter side
+    is just image_size, where decode_crop decodes them at full resolution.
+    """
     blobs, _ = small
     size = 24
     with _ring(small, echo=2, placement="before_augment", image_size=size, seed=3) as ring:
@@ -277,11 +270,11 @@ def _canvas_box(box, scale, shape):
 
 
 def test_before_augment_boxes_in_original_coordinates_for_budget_canvases(images):
-    """Elongated images (aspect 3:1) get a canvas shrunk to the pixel budget
-    (canvas_max_pixels, default 2 x image_size^2); the recorded boxes stay in the original
-    image's coordinates (inside H x W, equal to the crop parameters of the original size)
-    and each emission is its box resized from that budget canvas (rebuilt here from
-    decode_canvas + a uniform shrink to the budget)."""
+    """Canvases shrunk to the pixel budget (3:1 images) report boxes in original coordinates.
+
+    The reference rebuilds the budget canvas (decode_canvas + uniform shrink to
+    canvas_max_pixels) and resizes the box from it (mean <= 0.1, max <= 2).
+    """
     wide = images.fit(images.photo("rocket"), 64, 192)
     tall = images.fit(images.photo("astronaut"), 180, 60)
     blobs = [images.pil_jpeg(wide, 92), images.pil_jpeg(tall, 92)] * 4
@@ -322,8 +315,7 @@ def test_before_augment_boxes_in_original_coordinates_for_budget_canvases(images
 
 
 def test_after_augment_echoes_are_identical_copies(small):
-    """after_augment: the fresh emission is decode_crop of the source for its box and flip,
-    and every echo is a byte-identical copy with the same box and flip."""
+    """after_augment: the fresh emission is decode_crop of its box, every echo a byte copy of it."""
     blobs, _ = small
     size = 24
     with _ring(small, echo=3, placement="after_augment", image_size=size, seed=4) as ring:
@@ -343,8 +335,7 @@ def test_after_augment_echoes_are_identical_copies(small):
 
 
 def test_after_augment_echo_flip(small):
-    """after_augment with echo_flip=True: every echo is either identical to the fresh
-    emission or its exact horizontal mirror, as its recorded flip says, and both happen."""
+    """after_augment + echo_flip: each echo is the fresh image or its mirror, as flips says."""
     with _ring(small, echo=4, placement="after_augment", image_size=24, seed=6,
                echo_flip=True) as ring:
         batches = eh.collect(ring)[0]
@@ -366,8 +357,7 @@ def test_after_augment_echo_flip(small):
 
 
 def test_batch_echo_repeats_whole_batches(small):
-    """placement="batch": every echo batch repeats a fresh batch exactly (ids, labels, pixels,
-    boxes, flips), each fresh batch e times in total, and repeats are not all back to back."""
+    """Batch echo: echo batches repeat a fresh batch exactly, e times, not all back to back."""
     e = 3
     with _ring(small, echo=e, placement="batch", image_size=24, seed=8) as ring:
         batches = eh.collect(ring)[0]
@@ -393,8 +383,7 @@ def test_batch_echo_repeats_whole_batches(small):
 
 
 def test_echo_outputs_survive_the_next_batch(small):
-    """An echoing ring's batch stays valid while the next batch is produced (two
-    alternating output buffers)."""
+    """An echoing ring's batch stays intact while the next one is produced (two output buffers)."""
     for placement in PLACEMENTS:
         with _ring(small, echo=2, placement=placement, image_size=16) as ring:
             it = iter(ring)
@@ -409,8 +398,7 @@ def test_echo_outputs_survive_the_next_batch(small):
 # ---- determinism -----------------------------------------------------------------------
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_same_seed_same_batches_any_workers(small, placement):
-    """A fixed e=2.5 gives the same batch sequence (pixels, ids, echo indices, boxes) over two
-    epochs with 1 or 2 process workers and with thread workers; another seed differs."""
+    """Fixed e: same seed, same batches with 1/2 worker processes or threads; other seed differs."""
     def run(**kw):
         with _ring(small, echo=2.5, placement=placement, image_size=16, **kw) as ring:
             return [b for ep in eh.collect(ring, epochs=2) for b in ep]
@@ -429,8 +417,7 @@ def test_same_seed_same_batches_any_workers(small, placement):
 
 # ---- echo = 1 ---------------------------------------------------------------------------------
 def test_echo_one_is_the_loader_without_a_copy(small):
-    """echo=1 delivers exactly the bare Loader's batches (same seed) for two epochs, all
-    fresh with echo index 0, and the images are the ring slot itself (no copy)."""
+    """echo=1 yields the bare Loader's batches; the images are the ring slot itself (no copy)."""
     src = _src(small)
     with en.Loader(src, 8, image_size=24, workers=2, seed=9) as loader:
         want = [b.copy() for _ in range(2) for b in loader]
@@ -454,8 +441,7 @@ def test_echo_one_is_the_loader_without_a_copy(small):
 # ---- interop -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("e", [1, 2])
 def test_dlpack_shares_memory(small, e):
-    """torch.from_dlpack and numpy.from_dlpack of batch.images share its memory (same data
-    pointer) for echo=1 (ring slot) and echo=2 (echo output buffer)."""
+    """torch/numpy.from_dlpack of batch.images share its memory, for echo=1 and echo=2."""
     torch = pytest.importorskip("torch")
     with _ring(small, echo=e, placement="after_augment") as ring:
         for i, b in enumerate(ring):
@@ -474,8 +460,7 @@ def test_dlpack_shares_memory(small, e):
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("normalize", [True, ((0.5, 0.25, 0.75), (0.2, 0.3, 0.4))])
 def test_normalize_matches_manual(small, layout, normalize):
-    """normalize gives float32 (x / 255 - mean) / std in the asked layout, computed here from
-    the uint8 batch of an identical ring; torch takes it through DLPack without a copy."""
+    """normalize gives float32 (x / 255 - mean) / std in the asked layout; DLPack without copy."""
     torch = pytest.importorskip("torch")
     if normalize is True:
         mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -502,9 +487,7 @@ def test_normalize_matches_manual(small, layout, normalize):
 
 # ---- auto echo ------------------------------------------------------------------------------
 def test_auto_echo_rises_when_upstream_is_slow(small):
-    """echo="auto" with a slow upstream (1 worker, 20 ms per read: 160 ms per batch of 8)
-    and a 5 ms consumer step (R = 32): e rises above 1.5 (capped at max_echo) and the
-    consumer gets more than 1.5 images per fresh one; each sample is still fresh once."""
+    """Auto echo: upstream ~32x slower than the consumer makes e rise above 1.5 (<= max_echo)."""
     n = 48
     src = eh.SleepySource(small[0][:n], small[1][:n], delay=0.02)
     with en.EchoRing(src, batch_size=8, image_size=16, echo="auto", placement="after_augment",
@@ -523,12 +506,11 @@ def test_auto_echo_rises_when_upstream_is_slow(small):
 
 
 def test_auto_echo_stays_near_one_when_upstream_is_fast(small):
-    """echo="auto" with a fast upstream (tiny images, 2 workers) and a slow consumer (50 ms
-    per batch): e stays at most 1.2 and so does delivered / fresh."""
+    """Auto echo: upstream much faster than a 50 ms consumer keeps e and delivered/fresh <= 1.2."""
     src = _src(small)
     with en.EchoRing(src, batch_size=8, image_size=8, echo="auto", placement="before_augment",
                      workers=2, seed=0) as ring:
-        eh.collect(ring, epochs=2, step=lambda b: time.sleep(0.05), copy_images=False)
+        eh.collect(ring, epochs=3, step=lambda b: time.sleep(0.05), copy_images=False)
         s = ring.stats()
     assert s["echo_factor"] <= 1.2, s
     assert s["effective_echo"] <= 1.2, s
@@ -536,8 +518,7 @@ def test_auto_echo_stays_near_one_when_upstream_is_fast(small):
 
 
 def test_auto_echo_falls_back_when_consumer_slows(small):
-    """echo="auto": e rises while the consumer is fast (1 ms step, upstream 40 ms per batch)
-    and falls back to at most 1.2 within 4 epochs once the consumer takes 80 ms per batch."""
+    """Auto echo: e rises for a fast consumer, then falls to <= 1.2 once the consumer is slower."""
     n = 48
     src = eh.SleepySource(small[0][:n], small[1][:n], delay=0.005)
     with en.EchoRing(src, batch_size=8, image_size=16, echo="auto", placement="after_augment",
@@ -578,8 +559,7 @@ BAD_ARGS = [
 @pytest.mark.parametrize("kwargs,name", BAD_ARGS, ids=[f"{n}-{i}" for i, (_, n) in
                                                         enumerate(BAD_ARGS)])
 def test_bad_arguments_raise_value_error(small, kwargs, name):
-    """Wrong arguments raise ValueError at construction, naming the argument, and leave no
-    shared-memory segment behind."""
+    """Wrong arguments raise ValueError at construction naming the argument, leaving no segment."""
     before = set(os.listdir("/dev/shm"))
     kw = {"batch_size": 8, "image_size": 16, **kwargs}
     with pytest.raises(ValueError, match=name):
@@ -589,8 +569,7 @@ def test_bad_arguments_raise_value_error(small, kwargs, name):
 
 
 def test_cuda_without_cuda_is_a_one_line_runtime_error(small):
-    """device="cuda" on a machine without CUDA raises a one-line RuntimeError that says how
-    to get it (install CuPy) or to use the CPU."""
+    """device='cuda' without CUDA: one-line RuntimeError saying how to install it or to use cpu."""
     if _cuda_usable():
         pytest.skip("CUDA is usable here; the CUDA backend has its own tests")
     with pytest.raises(RuntimeError) as info:
@@ -603,7 +582,7 @@ def test_cuda_without_cuda_is_a_one_line_runtime_error(small):
 
 
 def test_auto_device_falls_back_to_cpu(small):
-    """device="auto" without CUDA runs on the CPU backend and delivers NumPy batches."""
+    """device='auto' without CUDA runs on the CPU backend and delivers NumPy batches."""
     if _cuda_usable():
         pytest.skip("CUDA is usable here: device='auto' picks it")
     with _ring(small, echo=2, device="auto", image_size=16) as ring:
@@ -614,9 +593,7 @@ def test_auto_device_falls_back_to_cpu(small):
 
 # ---- memory and cleanup -------------------------------------------------------------------------
 def test_memory_flat_over_epochs_and_segment_removed(small):
-    """Six epochs of before_augment echo (e=2): the consumer's RSS grows by less than 8 MiB
-    over epochs 3-6 (they deliver ~39 MB, so keeping per-batch data would show), and the
-    /dev/shm segment is gone after close()."""
+    """Six epochs: consumer RSS flat (< 8 MiB) after epoch 2; the /dev/shm segment goes on close."""
     ring = _ring(small, echo=2, placement="before_augment", image_size=160, batch_size=16)
     with ring:
         path = eh.shm_path(ring.loader.ring_name)
@@ -634,8 +611,7 @@ def test_memory_flat_over_epochs_and_segment_removed(small):
 
 
 def test_segment_removed_when_the_consumer_raises(small):
-    """An exception inside the with-block (mid-epoch) stops the workers and removes the
-    shared-memory segment."""
+    """An exception in the with-block stops the workers and removes the shared-memory segment."""
     with pytest.raises(KeyError):
         with _ring(small, echo=2, placement="before_augment") as ring:
             path = eh.shm_path(ring.loader.ring_name)

@@ -129,7 +129,7 @@ def exercise(data, strict, box_frac=(0.1, 0.2, 0.5, 0.6), size=(12, 16)):
     return img
 
 
-@fuzz_settings(1500)
+@fuzz_settings(2500)
 @given(data=st.binary(max_size=1500), prefix=st.sampled_from([b"", b"\xff\xd8", b"\xff\xd8\xff"]))
 def test_random_bytes(data, prefix):
     """Arbitrary bytes (with and without a JPEG SOI in front) never escape as another exception."""
@@ -137,7 +137,7 @@ def test_random_bytes(data, prefix):
     exercise(prefix + data, strict=False)
 
 
-@fuzz_settings(600)
+@fuzz_settings(1000)
 @given(which=st.integers(0, len(SEED_KINDS) - 1), body=st.binary(min_size=0, max_size=3000),
        strict=st.booleans())
 def test_valid_headers_random_entropy_data(seeds, which, body, strict):
@@ -150,7 +150,7 @@ def test_valid_headers_random_entropy_data(seeds, which, body, strict):
         assert img.shape[:2] == en.image_size(data)
 
 
-@fuzz_settings(2000)
+@fuzz_settings(4000)
 @given(which=st.integers(0, len(SEED_KINDS) - 1),
        flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
                       min_size=1, max_size=8),
@@ -164,7 +164,7 @@ def test_bit_flips(seeds, which, flips, header_bias, strict):
     exercise(bytes(data), strict=strict)
 
 
-@fuzz_settings(800)
+@fuzz_settings(1500)
 @given(which=st.integers(0, len(SEED_KINDS) - 1),
        edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.binary(min_size=1,
                                                                              max_size=6)),
@@ -187,7 +187,7 @@ def test_overwrites_truncation_and_splices(seeds, which, edits, cut, splice, str
     exercise(bytes(data), strict=strict)
 
 
-@fuzz_settings(400)
+@fuzz_settings(600)
 @given(fmt=st.sampled_from(["png-rgb", "png-rgba", "gif", "bmp", "webp-lossless", "tiff"]),
        flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
                       min_size=1, max_size=6),

@@ -340,7 +340,7 @@ def test_extended_sequential_8bit_decodes(images, jpeg):
 
 
 def _duplicate_last_scan(images, data, copies):
-    """A progressive JPEG with its last refinement scan repeated (libjpeg warns: bogus progression)."""
+    """The progressive JPEG with its last scan repeated (libjpeg warns: bogus progression)."""
     last_sos = data.rfind(b"\xff\xda")
     eoi = data.rfind(b"\xff\xd9")
     scan = data[last_sos:eoi]
@@ -348,7 +348,7 @@ def _duplicate_last_scan(images, data, copies):
 
 
 def test_scan_limit_valid_file_over_1000_scans(images):
-    """A valid progressive file of 1135 scans fails fast at the default limit, decodes when allowed."""
+    """A valid 1135-scan progressive file fails fast at the default limit, decodes when allowed."""
     src = images.photo("coffee")[:64, :96]
     data = images.libjpeg(src, "rgb", "ycc", 90, progressive=7)
     assert images.count_scans(data) == 1135
@@ -375,7 +375,7 @@ def test_scan_limit_is_exact(images):
 
 
 def test_scan_limit_repeated_scans(images, progressive):
-    """Thousands of repeated scans: refused in strict mode (bogus progression) and by the scan limit in lenient mode."""
+    """Thousands of repeated scans: bogus progression (strict) or max_scans (lenient) refuse."""
     data = _duplicate_last_scan(images, progressive, 2000)
     assert images.count_scans(data) > 2000
     raises_fast(r"(?i)progression|scans", en.decode, data)
@@ -387,7 +387,7 @@ def test_scan_limit_repeated_scans(images, progressive):
                     reason="cjpeg (Debian libjpeg-turbo-progs) not installed; "
                            "test_scan_limit_is_exact covers the same boundary")
 def test_scan_limit_cjpeg_scan_script(images, tmp_path):
-    """Cross-check with libjpeg-turbo's own cjpeg -scans: a 97-scan file passes at 97, fails at 96."""
+    """Cross-check with cjpeg -scans: a 97-scan file passes at max_scans=97, fails at 96."""
     from PIL import Image
     ppm = tmp_path / "in.ppm"
     Image.fromarray(images.photo("chelsea")[:48, :64]).save(ppm)
@@ -525,7 +525,7 @@ def test_bad_out_buffers(jpeg):
 
 
 def test_bad_canvas_buffers(images, jpeg):
-    """decode_canvas refuses too-small, read-only, non-uint8 and non-contiguous buffers (JPEG and Pillow paths)."""
+    """decode_canvas refuses small, read-only, non-uint8, non-contiguous buffers (both paths)."""
     png = images.other("png-rgb")
     ro = np.zeros(10**6, np.uint8)
     ro.setflags(write=False)
@@ -535,8 +535,9 @@ def test_bad_canvas_buffers(images, jpeg):
         for out in (ro, np.zeros(10**6, np.float32), np.zeros((1000, 2000), np.uint8)[:, ::2]):
             with pytest.raises(ValueError, match="writable contiguous uint8"):
                 en.decode_canvas(data, 100, out=out)
-        with pytest.raises(ValueError, match="min_side must be positive"):
-            en.decode_canvas(data, 0) if data is jpeg else _kernel.Decoder().decode_canvas(jpeg, -1)
+        for bad in (0, -1):
+            with pytest.raises(ValueError, match="min_side must be positive"):
+                en.decode_canvas(data, bad)
 
 
 def test_bad_image_for_resize_crop():
@@ -605,7 +606,7 @@ def test_no_table_state_leaks_between_images(images):
     src = images.photo("chelsea")
     std = images.pil_jpeg(src, 90)                    # libjpeg's standard Huffman tables
     custom = images.pil_jpeg(src, 90, optimize=True)  # its own optimised tables
-    no_dht = _strip_segments(images, std, 0xC4)       # Motion-JPEG style: relies on the standard ones
+    no_dht = _strip_segments(images, std, 0xC4)       # Motion-JPEG style: standard tables
     ref = images.pil_decode(std)
     dec = _kernel.Decoder()
     np.testing.assert_array_equal(dec.decode(no_dht), ref)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import echo_native as en
 from echo_native import _ring
-from echo_native.ring import Ring, remove_stale_segments
+from echo_native.ring import Ring
 from echo_native.workers import Plan
 
 HERE = Path(__file__).resolve().parent
