@@ -74,6 +74,7 @@ class ExampleBuffer:
         self.box = np.zeros((c, 4), np.float32)
         self.flip = np.zeros(c, bool)
         self.age = np.zeros(c, np.int64)         # insertion order, for eviction
+        self.last = np.zeros(c, bool)            # emitted in the previous batch
         self._clock = 0
         self._free = list(range(c - 1, -1, -1))
 
@@ -109,8 +110,15 @@ class ExampleBuffer:
 
     def choose(self, n, rng):
         """``n`` entries to emit: distinct while enough are active, with repeats only in
-        the last batches of an epoch, when fewer than ``n`` distinct examples remain."""
+        the last batches of an epoch, when fewer than ``n`` distinct examples remain.
+
+        Entries emitted in the previous batch sit this one out while the others
+        suffice, so an example never lands in two adjacent batches while the
+        buffer holds two batches' worth of active examples."""
         active = self.active()
+        rested = active[~self.last[active]]
+        if len(rested) >= n:
+            return rng.choice(rested, size=n, replace=False)
         if len(active) >= n:
             return rng.choice(active, size=n, replace=False)
         picks = list(active)
@@ -127,6 +135,8 @@ class ExampleBuffer:
     def emit(self, entries):
         """Record one emission of each entry; returns their echo indices."""
         echo = np.empty(len(entries), np.int64)
+        self.last[:] = False
+        self.last[entries] = True
         # A loop, not fancy indexing: an entry may appear twice in a tail batch.
         for i, e in enumerate(entries):
             echo[i] = self.next_echo[e]
@@ -164,7 +174,7 @@ class BatchWindow:
     def __init__(self, size):
         self.size = int(size)
         self.batches = []   # [batch, remaining, emitted]
-        self._last = None
+        self._last = None   # the entry emitted last
 
     def __len__(self):
         return len(self.batches)
@@ -172,22 +182,29 @@ class BatchWindow:
     def add(self, batch, count):
         self.batches.append([batch, int(count), 0])
 
-    def take(self, rng):
-        """A random batch of the window, not the one just emitted when there is a choice;
-        returns (batch, echo index)."""
-        idx = list(range(len(self.batches)))
-        if len(idx) > 1 and self._last is not None and self._last in idx:
-            idx.remove(self._last)
-        i = int(rng.choice(idx))
-        entry = self.batches[i]
+    def evict_emitted(self):
+        """Drop the oldest batch that was emitted at least once (auto echo: fresh first)."""
+        for i, entry in enumerate(self.batches):
+            if entry[2] > 0:
+                del self.batches[i]
+                return True
+        return False
+
+    def take(self, rng, fresh_first=False):
+        """A random batch of the window, not the one just emitted when there is a choice
+        (or, with ``fresh_first``, the oldest never emitted); returns (batch, echo index)."""
+        unsent = [e for e in self.batches if e[2] == 0] if fresh_first else []
+        if unsent:
+            entry = unsent[0]
+        else:
+            pool = [e for e in self.batches if e is not self._last] or self.batches
+            entry = pool[int(rng.integers(len(pool)))]
         echo = entry[2]
         entry[1] -= 1
         entry[2] += 1
-        if entry[1] == 0:
-            self.batches.pop(i)
-            self._last = None
-        else:
-            self._last = i
+        if entry[1] == 0:  # by identity: entries hold arrays, == would compare them
+            self.batches = [e for e in self.batches if e is not entry]
+        self._last = entry
         return entry[0], echo
 
 

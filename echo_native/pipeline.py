@@ -158,8 +158,8 @@ class EchoRing:
         return self.loader.epoch
 
     def __len__(self):
-        """Batches in the coming epoch (for echo="auto", the count at the current e)."""
-        n = len(self.loader.source)
+        """Batches in the coming epoch (for echo="auto", the count at the current e;
+        ranks of an auto-echo job may then differ: use a fixed e with DDP)."""
         B = self.batch_size
         if self.passthrough:
             return len(self.loader)
@@ -169,7 +169,7 @@ class EchoRing:
                 counts = counts[:-1]  # the short last batch is never delivered
             return int(counts.sum())
         if self.auto:
-            total = round(n * self._auto.value)
+            total = round(self.loader.plan.num_samples * self._auto.value)
         else:
             counts = self._example_counts(self.epoch)
             plan = self.loader.plan
@@ -426,7 +426,7 @@ class EchoRing:
         window = BatchWindow(max(2, self.shuffle_buffer // self.batch_size))
         taken = loader._ticket % nb
         while True:
-            while taken < nb and len(window) < window.size:
+            while taken < nb and self._want_fresh_batch(window):
                 t0 = time.perf_counter()
                 b = loader.next_batch()
                 self._books.wait_s += time.perf_counter() - t0
@@ -444,14 +444,14 @@ class EchoRing:
                     batch.images = on_device   # slot view itself, which must not be kept
                 self.device.copied()
                 batch.ticket = ticket
-                window.add(batch, counts[taken])
+                window.add(batch, self._auto.counts(rng, 1)[0] if self.auto else counts[taken])
                 self._unsent[ticket], self._sent[ticket] = 1, []
                 b.release()
                 taken += 1
             if not len(window):
                 self._skip = set()
                 return
-            b, echo = window.take(rng)
+            b, echo = window.take(rng, fresh_first=self.auto)
             if echo == 0:
                 self._unsent[b.ticket] = 0
                 self._sent[b.ticket] = b.sample_ids.tolist()
@@ -464,6 +464,22 @@ class EchoRing:
             yield self._finish(images, b.labels.copy(), b.sample_ids.copy(),
                                b.fresh & (echo == 0), np.full(len(b), echo, np.int64),
                                b.boxes.copy(), b.flips.copy(), epoch)
+
+    def _want_fresh_batch(self, window):
+        """Batch echo: pull the next fresh batch now?  Fixed e keeps the window full;
+        auto takes fresh data when it is ready (making room by dropping repeats) and
+        waits for it only when no repeat is left to emit."""
+        if not self.auto:
+            return len(window) < window.size
+        if self.loader.ready():
+            if len(window) >= window.size:
+                window.evict_emitted()
+                self._auto.surplus()
+            return len(window) < window.size
+        if len(window):
+            return False
+        self._auto.stalled()
+        return True
 
     # -- output ------------------------------------------------------------------------------
     def _finish(self, images, labels, sample_ids, fresh, echo_index, boxes, flips, epoch):

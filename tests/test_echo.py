@@ -161,7 +161,7 @@ def test_duplicates_in_batch_only_when_unavoidable(large):
 
 
 def test_repeat_gaps_are_spread_and_grow_with_buffer(large):
-    """Repeat gaps vary, average over 1 batch, grow with the buffer (~ shuffle_buffer / B)."""
+    """Repeat gaps vary, skip the adjacent batch, grow with the buffer (~ shuffle_buffer / B)."""
     B, e = 16, 2
     means = []
     for mult in (2, 4, 8, 16):
@@ -170,11 +170,12 @@ def test_repeat_gaps_are_spread_and_grow_with_buffer(large):
             batches = eh.collect(ring, copy_images=False)[0]
         gaps = eh.repeat_gaps(batches)
         assert len(gaps) == len(large[0]) * (e - 1)
-        assert len(set(gaps.tolist())) > 2, f"buffer {mult}xB: gaps {Counter(gaps.tolist())}"
-        assert gaps.mean() > 1.0
+        if mult > 2:  # a 2-batch buffer simply alternates its two halves
+            assert len(set(gaps.tolist())) > 2, f"buffer {mult}xB: {Counter(gaps.tolist())}"
         assert 0.4 * mult <= gaps.mean() <= 1.5 * mult, (mult, gaps.mean())
-        # Adjacent repeats: about batch / buffer of them (one draw per batch).
-        assert np.mean(gaps <= 1) <= 1.5 / mult + 0.1, (mult, np.mean(gaps <= 1))
+        # Examples of the previous batch sit one out: adjacent repeats only in the
+        # epoch's tail, when fewer than two batches' worth of examples remain.
+        assert np.mean(gaps <= 1) <= 0.05, (mult, Counter(gaps.tolist()))
         means.append(gaps.mean())
     assert means == sorted(means), f"mean gap does not grow with the buffer: {means}"
 
@@ -503,6 +504,18 @@ def test_auto_echo_rises_when_upstream_is_slow(small):
     last = _flat(epochs[-1], "ids")
     assert len(last) / n > 1.5
     assert 4 < s["estimated_R"] < 500, s
+
+
+def test_auto_echo_rises_for_batch_placement(small):
+    """Auto echo with placement='batch': a ~32x slower upstream makes e rise above 1.5."""
+    n = 48
+    src = eh.SleepySource(small[0][:n], small[1][:n], delay=0.02)
+    with en.EchoRing(src, batch_size=8, image_size=16, echo="auto", placement="batch",
+                     workers=1, seed=0, timeout=60) as ring:
+        epochs = eh.collect(ring, epochs=2, step=lambda b: time.sleep(0.005),
+                            copy_images=False)
+        s = ring.stats()
+    assert s["echo_factor"] > 1.5 and len(_flat(epochs[-1], "ids")) / n > 1.5, s
 
 
 def test_auto_echo_stays_near_one_when_upstream_is_fast(small):

@@ -22,6 +22,7 @@ import pytest
 import echo_native as en
 from echo_native import _ring
 from echo_native.ring import Ring, remove_stale_segments
+from echo_native.workers import Plan, WorkerPool
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -134,6 +135,48 @@ def test_sigkill_all_workers_while_ring_is_full(corpus_root):
             assert L.stats()["worker_restarts"] >= 2
     assert held == [2, 3]                        # they were past the ring, waiting
     assert _same(got, ref)
+
+
+class _RacyRing:
+    """A ring through which a live worker takes (and records) a new ticket at the worst
+    moment for the supervisor: after it has read the claims, before it reads the counter."""
+
+    def __init__(self, ring, live_worker):
+        self._ring, self._live = ring, live_worker
+        self.claims_read, self.raced = False, None
+
+    def __getattr__(self, name):
+        return getattr(self._ring, name)
+
+    def claim(self, worker):
+        self.claims_read = True
+        return self._ring.claim(worker)
+
+    @property
+    def next_ticket(self):
+        if self.claims_read and self.raced is None:
+            self.raced = self._ring.take_ticket()
+            self._ring.set_claim(self._live, self.raced + 1)
+        return self._ring.next_ticket
+
+
+def test_lost_tickets_exclude_tickets_taken_after_the_claims_were_read():
+    """Redo accounting: a ticket a live worker takes mid-check is not 'lost' (no double fill)."""
+    ring = Ring.create(4, 1, 8)
+    try:
+        for t in range(3):
+            assert ring.take_ticket() == t
+        rh.fill_slot(ring, 0)
+        ring.publish(0)               # ticket 0 done; worker 0 died holding ticket 1
+        ring.set_claim(1, 2 + 1)      # worker 1 (alive) holds ticket 2
+        racy = _RacyRing(ring, live_worker=1)
+        pool = WorkerPool(racy, Plan(10, 1, en.RandomResizedCrop((8, 8))), None, 2,
+                          mode="thread")
+        lost = pool._lost_tickets(0)
+        assert lost == [1], f"tickets {lost} would be filled again"
+        assert racy.raced in (None, 3)
+    finally:
+        ring.unlink()
 
 
 # ---- exceptions and hangs inside workers ----------------------------------------------------
