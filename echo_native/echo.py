@@ -153,6 +153,7 @@ class ExampleBuffer:
         # only, not on the epochs before it (set_epoch, resume at an epoch start).
         if len(self._free) == self.capacity:
             self._free = list(range(self.capacity - 1, -1, -1))
+            self.last[:] = False
 
     def evict_emitted(self, n):
         """Free up to ``n`` entries that were emitted at least once, oldest first
