@@ -174,14 +174,14 @@ class BatchWindow:
 
     def __init__(self, size):
         self.size = int(size)
-        self.batches = []   # [batch, remaining, emitted]
+        self.batches = []   # [batch, remaining, emitted, ticket]
         self._last = None   # the entry emitted last
 
     def __len__(self):
         return len(self.batches)
 
-    def add(self, batch, count):
-        self.batches.append([batch, int(count), 0])
+    def add(self, batch, count, ticket=None):
+        self.batches.append([batch, int(count), 0, ticket])
 
     def evict_emitted(self):
         """Drop the oldest batch that was emitted at least once (auto echo: fresh first)."""
@@ -193,7 +193,8 @@ class BatchWindow:
 
     def take(self, rng, fresh_first=False):
         """A random batch of the window, not the one just emitted when there is a choice
-        (or, with ``fresh_first``, the oldest never emitted); returns (batch, echo index)."""
+        (or, with ``fresh_first``, the oldest never emitted); returns (batch, echo index,
+        ticket)."""
         unsent = [e for e in self.batches if e[2] == 0] if fresh_first else []
         if unsent:
             entry = unsent[0]
@@ -206,7 +207,7 @@ class BatchWindow:
         if entry[1] == 0:  # by identity: entries hold arrays, == would compare them
             self.batches = [e for e in self.batches if e is not entry]
         self._last = entry
-        return entry[0], echo
+        return entry[0], echo, entry[3]
 
 
 class AutoEcho:

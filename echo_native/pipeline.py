@@ -443,18 +443,18 @@ class EchoRing:
                 if on_device is not b.images:  # a real transfer; a host backend returns the
                     batch.images = on_device   # slot view itself, which must not be kept
                 self.device.copied()
-                batch.ticket = ticket
-                window.add(batch, self._auto.counts(rng, 1)[0] if self.auto else counts[taken])
+                window.add(batch, self._auto.counts(rng, 1)[0] if self.auto else counts[taken],
+                           ticket)
                 self._unsent[ticket], self._sent[ticket] = 1, []
                 b.release()
                 taken += 1
             if not len(window):
                 self._skip = set()
                 return
-            b, echo = window.take(rng, fresh_first=self.auto)
+            b, echo, ticket = window.take(rng, fresh_first=self.auto)
             if echo == 0:
-                self._unsent[b.ticket] = 0
-                self._sent[b.ticket] = b.sample_ids.tolist()
+                self._unsent[ticket] = 0
+                self._sent[ticket] = b.sample_ids.tolist()
                 none = np.empty(0, np.int64)
                 self._note_sent(none, none)  # forget older, fully sent batches
             if self.drop_last and len(b) < self.batch_size:
