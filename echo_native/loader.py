@@ -202,6 +202,21 @@ class Loader:
         self.close()
 
     @property
+    def ring(self):
+        """The shared-memory ring while running, else None."""
+        return self._ring
+
+    @property
+    def position(self):
+        """The ticket (batch number since epoch 0) the next batch will have."""
+        return self._ticket
+
+    @property
+    def left_in_epoch(self):
+        """Batches still to come in the current epoch."""
+        return len(self) - self._ticket % len(self)
+
+    @property
     def ring_name(self):
         return None if self._ring is None else self._ring.name
 
@@ -220,7 +235,7 @@ class Loader:
     def __iter__(self):
         """The rest of the current epoch (all of it unless resumed mid-epoch)."""
         self.start()
-        for _ in range(len(self) - self._ticket % len(self)):
+        for _ in range(self.left_in_epoch):
             yield self.next_batch()
 
     def next_batch(self) -> Batch:

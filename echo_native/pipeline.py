@@ -106,23 +106,24 @@ class EchoRing:
                              rank=rank, world_size=world_size)
         shard = self.loader.plan.num_samples
         if batch_size > shard:
+            where = "the source" if shard == n else "this rank's shard"
             raise ValueError(f"batch_size {batch_size} is larger than the {shard} samples of "
-                             f"{'the source' if shard == n else 'this rank' + chr(39) + 's shard'}")
+                             f"{where}")
         # Resume bookkeeping: per fresh batch (ticket), how many of its examples
         # still await their first emission, and which ids already had it.
         self._unsent = {}
         self._sent = {}
         self._skip = set()
-        self._buffer = self._window = None
+        self._buffer = None
         self._outputs, self._turn = None, 0
         self._books = _Books()
 
     # -- life cycle -------------------------------------------------------------------
     def start(self):
-        fresh = self.loader._ring is None
+        fresh = self.loader.ring is None
         self.loader.start()
         if fresh:
-            self.device.attach(self.loader._ring)
+            self.device.attach(self.loader.ring)
         if self._buffer is None and not self.passthrough and self.placement != "batch":
             xp = self.device.xp
             try:
@@ -140,10 +141,10 @@ class EchoRing:
 
     def close(self):
         """Stop workers, free shared memory.  Idempotent; also runs on GC and at exit."""
-        if self.loader._ring is not None:
+        if self.loader.ring is not None:
             self.device.detach()
         self.loader.close()
-        self._buffer = self._window = None
+        self._buffer = None
         self._outputs = None
 
     def __enter__(self):
@@ -197,7 +198,7 @@ class EchoRing:
 
     def _passthrough(self):
         loader = self.loader
-        for _ in range(len(loader) - loader._ticket % len(loader)):
+        for _ in range(loader.left_in_epoch):
             self.device.copied()  # the previous slot is about to go back to the workers
             t0 = time.perf_counter()
             b = loader.next_batch()
@@ -209,8 +210,8 @@ class EchoRing:
                                b.echo_index, b.boxes, b.flips, b.epoch)
 
     def _note_fill(self, _batch=None):
-        ticket = self.loader._ticket - 1
-        self._books.fill_s += self.loader._ring.fill_seconds(ticket)
+        ticket = self.loader.position - 1
+        self._books.fill_s += self.loader.ring.fill_seconds(ticket)
 
     # -- example echo (before / after augmentation) -----------------------------------
     def _example_echo(self):
@@ -218,7 +219,7 @@ class EchoRing:
         epoch = loader.epoch
         counts = None if self.auto else self._example_counts(epoch)
         rng = shuffle_rng(self.seed, epoch)
-        fresh_left = len(loader) - loader._ticket % len(loader)
+        fresh_left = loader.left_in_epoch
         fixed = self.placement == "after_augment"
         while True:
             fresh_left -= self._fill(buf, counts, rng, fresh_left, fixed)
@@ -312,7 +313,7 @@ class EchoRing:
         self._sent[filled.ticket] = []
         self._books.fresh += int(np.count_nonzero(buf.ok[live]))
         self._books.fresh_batches += 1
-        self._books.fill_s += self.loader._ring.fill_seconds(filled.ticket)
+        self._books.fill_s += self.loader.ring.fill_seconds(filled.ticket)
 
     def _emit(self, buf, entries, epoch):
         n = len(entries)
@@ -360,7 +361,7 @@ class EchoRing:
         echoes still owed for examples emitted before the save are dropped.
         """
         pending = [t for t, left in self._unsent.items() if left]
-        ticket = min(pending) if pending else self.loader._ticket
+        ticket = min(pending) if pending else self.loader.position
         skip = {sid for t, ids in self._sent.items() if t >= ticket for sid in ids}
         # Ids skipped since a restore were emitted before the state it came from.
         skip = sorted(skip | self._skip)
@@ -424,13 +425,13 @@ class EchoRing:
         counts = echo_counts(self.seed, epoch, nb, self._e())
         rng = shuffle_rng(self.seed, epoch)
         window = BatchWindow(max(2, self.shuffle_buffer // self.batch_size))
-        taken = loader._ticket % nb
+        taken = nb - loader.left_in_epoch
         while True:
             while taken < nb and self._want_fresh_batch(window):
                 t0 = time.perf_counter()
                 b = loader.next_batch()
                 self._books.wait_s += time.perf_counter() - t0
-                ticket = loader._ticket - 1
+                ticket = loader.position - 1
                 self._note_fill()
                 if self._skip and np.isin(b.sample_ids, list(self._skip)).all():
                     b.release()  # resumed: this batch was emitted before the save
