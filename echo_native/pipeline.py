@@ -205,11 +205,12 @@ class EchoRing:
             self._books.wait_s += time.perf_counter() - t0
             self._books.fresh += int(b.fresh.sum())
             self._books.fresh_batches += 1
-            self._note_fill(b)
+            self._note_fill()
             yield self._finish(self.device.to_device(b.images), b.labels, b.sample_ids, b.fresh,
                                b.echo_index, b.boxes, b.flips, b.epoch)
 
-    def _note_fill(self, _batch=None):
+    def _note_fill(self):
+        """Add the upstream cost (worker fill time) of the batch just taken."""
         ticket = self.loader.position - 1
         self._books.fill_s += self.loader.ring.fill_seconds(ticket)
 
