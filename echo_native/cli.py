@@ -4,15 +4,31 @@
 an ImageNet-like corpus cut from real photographs, built once and cached):
 fresh and delivered images/s for each echo setting, consumer stall, ring
 occupancy and failures, with the torch DataLoader peer side by side when
-torch is installed.  Errors a user can hit print one line and exit non-zero.
+torch is installed.
+
+``echo-native profile DIR --step-ms T`` (or ``--model-fn module:function``)
+measures the upstream rate and the consumer's step time and recommends an echo
+factor (the paper's rule e ~ R = t_upstream / t_downstream, capped) and placement.
+
+``echo-native make-dataset fashion-mnist|imagenet-like OUT`` writes a JPEG
+ImageFolder; ``echo-native demo`` runs the echo training demo
+(:mod:`echo_native.demo`).  Errors a user can hit print one line and exit non-zero.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+
+
+# Demo defaults: small enough to finish in a few minutes on 2 cores.
+DEMO_TARGET = 0.72
+DEMO_MAX_FRESH = 30000
+DEMO_EVAL_EVERY = 1500
+DEMO_LR = 2e-3
 
 
 class UsageError(Exception):
@@ -32,7 +48,8 @@ def _run_ring(folder, args, echo, placement):
     import echo_native as en
 
     ring = en.EchoRing(folder, batch_size=args.batch_size, image_size=args.image_size,
-                       echo=echo, placement=placement, workers=args.workers, seed=args.seed)
+                       echo=echo, placement=placement, workers=args.workers, seed=args.seed,
+                       device=args.device)
     step = args.step_ms / 1000.0
     bar = _progress(len(ring) * args.batch_size, f"{placement} e={echo}")
     with ring:
@@ -110,24 +127,51 @@ def _chart(rows, path):
     return True
 
 
+def _open_folder(root, batch_size=1):
+    """An ImageFolder at ``root``, or a one-line UsageError saying what is wrong."""
+    import echo_native as en
+
+    if not os.path.exists(root):
+        raise UsageError(f"{root}: no such folder")
+    if not os.path.isdir(root):
+        raise UsageError(f"{root}: not a folder")
+    try:
+        folder = en.ImageFolder(root)
+    except (OSError, ValueError) as e:
+        msg = str(e)
+        if "no class sub-folders" in msg:
+            msg += " (expected ROOT/<class>/<image>.jpg)"
+        raise UsageError(msg) from None
+    if len(folder) < batch_size:
+        raise UsageError(f"{root} has {len(folder)} images, fewer than --batch-size "
+                         f"{batch_size}")
+    return folder
+
+
+def _check_device(device):
+    """Refuse a device that is not there (e.g. --device cuda without a GPU) in one line."""
+    from echo_native.device import resolve
+
+    try:
+        resolve(device)
+    except (RuntimeError, ValueError, ImportError) as e:
+        raise UsageError(f"--device {device}: {e}") from None
+
+
 def cmd_bench(args):
     import echo_native as en
 
     if args.dir:
-        if not os.path.isdir(args.dir):
-            raise UsageError(f"{args.dir}: no such folder")
         root = args.dir
     else:
         from echo_native.corpus import default_corpus
         print(f"building/using the built-in corpus of {args.images} images ...", file=sys.stderr)
-        root = default_corpus(n_images=args.images)
-    try:
-        folder = en.ImageFolder(root)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    if len(folder) < args.batch_size:
-        raise UsageError(f"{root} has {len(folder)} images, fewer than --batch-size "
-                         f"{args.batch_size}")
+        try:
+            root = default_corpus(n_images=args.images)
+        except ImportError as e:
+            raise UsageError(str(e)) from None
+    folder = _open_folder(root, args.batch_size)
+    _check_device(args.device)
     from echo_native.echo import PLACEMENTS
     bad = [p for p in args.placements if p not in PLACEMENTS]
     if bad:
@@ -160,6 +204,232 @@ def cmd_bench(args):
     return 0
 
 
+# -- profile ---------------------------------------------------------------------------
+def _load_callable(spec):
+    """``module:function`` (module importable, or a .py path) -> the callable."""
+    import importlib
+    import importlib.util
+
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise UsageError(f"--model-fn {spec!r}: expected module:function")
+    try:
+        if mod_name.endswith(".py"):
+            if not os.path.isfile(mod_name):
+                raise UsageError(f"--model-fn {spec!r}: no such file {mod_name}")
+            loc = importlib.util.spec_from_file_location("_echo_native_model_fn", mod_name)
+            module = importlib.util.module_from_spec(loc)
+            loc.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UsageError(f"--model-fn {spec!r}: cannot import {mod_name}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise UsageError(f"--model-fn {spec!r}: {mod_name} has no callable {fn_name!r}")
+    return fn
+
+
+def _time_model_fn(fn, folder, args, min_s=1.0, warmup=2, max_calls=50):
+    """Seconds per call of ``fn(batch)`` on a real batch from the pipeline."""
+    import echo_native as en
+
+    ring = en.EchoRing(folder, batch_size=args.batch_size, image_size=args.image_size, echo=1,
+                       workers=args.workers, seed=args.seed, device=args.device)
+    with ring:
+        batch = next(iter(ring))
+        for _ in range(warmup):
+            fn(batch)
+        n, t0 = 0, time.perf_counter()
+        while n < max_calls and (n < 3 or time.perf_counter() - t0 < min_s):
+            fn(batch)
+            n += 1
+        return (time.perf_counter() - t0) / n
+
+
+def recommend(t_up, t_down, cap=4.0):
+    """The paper's rule: e ~ R = t_up / t_down, at least 1 and at most ``cap``."""
+    R = t_up / t_down if t_down > 0 else float("inf")
+    e = min(float(cap), max(1.0, R))
+    e = math.floor(e * 10 + 1e-9) / 10  # one decimal; fractional e is supported
+    return R, e
+
+
+def cmd_profile(args):
+    from echo_native.demo import measure_upstream
+
+    if args.step_ms is None and not args.model_fn:
+        raise UsageError("give the consumer's step time: --step-ms T or --model-fn "
+                         "module:function")
+    if args.step_ms is not None and args.step_ms <= 0:
+        raise UsageError(f"--step-ms must be positive, got {args.step_ms}")
+    if args.max_echo < 1:
+        raise UsageError(f"--max-echo must be >= 1, got {args.max_echo}")
+    folder = _open_folder(args.dir, args.batch_size)
+    _check_device(args.device)
+    fn = _load_callable(args.model_fn) if args.model_fn else None
+    args.workers = args.workers or len(os.sched_getaffinity(0))
+    print(f"measuring the upstream ({len(folder)} images, batch {args.batch_size}, "
+          f"{args.image_size}px, {args.workers} workers) ...", file=sys.stderr)
+    up = measure_upstream(folder, args.batch_size, args.image_size, args.workers,
+                          seconds=args.seconds, min_batches=args.min_batches)
+    t_up = args.batch_size / up
+    if fn is not None:
+        t_down = _time_model_fn(fn, folder, args)
+        how = f"--model-fn {args.model_fn}"
+    else:
+        t_down = args.step_ms / 1000.0
+        how = "--step-ms"
+    R, e = recommend(t_up, t_down, args.max_echo)
+    bound = R > 1.0
+    placement = "before_augment"
+    steps_e1 = 1.0 / max(t_up, t_down)
+    steps_e = min(e / t_up, 1.0 / t_down)
+    result = {
+        "dir": str(args.dir), "images": len(folder), "batch_size": args.batch_size,
+        "image_size": args.image_size, "workers": args.workers,
+        "upstream_img_per_s": up, "t_upstream_ms": t_up * 1000,
+        "t_downstream_ms": t_down * 1000, "step_time_from": how, "R": R,
+        "input_bound": bound, "recommended_echo": e, "recommended_placement": placement,
+        "max_echo": args.max_echo,
+        "steps_per_s_no_echo": steps_e1, "steps_per_s_recommended": steps_e,
+        "step_speedup": steps_e / steps_e1,
+    }
+    print(f"upstream: {up:,.0f} img/s = {t_up * 1000:.1f} ms per batch of {args.batch_size}")
+    print(f"consumer: {t_down * 1000:.1f} ms per batch ({how})")
+    print(f"R = t_up / t_down = {R:.2f}")
+    if bound:
+        print(f"the input pipeline is the bottleneck: recommended echo={e:g}, "
+              f"placement={placement!r} (rule e ~ R, capped at {args.max_echo:g}); "
+              f"training steps/s x{steps_e / steps_e1:.2f}")
+    else:
+        print("the consumer is the bottleneck: no echo needed (echo=1)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"JSON: {args.json}")
+    return 0
+
+
+# -- make-dataset ---------------------------------------------------------------------
+def cmd_make_dataset(args):
+    t0 = time.perf_counter()
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"{args.out} exists and is not a folder")
+    if args.kind == "fashion-mnist":
+        from echo_native.datasets import DatasetMissing, build_fashion_mnist
+
+        for name in ("limit_train", "limit_test"):
+            v = getattr(args, name)
+            if v is not None and v < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if not 1 <= args.quality <= 100:
+            raise UsageError(f"--quality must be in 1..100, got {args.quality}")
+        try:
+            out = build_fashion_mnist(args.out, quality=args.quality,
+                                      limit_train=args.limit_train, limit_test=args.limit_test)
+        except DatasetMissing as e:
+            raise UsageError(str(e)) from None
+        man = json.loads((out / "echo_native_fashion_mnist.json").read_text())
+        print(f"Fashion-MNIST: {man['train']} train + {man['test']} test JPEGs in "
+              f"{out}/train and {out}/test ({time.perf_counter() - t0:.1f} s)")
+    else:
+        from echo_native.corpus import build_corpus
+
+        if args.images < 1:
+            raise UsageError(f"--images must be >= 1, got {args.images}")
+        try:
+            out = build_corpus(args.out, n_images=args.images, seed=args.seed)
+        except ImportError as e:
+            raise UsageError(str(e)) from None
+        print(f"ImageNet-like corpus: {args.images} JPEGs in {out} "
+              f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+# -- demo -----------------------------------------------------------------------------
+def cmd_demo(args):
+    from echo_native.demo import DemoConfig, run_demo
+
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("the demo trains a PyTorch model: pip install torch") from None
+    if args.device != "cpu":
+        if not (args.device == "cuda" or args.device.startswith("cuda:")):
+            raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: torch sees no CUDA GPU "
+                             f"(torch {torch.__version__})")
+    if any(e == "auto" or e < 1 for e in args.echo):
+        raise UsageError(f"--echo needs numbers >= 1, got {args.echo}")
+    from echo_native.echo import PLACEMENTS
+
+    bad = [p for p in args.placements if p not in PLACEMENTS]
+    if bad:
+        raise UsageError(f"unknown placement {bad[0]!r}; choose from {', '.join(PLACEMENTS)}")
+    for name, lo in (("seeds", 1), ("max_fresh", 1), ("eval_every", 1), ("batch_size", 1),
+                     ("image_size", 8), ("workers", 1)):
+        if getattr(args, name) < lo:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {lo}, got "
+                             f"{getattr(args, name)}")
+    if not 0 < args.target <= 1:
+        raise UsageError(f"--target is a test accuracy in (0, 1], got {args.target}")
+    if args.R <= 0:
+        raise UsageError(f"--R must be positive, got {args.R}")
+    if args.data:
+        data = args.data
+    else:
+        from echo_native.datasets import DatasetMissing, default_fashion_mnist
+
+        print("building/using the Fashion-MNIST JPEG tree in the cache ...", file=sys.stderr)
+        try:
+            data = str(default_fashion_mnist())
+        except DatasetMissing as e:
+            raise UsageError(str(e)) from None
+    if not os.path.isdir(data):
+        raise UsageError(f"{data}: no such folder")
+    for split in ("train", "test"):
+        if not os.path.isdir(os.path.join(data, split)):
+            raise UsageError(f"{data} has no {split}/ folder (make one with: echo-native "
+                             f"make-dataset fashion-mnist {data})")
+    train = _open_folder(os.path.join(data, "train"), args.batch_size)
+    _open_folder(os.path.join(data, "test"))
+    if args.train_subset is not None and args.train_subset < args.batch_size:
+        raise UsageError(f"--train-subset {args.train_subset} is smaller than --batch-size "
+                         f"{args.batch_size}")
+    cfg = DemoConfig(data=data, echo=tuple(args.echo), placements=tuple(args.placements),
+                     seeds=args.seeds, R=args.R, target=args.target, max_fresh=args.max_fresh,
+                     eval_every=args.eval_every, batch_size=args.batch_size,
+                     image_size=args.image_size, workers=args.workers, lr=args.lr,
+                     train_subset=args.train_subset, test_limit=args.test_limit,
+                     threads=args.threads, device=args.device, out_json=args.json,
+                     upstream_s=args.upstream_seconds,
+                     out_chart=args.chart)
+    log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    n = min(len(train), args.train_subset or len(train))
+    settings = 1 + sum(1 for e in args.echo if e != 1) * len(args.placements)
+    print(f"echo training demo: {n} training JPEGs, {settings} settings x {args.seeds} seeds, "
+          f"target {args.target:.0%} test accuracy, upstream throttled to R = {args.R:g}",
+          file=sys.stderr)
+    report = run_demo(cfg, log=log)
+    print(f"\nFashion-MNIST, small CNN (PyTorch, {args.device}), batch {args.batch_size}, "
+          f"{args.image_size}px RandomResizedCrop(0.35-1) + flip; train step "
+          f"{report['step_ms']:.1f} ms, upstream {report['upstream_img_per_s']:,.0f} img/s, "
+          f"measured R = {report['measured_R']:.2f}; {report['train_images']} training / "
+          f"{report['test_images']} test images; {args.seeds} seeds (mean ± std)\n")
+    print(report["table"])
+    print(f"\nJSON: {args.json}")
+    if report["chart"]:
+        print(f"chart: {report['chart']}")
+    else:
+        print("no chart: matplotlib is not installed (pip install matplotlib)")
+    print(f"total {report['total_s']:.0f} s")
+    return 0
+
+
 def _echo_list(text):
     try:
         values = [v if v == "auto" else float(v) for v in text.split(",")]
@@ -169,7 +439,8 @@ def _echo_list(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="echo-native", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="echo-native", description="echo_native: fused JPEG "
+                                "decode + shared-memory ring + data echoing.")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="measure the pipeline (and peers) on a folder")
     b.add_argument("dir", nargs="?", help="ImageFolder root (default: built-in corpus)")
@@ -184,10 +455,78 @@ def build_parser():
     b.add_argument("--step-ms", type=float, default=0.0,
                    help="consumer step time per batch (models the accelerator)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     b.add_argument("--no-peers", action="store_true", help="skip the torch DataLoader peer")
     b.add_argument("--json", default="echo_native_bench.json")
     b.add_argument("--chart", default="echo_native_bench.png")
     b.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("profile", help="measure R = t_upstream / t_downstream and recommend "
+                                        "an echo factor")
+    pr.add_argument("dir", help="ImageFolder root")
+    pr.add_argument("--step-ms", type=float, default=None,
+                    help="the consumer's (training step's) time per batch in ms")
+    pr.add_argument("--model-fn", default=None, metavar="MODULE:FUNCTION",
+                    help="time FUNCTION(batch) on a real batch instead of --step-ms "
+                         "(batch.images is (B,H,W,3) uint8, batch.labels (B,))")
+    pr.add_argument("--batch-size", type=int, default=64)
+    pr.add_argument("--image-size", type=int, default=224)
+    pr.add_argument("--workers", type=int, default=0, help="default: available cores")
+    pr.add_argument("--seconds", type=float, default=3.0, help="upstream measuring time")
+    pr.add_argument("--min-batches", type=int, default=8)
+    pr.add_argument("--max-echo", type=float, default=4.0, help="cap on the recommended e")
+    pr.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--json", default="echo_native_profile.json",
+                    help="write the result here ('' for none)")
+    pr.set_defaults(func=cmd_profile)
+
+    m = sub.add_parser("make-dataset", help="write a JPEG ImageFolder: Fashion-MNIST (from "
+                                            "Debian's dataset-fashion-mnist) or the "
+                                            "ImageNet-like corpus")
+    m.add_argument("kind", choices=["fashion-mnist", "imagenet-like"])
+    m.add_argument("out", help="output folder")
+    m.add_argument("--images", type=int, default=2000, help="imagenet-like: number of images")
+    m.add_argument("--seed", type=int, default=0, help="imagenet-like: corpus seed")
+    m.add_argument("--quality", type=int, default=90, help="fashion-mnist: JPEG quality")
+    m.add_argument("--limit-train", type=int, default=None,
+                   help="fashion-mnist: keep the first N training images")
+    m.add_argument("--limit-test", type=int, default=None,
+                   help="fashion-mnist: keep the first N test images")
+    m.set_defaults(func=cmd_make_dataset)
+
+    d = sub.add_parser("demo", help="echo training demo: Fashion-MNIST JPEGs through EchoRing, "
+                                    "a small CNN, fresh examples and wall time to a target "
+                                    "accuracy per echo setting")
+    d.add_argument("--data", default=None,
+                   help="folder with train/ and test/ ImageFolders (default: Fashion-MNIST "
+                        "converted once into the cache)")
+    d.add_argument("--echo", type=_echo_list, default=[1, 2, 4])
+    d.add_argument("--placements", type=lambda s: s.split(","),
+                   default=["before_augment", "after_augment", "batch"])
+    d.add_argument("--seeds", type=int, default=3)
+    d.add_argument("--R", type=float, default=4.0,
+                   help="upstream time / training step time per batch (throttle)")
+    d.add_argument("--target", type=float, default=DEMO_TARGET,
+                   help="test accuracy to reach (full test set)")
+    d.add_argument("--max-fresh", type=int, default=DEMO_MAX_FRESH,
+                   help="budget of fresh examples per run")
+    d.add_argument("--eval-every", type=int, default=DEMO_EVAL_EVERY,
+                   help="evaluate every N fresh examples")
+    d.add_argument("--batch-size", type=int, default=64)
+    d.add_argument("--image-size", type=int, default=28, help="28 or 32")
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--lr", type=float, default=DEMO_LR)
+    d.add_argument("--train-subset", type=int, default=None,
+                   help="use N training images (default: all 60,000)")
+    d.add_argument("--threads", type=int, default=1, help="torch threads")
+    d.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the model)")
+    d.add_argument("--test-limit", type=int, default=None, help=argparse.SUPPRESS)
+    d.add_argument("--upstream-seconds", type=float, default=2.0, help=argparse.SUPPRESS)
+    d.add_argument("--quiet", action="store_true")
+    d.add_argument("--json", default="echo_native_demo.json")
+    d.add_argument("--chart", default="echo_native_demo.png")
+    d.set_defaults(func=cmd_demo)
     return p
 
 

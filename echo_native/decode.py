@@ -60,6 +60,9 @@ def _as_bytes(data):
     if isinstance(data, (bytes, bytearray, memoryview)):
         return data
     if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1:
+        if not data.flags.c_contiguous:
+            raise ValueError("data must be a contiguous uint8 array, got one with stride "
+                             f"{data.strides[0]}")
         return data
     raise TypeError(f"data must be a bytes-like object, got {type(data).__name__}")
 
@@ -92,6 +95,7 @@ def decode_crop(data, box, size, flip=False, out=None, *, strict=True,
     contiguous rows) when given and returns it.
     """
     data = _as_bytes(data)
+    box = _box4(box)
     dec = _decoder(max_pixels, max_scans, strict)
     if is_jpeg(data):
         return dec.decode_crop(data, box, size, flip, out)
@@ -130,10 +134,9 @@ def decode_center_crop(data, size, resize_size=None, out=None, *, strict=True,
     torchvision steps become one resampling of the matching box of the
     original, so there is one rounding instead of two.
     """
-    side = int(size)
-    if side <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
-    resize_side = int(round(side / 0.875)) if resize_size is None else int(resize_size)
+    side = _positive_int("size", size)
+    resize_side = int(round(side / 0.875)) if resize_size is None else \
+        _positive_int("resize_size", resize_size)
     data = _as_bytes(data)
     dec = _decoder(max_pixels, max_scans, strict)
     if is_jpeg(data):
@@ -156,8 +159,7 @@ def decode_canvas(data, min_side, out=None, *, strict=True, max_pixels=DEFAULT_M
     (box coordinates on the canvas are the original's divided by ``scale``).
     Non-JPEG images are decoded by Pillow and reduced by the same rule.
     """
-    if int(min_side) <= 0:   # checked here so the Pillow path refuses it too
-        raise ValueError(f"min_side must be positive, got {min_side}")
+    min_side = _positive_int("min_side", min_side)  # here so the Pillow path refuses it too
     data = _as_bytes(data)
     dec = _decoder(max_pixels, max_scans, strict)
     if is_jpeg(data):
@@ -195,7 +197,7 @@ def resize_crop(image, box, size, flip=False, out=None) -> np.ndarray:
     The same resampling as :func:`decode_crop`, for canvases already in memory.
     """
     return _decoder(DEFAULT_MAX_PIXELS, DEFAULT_MAX_SCANS, True).resize(
-        np.ascontiguousarray(image), box, size, flip, out)
+        np.ascontiguousarray(image), _box4(box), size, flip, out)
 
 
 def image_size(data, *, max_pixels=DEFAULT_MAX_PIXELS) -> tuple[int, int]:
@@ -210,6 +212,29 @@ def image_size(data, *, max_pixels=DEFAULT_MAX_PIXELS) -> tuple[int, int]:
             return im.size[1], im.size[0]
     except Exception as e:
         raise DecodeError(f"not a decodable image ({type(e).__name__}: {e})") from None
+
+
+def _box4(box):
+    """``box`` as four floats; a wrong type or length is a TypeError naming ``box``
+    (range checks against the image stay in the kernel)."""
+    try:
+        t = tuple(float(v) for v in box)
+    except (TypeError, ValueError):
+        raise TypeError(f"box must be (top, left, height, width), got {box!r}") from None
+    if len(t) != 4:
+        raise TypeError(f"box must be (top, left, height, width), got {box!r}")
+    return t
+
+
+def _positive_int(name, value):
+    """``value`` as a positive int (at most 65535); errors name the argument."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+    if n <= 0 or n > 65535:
+        raise ValueError(f"{name} must be positive and at most 65535, got {value!r}")
+    return n
 
 
 def _pair(size):

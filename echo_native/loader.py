@@ -12,6 +12,7 @@ back to the workers when the next batch is requested (or on
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
 import os
 import time
 import warnings
@@ -83,6 +84,10 @@ def distributed_rank(rank=None, world_size=None):
     return rank, world_size
 
 
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def _default_workers():
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -103,14 +108,28 @@ class Loader:
                  rank=None, world_size=None):
         n = len(source)
         rank, world_size = distributed_rank(rank, world_size)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not _is_int(batch_size) or batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         if n == 0:
             raise ValueError("the source is empty")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-        if timeout <= 0:
+        if not isinstance(timeout, (int, float, np.integer, np.floating)) or \
+                isinstance(timeout, bool):
+            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not timeout > 0:  # also refuses NaN, which would disable the timeout
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if not _is_int(seed) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        if worker_mode not in ("process", "thread"):
+            raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
+        if workers is not None and not _is_int(workers):
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        if slots is not None and (not _is_int(slots) or slots < 2):
+            raise ValueError(f"slots must be an integer >= 2, got {slots!r}")
+        if start_method is not None and start_method not in mp.get_all_start_methods():
+            raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got "
+                             f"{start_method!r}")
         if transform is None:
             if int(image_size) <= 0:
                 raise ValueError(f"image_size must be positive, got {image_size}")
@@ -141,8 +160,13 @@ class Loader:
             return self
         shape = getattr(self.plan.transform, "sample_bytes")
         self._ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket)
-        self._pool = WorkerPool(self._ring, self.plan, self.source, self.workers,
-                                self._worker_mode, self._start_method)
+        try:
+            self._pool = WorkerPool(self._ring, self.plan, self.source, self.workers,
+                                    self._worker_mode, self._start_method)
+        except BaseException:  # e.g. an unknown start_method: do not leak the segment
+            self._ring.unlink()
+            self._ring = None
+            raise
         # Runs on close(), garbage collection and interpreter exit alike.
         self._finalizer = weakref.finalize(self, _shutdown, self._ring, self._pool)
         self._pool.start()

@@ -16,7 +16,7 @@ from echo_native.echo import (PLACEMENTS, AutoEcho, BatchWindow, ExampleBuffer, 
                               shuffle_rng)
 from echo_native.loader import Batch, Loader
 from echo_native.ring import OK
-from echo_native.workers import Canvas, RandomResizedCrop
+from echo_native.workers import Canvas, RandomResizedCrop, check_crop_args
 
 
 class EchoRing:
@@ -85,6 +85,7 @@ class EchoRing:
         self.echo_flip = bool(echo_flip)
         self.flip_p = float(flip_p)
         self._crop_args = (tuple(scale), tuple(ratio), float(flip_p))
+        check_crop_args(*self._crop_args)
         self.device = resolve(device)
         self._auto = AutoEcho(max_echo, start=1.0) if self.auto else None
         self.passthrough = not self.auto and self.echo == 1.0

@@ -42,6 +42,12 @@ _POLL_S = 0.25
 # how they were made (crop box, flip, shapes).  It raises DecodeError (or
 # ValueError) for bad data; the filler applies the error policy.
 
+def check_crop_args(scale, ratio, flip_p):
+    """Refuse bad RandomResizedCrop arguments up front (ValueError naming them): inside
+    a worker they would fail every sample."""
+    _kernel.random_resized_crop_params(0, 0, 0, 0, 1, 1, scale, ratio, flip_p)
+
+
 def _size2(size):
     return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
@@ -54,6 +60,9 @@ class RandomResizedCrop:
     scale: tuple = (0.08, 1.0)
     ratio: tuple = (3 / 4, 4 / 3)
     flip_p: float = 0.5
+
+    def __post_init__(self):
+        check_crop_args(self.scale, self.ratio, self.flip_p)
 
     @property
     def sample_bytes(self):
@@ -364,16 +373,22 @@ def _process_main(ring, index, plan, source, redo, owner_pid):
 
 # ---- the supervisor ------------------------------------------------------------------
 class WorkerPool:
-    """Starts the workers, replaces those that die, and stops them all on close."""
+    """Starts the workers, replaces those that die, and stops them all on close.
+
+    A worker dying now and then (the OOM killer, a bad library) is replaced
+    for as long as the run lasts; only a crash loop, more than
+    ``max_restarts`` deaths within ``restart_window`` seconds, is an error.
+    """
 
     def __init__(self, ring, plan, source, workers, mode="process", start_method=None,
-                 max_restarts=8):
+                 max_restarts=8, restart_window=60.0):
         if mode not in ("process", "thread"):
             raise ValueError(f"worker mode must be 'process' or 'thread', got {mode!r}")
         self.ring, self.plan, self.source = ring, plan, source
         self.mode, self.count = mode, workers
-        self.max_restarts = max_restarts
+        self.max_restarts, self.restart_window = max_restarts, restart_window
         self.restarts = 0
+        self._recent = []  # times of recent deaths
         self._stop = threading.Event()
         self._workers = [None] * workers
         self._thread_errors = []
@@ -422,10 +437,14 @@ class WorkerPool:
         if not dead:
             return
         self.restarts += len(dead)
-        if self.restarts > self.max_restarts:
+        now = time.monotonic()
+        self._recent = [t for t in self._recent if now - t < self.restart_window]
+        self._recent += [now] * len(dead)
+        if len(self._recent) > self.max_restarts:
             codes = {i: self._workers[i].exitcode for i in dead}
-            raise RuntimeError(f"echo_native workers keep dying (exit codes {codes}); "
-                               f"{self.restarts} restarts so far, giving up")
+            raise RuntimeError(f"echo_native workers keep dying (exit codes {codes}): "
+                               f"{len(self._recent)} deaths in {self.restart_window:.0f} s, "
+                               f"giving up")
         for i in dead:
             self._workers[i].join(0)
             self.ring.set_claim(i, 0)

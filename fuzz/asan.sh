@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The kernel, ring and hostile-input tests under AddressSanitizer + UndefinedBehaviorSanitizer.
+#
+#   fuzz/asan.sh [pytest args...]     # default: the test files below, -x -q
+#
+# Copies the checkout (tracked and untracked, non-ignored files) to a temp dir, builds
+# the extensions there with ECHO_NATIVE_SANITIZE=1 (setup.py: -fsanitize=address,undefined
+# -fno-sanitize-recover=undefined, -O1 -g, Cython bounds checks) using
+# `setup.py build_ext --inplace` (never pip install: the installed echo_native keeps
+# pointing at the checkout), then runs pytest in the copy with PYTHONPATH=<copy> and the
+# ASan runtime preloaded into python (child processes -- the corpus checker, forkserver
+# and spawn workers -- inherit both through the environment).  Sanitizer reports go to
+# per-process log files; any report, or any test failure, exits non-zero.
+# Needs gcc with libasan/libubsan (Debian: build-essential).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-python3}
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/en-asan.XXXXXX")
+keep=${ASAN_KEEP:-0}
+cleanup() { [ "$keep" = 1 ] || rm -rf "$tmp"; }
+trap cleanup EXIT
+
+tree="$tmp/tree"
+mkdir -p "$tree" "$tmp/logs"
+(cd "$root" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$tree")
+rm -f "$tree"/echo_native/*.so
+
+echo "== ASan+UBSan build in $tree"
+t0=$(date +%s)
+(cd "$tree" && ECHO_NATIVE_SANITIZE=1 "$py" setup.py -q build_ext --inplace -j 2 \
+   >"$tmp/build.log" 2>&1) || { tail -40 "$tmp/build.log" >&2; exit 2; }
+echo "   built in $(( $(date +%s) - t0 ))s"
+
+libasan=$(gcc -print-file-name=libasan.so)
+libubsan=$(gcc -print-file-name=libubsan.so)
+[ -e "$libasan" ] && [ -e "$libubsan" ] || { echo "no libasan/libubsan from gcc" >&2; exit 2; }
+for so in "$tree"/echo_native/_kernel*.so "$tree"/echo_native/_ring*.so; do
+  ldd "$so" | grep -q libasan || { echo "$so is not an ASan build" >&2; exit 2; }
+done
+
+if [ $# -eq 0 ]; then
+  set -- tests/test_decode.py tests/test_hostile.py tests/test_fuzz.py tests/test_ring.py \
+         tests/test_hostile_corpus.py -x -q -p no:cacheprovider
+fi
+
+export PYTHONPATH="$tree"
+export LD_PRELOAD="$libasan:$libubsan${LD_PRELOAD:+:$LD_PRELOAD}"
+# detect_leaks=0: CPython itself "leaks" at exit; abort_on_error: a report kills the process.
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:handle_abort=1:log_path=$tmp/logs/asan:${ASAN_OPTIONS:-}"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$tmp/logs/ubsan:${UBSAN_OPTIONS:-}"
+export PYTHONFAULTHANDLER=1 PYTHONDONTWRITEBYTECODE=1
+
+cd "$tree"
+"$py" - <<'PY'
+import echo_native, echo_native._kernel as k, echo_native._ring as r, os, sys
+root = os.environ["PYTHONPATH"]
+for m in (echo_native, k, r):
+    print("   using", m.__file__)
+    assert m.__file__.startswith(root), f"{m.__name__} is not the ASan build: {m.__file__}"
+PY
+
+echo "== pytest $*"
+t0=$(date +%s)
+set +e
+"$py" -m pytest "$@"
+rc=$?
+set -e
+echo "   pytest status $rc in $(( $(date +%s) - t0 ))s"
+reports=$(ls "$tmp/logs" 2>/dev/null | wc -l)
+if [ "$reports" -ne 0 ]; then
+  echo "== sanitizer reports:" >&2
+  for f in "$tmp"/logs/*; do echo "--- $f" >&2; head -60 "$f" >&2; done
+  exit 1
+fi
+exit $rc
