@@ -159,8 +159,6 @@ def _check_device(device):
 
 
 def cmd_bench(args):
-    import echo_native as en
-
     if args.dir:
         root = args.dir
     else:

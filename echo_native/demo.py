@@ -14,7 +14,6 @@ Run it with ``echo-native demo`` (see ``echo-native demo --help``).
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile
@@ -286,14 +285,15 @@ def chart(rows, runs, path, target):
         return False
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     done = [r for r in rows if "fresh_mean" in r]
-    labels = [f"e={r['echo']}\n{r['placement']}" for r in done]
+    labels = [f"e={r['echo']}\n{r['placement'].replace('_augment', ' aug.')}" for r in done]
     colors = {"none": "grey", "before_augment": "tab:green", "after_augment": "tab:blue",
               "batch": "tab:orange"}
     c = [colors.get(r["placement"], "k") for r in done]
     axes[0].bar(labels, [r["fresh_mean"] for r in done],
                 yerr=[r["fresh_std"] for r in done], color=c, capsize=3)
     axes[0].set_ylabel(f"fresh examples to {target:.0%} test accuracy")
-    axes[0].tick_params(axis="x", labelsize=7)
+    axes[0].tick_params(axis="x", labelsize=8)
+    axes[0].set_title("mean ± std over seeds (lower is better)", fontsize=9)
     for r in runs:
         if r["curve"]:
             f, _, _, a = zip(*r["curve"])

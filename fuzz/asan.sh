@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The kernel, ring and hostile-input tests under AddressSanitizer + UndefinedBehaviorSanitizer.
+# The kernel, ring, hostile-input and bad-API tests under AddressSanitizer + UBSan.
 #
 #   fuzz/asan.sh [pytest args...]     # default: the test files below, -x -q
 #
@@ -35,11 +35,12 @@ libasan=$(gcc -print-file-name=libasan.so)
 libubsan=$(gcc -print-file-name=libubsan.so)
 [ -e "$libasan" ] && [ -e "$libubsan" ] || { echo "no libasan/libubsan from gcc" >&2; exit 2; }
 for so in "$tree"/echo_native/_kernel*.so "$tree"/echo_native/_ring*.so; do
-  ldd "$so" | grep -q libasan || { echo "$so is not an ASan build" >&2; exit 2; }
+  grep -q "__asan_init" "$so" || { echo "$so is not an ASan build" >&2; exit 2; }
 done
 
 if [ $# -eq 0 ]; then
   set -- tests/test_decode.py tests/test_hostile.py tests/test_fuzz.py tests/test_ring.py \
+         tests/test_bad_api.py \
          tests/test_hostile_corpus.py -x -q -p no:cacheprovider
 fi
 
@@ -48,7 +49,8 @@ export LD_PRELOAD="$libasan:$libubsan${LD_PRELOAD:+:$LD_PRELOAD}"
 # detect_leaks=0: CPython itself "leaks" at exit; abort_on_error: a report kills the process.
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:handle_abort=1:log_path=$tmp/logs/asan:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$tmp/logs/ubsan:${UBSAN_OPTIONS:-}"
-export PYTHONFAULTHANDLER=1 PYTHONDONTWRITEBYTECODE=1
+# PYTHONMALLOC=malloc: Python objects (bytes, arrays) get ASan redzones, not pymalloc arenas.
+export PYTHONFAULTHANDLER=1 PYTHONDONTWRITEBYTECODE=1 PYTHONMALLOC=malloc
 
 cd "$tree"
 "$py" - <<'PY'
