@@ -21,7 +21,7 @@ import pytest
 import echo_native as en
 from echo_native import _kernel
 
-FAST_S = 0.5   # generous bound for "fails fast" on a 2-core CI machine
+FAST_S = 2.0   # hang guard for "fails fast", loose enough for a loaded 2-core machine
 
 
 def raises_fast(pattern, fn, *args, **kwargs):
