@@ -18,27 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+import echo_helpers
+
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 
 
 def photo_jpegs(n, height=40, width=48, seed=0, quality=88):
     """``n`` distinct JPEGs of ``height`` x ``width``, random crops of real photographs."""
-    import skimage.data
-    from PIL import Image
-
-    photos = [np.ascontiguousarray(getattr(skimage.data, p)()[..., :3]) for p in PHOTOS]
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        src = photos[i % len(photos)]
-        h, w = src.shape[:2]
-        ch, cw = int(rng.integers(h // 3, h)), int(rng.integers(w // 3, w))
-        y, x = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
-        im = Image.fromarray(src[y:y + ch, x:x + cw]).resize((width, height), Image.LANCZOS)
-        buf = io.BytesIO()
-        im.save(buf, "JPEG", quality=quality)
-        out.append(buf.getvalue())
-    return out
+    return echo_helpers.photo_jpegs(n, height, width, seed, quality)
 
 
 def write_folder(root, blobs, labels, classes=None):

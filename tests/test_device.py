@@ -1,6 +1,6 @@
 """The array-module backend (the code the CUDA backend runs on CuPy), exercised on NumPy."""
-import io
 
+import echo_helpers
 import numpy as np
 import pytest
 from PIL import Image
@@ -107,17 +107,8 @@ def test_normalize_matches_formula(layout, dtype):
     np.testing.assert_allclose(out, ref, atol=1e-5 if dtype == np.float32 else 2e-3)
 
 
-def _jpegs(n):
-    photos = [_photo(k) for k in ("astronaut", "coffee", "chelsea", "rocket")]
-    rng = np.random.default_rng(3)
-    out = []
-    for i in range(n):
-        p = photos[i % 4]
-        y, x = rng.integers(0, 100, 2)
-        b = io.BytesIO()
-        Image.fromarray(p[y:y + 280, x:x + 330]).save(b, "JPEG", quality=90)
-        out.append(b.getvalue())
-    return out
+def _jpegs(n, seed=0):
+    return echo_helpers.photo_jpegs(n, 280, 330, seed)
 
 
 @pytest.mark.parametrize("placement", ["before_augment", "after_augment", "batch"])

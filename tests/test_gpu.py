@@ -1,10 +1,9 @@
 """CUDA backend (echo_native/cuda.py).  These run only where CuPy finds a GPU; without
 one they are skipped, and tests/test_device.py covers the same logic on NumPy."""
-import io
 
+import echo_helpers
 import numpy as np
 import pytest
-from PIL import Image
 
 import echo_native as en
 from echo_native.device import cuda_available
@@ -14,17 +13,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _jpegs(n, seed=0):
-    import skimage.data as sd
-    photos = [sd.astronaut(), sd.coffee(), sd.chelsea(), sd.rocket()]
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        p = photos[i % 4]
-        y, x = rng.integers(0, 100, 2)
-        b = io.BytesIO()
-        Image.fromarray(p[y:y + 300, x:x + 360]).save(b, "JPEG", quality=90)
-        out.append(b.getvalue())
-    return out
+    return echo_helpers.photo_jpegs(n, 280, 330, seed)
 
 
 @pytest.fixture(scope="module")
