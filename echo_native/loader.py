@@ -292,7 +292,7 @@ class Loader:
             self._release_held()
             raise WorkerError(f"a worker failed while filling batch {ticket}:\n{report}")
         if failures:
-            self._report_failures(report)
+            self._report_failures(report, failures)
         if error == ERR_DECODE:
             self._release_held()
             sid, _, path, message = report.splitlines()[-1].split("\t", 3)
@@ -337,15 +337,23 @@ class Loader:
         """True when the next batch is already published (taking it will not wait)."""
         return self._ring is not None and self._ring.is_published(self._ticket)
 
-    def _report_failures(self, report):
-        for line in report.splitlines():
+    def _report_failures(self, report, failures):
+        lines = report.splitlines()
+        action = {"replace": "replaced", "skip": "skipped", "raise": "raised"}[
+            self.plan.on_error]
+        for line in lines:
             sid, reason, path, message = line.split("\t", 3)
-            name = REASONS.get(int(reason), "other")
-            self._stats.failures[name] = self._stats.failures.get(name, 0) + 1
-            action = {"replace": "replaced", "skip": "skipped", "raise": "raised"}[
-                self.plan.on_error]
+            self._count_failure(REASONS.get(int(reason), "other"))
             warnings.warn(f"{path}: {message} (sample {sid}, {action})", SampleFailureWarning,
                           stacklevel=4)
+        if failures > len(lines):  # more than the slot's report area could name
+            self._count_failure("unreported", failures - len(lines))
+            warnings.warn(f"{failures - len(lines)} more samples of this batch failed "
+                          f"({action}); their paths did not fit in the report",
+                          SampleFailureWarning, stacklevel=4)
+
+    def _count_failure(self, reason, n=1):
+        self._stats.failures[reason] = self._stats.failures.get(reason, 0) + n
 
     def stats(self):
         s = self._stats

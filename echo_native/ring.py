@@ -299,7 +299,11 @@ class Ring:
         words[_S_COUNT // 4] = count
         words[_S_ERROR // 4] = error
         words[_S_FAILURES // 4] = failures
-        report = report[:REPORT_BYTES]
+        if len(report) > REPORT_BYTES:
+            # Keep the newest whole lines: under on_error="raise" the last one is
+            # the sample to raise for.  The failure count still covers them all.
+            report = report[-REPORT_BYTES:]
+            report = report[report.find(b"\n") + 1:]
         words[_S_REPORT_LEN // 4] = len(report)
         np.frombuffer(self.buf, np.uint64, 1, base + _S_TICKET)[0] = ticket
         self.slots[ticket % self.layout.nslots].report_area[:len(report)] = np.frombuffer(

@@ -279,7 +279,8 @@ class _Filler:
             except _SampleFailure as f:
                 failures += 1
                 slot.reason[count] = f.reason
-                report.append(f"{sid}\t{f.reason}\t{f.path}\t{f.message}")
+                message = " ".join(f.message.split())  # one line per failure
+                report.append(f"{sid}\t{f.reason}\t{f.path}\t{message}")
                 if plan.on_error == "raise":
                     self.ring.write_meta(ticket, count, ERR_DECODE, failures,
                                          "\n".join(report).encode())

@@ -507,3 +507,22 @@ def test_corrupt_files_raise(corrupt_folder, mode):
     assert ei.value.path == expected_path
     assert isinstance(ei.value, ValueError)
     assert name[1:] not in _own_segments()
+
+
+def test_more_failures_than_the_report_holds_are_all_counted():
+    """A batch whose failures overflow the slot's report area still counts every one."""
+    import echo_helpers as eh
+    bad = [b"not an image at all " * 4 + bytes([i]) for i in range(120)]
+    blobs = bad + eh.photo_jpegs(8, 40, 48)
+    names = [f"/data/{'deep/' * 12}bad_{i:03d}.jpg" for i in range(len(blobs))]
+    src = en.Samples(blobs, names=names)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with en.Loader(src, batch_size=128, image_size=16, workers=1, worker_mode="thread",
+                       on_error="skip", shuffle=False) as ld:
+            batch = ld.next_batch()
+            failures = ld.stats()["failures"]
+    assert len(batch) == 8
+    assert sum(failures.values()) == 120 and failures.get("unreported", 0) > 0
+    named = [str(w.message) for w in caught if "/data/deep/" in str(w.message)]
+    assert named and all("bad_" in m for m in named)
