@@ -238,16 +238,8 @@ def _positive_int(name, value):
 
 
 def _pair(size):
-    # Checked here, with the kernel's message, because decode_random_crop
-    # allocates the output before the kernel sees the size.
-    try:
-        h, w = size
-        h, w = int(h), int(w)
-    except (TypeError, ValueError):
-        raise TypeError(f"size must be (height, width), got {size!r}") from None
-    if h <= 0 or w <= 0 or h > 65535 or w > 65535:
-        raise ValueError(f"size must be positive and at most 65535, got {size!r}")
-    return h, w
+    # Checked before decode_random_crop allocates the output, with the kernel's rule.
+    return _kernel.check_size(size)
 
 
 random_resized_crop_params = _kernel.random_resized_crop_params

@@ -89,7 +89,8 @@ cdef en_box _box(box) except *:
     return b
 
 
-cdef tuple _size(size):
+cpdef tuple check_size(size):
+    """(height, width) of an output size, or TypeError/ValueError saying what is wrong."""
     try:
         h, w = size
         h, w = int(h), int(w)
@@ -186,7 +187,7 @@ cdef class Decoder:
 
     def decode_crop(self, const uint8_t[::1] data not None, box, size, flip=False, out=None):
         cdef en_box b = _box(box)
-        oh, ow = _size(size)
+        oh, ow = check_size(size)
         cdef cnp.ndarray o = _output(out, oh, ow)
         cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(o)
         cdef size_t stride = o.strides[0]
@@ -207,7 +208,7 @@ cdef class Decoder:
 
         Returns (box, flip) where box is (top, left, height, width).
         """
-        oh, ow = _size(size)
+        oh, ow = check_size(size)
         cdef en_rrc_spec spec = _spec(scale, ratio, flip_p)
         cdef cnp.ndarray o = _output(out, oh, ow)
         cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(o)
@@ -282,7 +283,7 @@ cdef class Decoder:
         if src.shape[2] != 3:
             raise ValueError(f"image must have 3 channels, got shape {np.shape(image)}")
         cdef en_box b = _box(box)
-        oh, ow = _size(size)
+        oh, ow = check_size(size)
         cdef cnp.ndarray o = _output(out, oh, ow)
         cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(o)
         cdef size_t stride = o.strides[0], sstride = src.strides[0]
@@ -337,7 +338,7 @@ def center_crop_box(int height, int width, int resize_side, int out_side):
 
 def pick_scale(box, size):
     """DCT denominator decode_crop uses for `box` resized to `size`."""
-    oh, ow = _size(size)
+    oh, ow = check_size(size)
     return en_pick_scale(_box(box), oh, ow)
 
 
