@@ -95,19 +95,6 @@ def leftover_children():
     return sorted(kids - infra)
 
 
-# ---- killing a worker while it holds a batch ------------------------------------------------
-def wait_until_holding(loader, worker, timeout=10.0):
-    """Block until ``worker`` holds a ticket at or past the consumer's that is not yet
-    published (so the consumer must wait for it, notice the death and have it redone)."""
-    ring, deadline = loader._ring, time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        t = ring.claim(worker) - 1
-        if loader._ticket <= t < 2**63 and not ring.is_published(t):
-            return t
-        time.sleep(0.0005)
-    raise RuntimeError(f"worker {worker} never held a ticket within {timeout} s")
-
-
 # ---- the run ---------------------------------------------------------------------------------
 def make_ring(root, batch_size, image_size, seed, slots=None):
     import echo_native as en
@@ -165,7 +152,7 @@ def run_soak(root, epochs=20, kill_every=3, kill_at=None, batch_size=16, image_s
                 seen_workers.update(ring.loader.worker_pids())
                 if kill_now and j == 1:
                     w = len(killed) % 2
-                    wait_until_holding(ring.loader, w)
+                    rh.wait_until_holding(ring.loader, w)
                     pid = ring.loader.worker_pids()[w]
                     os.kill(pid, signal.SIGKILL)
                     killed.append({"epoch": epoch, "worker": w, "pid": pid})

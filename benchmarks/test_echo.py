@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
@@ -78,44 +77,11 @@ SEED = _env_int("ECHO_NATIVE_BENCH_SEED", 0)
 _rows = []
 
 
-def _skimage_corpus(root, n, seed):
-    """Fallback corpus: JPEGs cut from scikit-image's photographs (300-640 px)."""
-    import io
-
-    import skimage.data as data
-    from PIL import Image
-
-    photos = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
-    rng = np.random.default_rng(seed)
-    for i in range(n):
-        src = photos[i % len(photos)]
-        h, w = src.shape[:2]
-        ch, cw = int(rng.integers(h // 2, h)), int(rng.integers(w // 2, w))
-        y, x = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
-        im = Image.fromarray(src[y:y + ch, x:x + cw])
-        scale = rng.uniform(300, 640) / max(im.size)
-        im = im.resize((max(1, int(im.size[0] * scale)), max(1, int(im.size[1] * scale))),
-                       Image.LANCZOS)
-        d = root / f"class_{i % 10:02d}"
-        d.mkdir(parents=True, exist_ok=True)
-        buf = io.BytesIO()
-        im.save(buf, "JPEG", quality=int(rng.integers(80, 96)))
-        (d / f"img_{i:05d}.jpg").write_bytes(buf.getvalue())
-    return root
-
-
 @pytest.fixture(scope="module")
 def source():
-    try:
-        from echo_native.corpus import default_corpus
-    except ImportError:
-        default_corpus = None
-    if default_corpus is not None:
-        root = default_corpus(n_images=N, seed=SEED)
-    else:
-        root = _skimage_corpus(Path(tempfile.mkdtemp(prefix="en-echo-bench-")), N, SEED)
-    src = en.ImageFolder(root)
-    assert len(src) >= N, f"corpus at {root} has {len(src)} images, wanted {N}"
+    from echo_native.corpus import default_corpus
+    src = en.ImageFolder(default_corpus(n_images=N, seed=SEED))
+    assert len(src) >= N, f"corpus has {len(src)} images, wanted {N}"
     return src
 
 

@@ -327,3 +327,18 @@ if __name__ == "__main__":
         print(os.getpid())
     else:
         raise SystemExit(f"unknown command {cmd!r}")
+
+
+def wait_until_holding(loader, worker, timeout=10.0):
+    """Block until ``worker`` holds a ticket the consumer has not taken and that is not
+    yet published (so the consumer must wait for it); return that ticket.
+
+    (A claim can still name a ticket the worker has just published and the
+    consumer already took: such a worker holds nothing.)"""
+    ring, deadline = loader.ring, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        t = ring.claim(worker) - 1
+        if loader.position <= t < 2**63 and not ring.is_published(t):
+            return t
+        time.sleep(0.0005)
+    raise AssertionError(f"worker {worker} never held a ticket within {timeout} s")

@@ -67,20 +67,6 @@ def _reference(src, **kw):
 
 
 # ---- a worker killed mid-epoch --------------------------------------------------------------
-def _wait_until_holding(L, worker, timeout=5.0):
-    """Block until ``worker`` holds a ticket not yet filled; return that ticket.
-
-    (A claim can still name a ticket the worker has just published and the
-    consumer already took: such a worker holds nothing.)"""
-    ring, deadline = L._ring, time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        t = ring.claim(worker) - 1
-        if L._ticket <= t < 2**63 and not ring.is_published(t):
-            return t
-        time.sleep(0.0005)
-    raise AssertionError(f"worker {worker} never held a ticket")
-
-
 def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
     """SIGKILLed workers mid-batch are replaced; the epoch has every id once, same pixels."""
     src = en.ImageFolder(corpus_root)
@@ -96,7 +82,7 @@ def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
             for i, batch in enumerate(it, start=1):
                 if i in (1, 6):                   # kill worker 0, later worker 1
                     w = 0 if i == 1 else 1
-                    _wait_until_holding(L, w)
+                    rh.wait_until_holding(L, w, timeout=5.0)
                     killed.append(L.worker_pids()[w])
                     os.kill(killed[-1], signal.SIGKILL)
                 got.append(batch.copy())
