@@ -4,82 +4,66 @@ Everything array-shaped is inherited from :class:`echo_native.device.ArrayDevice
 running on CuPy.  What is here cannot be written against an array module:
 
 - the ring's shared memory is page-locked for the GPU (``cudaHostRegister``),
-  or, where registration is refused, batches are staged through a pinned
+  or, where registration is refused, each slot is staged through one pinned
   buffer;
-- host-to-device copies run asynchronously on a dedicated stream, and a slot
-  goes back to the workers only once its copy has completed (an event per
-  copy, FFCV's slot/stream/event pattern);
-- re-augmentation of canvases is one raw kernel launch per batch: every output
-  pixel computes its own antialiased bilinear weights (Pillow's filter) over
-  its canvas window;
-- each batch handed to the consumer is ordered after our stream, so DLPack
-  consumers (torch, JAX, CuPy) see finished data without a device-wide sync.
+- host-to-device copies run asynchronously on a dedicated stream; an event
+  recorded after the copies out of a slot decides when the slot goes back to
+  the workers (FFCV's slot/stream/event pattern), so the host never waits for
+  a copy it has just queued;
+- re-augmentation of canvases and normalisation are one raw kernel launch
+  each per batch (``kernels.cu``);
+- streams are ordered both ways: a consumer sees a batch only after our work
+  on it (``ready``, and ``__dlpack__(stream=...)`` for bfloat16 batches), and
+  we overwrite an output buffer only after the consumer's work queued so far
+  (``reuse``).
 """
 from __future__ import annotations
 
+import collections
+import sys
+from importlib import resources
+
 import numpy as np
 
-from echo_native.device import ArrayDevice
+from echo_native.device import ArrayDevice, BFloat16Array, output_dtype
 
-_KERNEL = r"""
-__device__ __forceinline__ double tri(double x) {
-    x = fabs(x);
-    return x < 1.0 ? 1.0 - x : 0.0;
-}
+#: Slots whose copies may still be in flight before the host waits for the oldest.
+IN_FLIGHT = 1
+THREADS = 256
 
-extern "C" __global__ void crop_resize(
-        const unsigned char* __restrict__ pixels, long long entry_bytes,
-        const long long* __restrict__ entries, const int* __restrict__ shapes,
-        const double* __restrict__ boxes, const unsigned char* __restrict__ flips,
-        int out_h, int out_w, unsigned char* __restrict__ out) {
-    const int b = blockIdx.y;
-    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= out_h * out_w) return;
-    const int oy = idx / out_w, ox = idx % out_w;
-    const unsigned char* src = pixels + entries[b] * entry_bytes;
-    const int h = shapes[2 * b], w = shapes[2 * b + 1];
-    const double top = boxes[4 * b], left = boxes[4 * b + 1];
-    const double sy = boxes[4 * b + 2] / out_h, sx = boxes[4 * b + 3] / out_w;
-    const double fy = fmax(sy, 1.0), fx = fmax(sx, 1.0);
-    const int sxo = flips[b] ? out_w - 1 - ox : ox;
-    const double cy = top + (oy + 0.5) * sy, cx = left + (sxo + 0.5) * sx;
-    const int y0 = max((int)(cy - fy + 0.5), 0), y1 = min((int)(cy + fy + 0.5), h);
-    const int x0 = max((int)(cx - fx + 0.5), 0), x1 = min((int)(cx + fx + 0.5), w);
-    double wxs = 0.0;
-    for (int x = x0; x < x1; x++) wxs += tri((x - cx + 0.5) / fx);
-    double wys = 0.0, r = 0.0, g = 0.0, bl = 0.0;
-    for (int y = y0; y < y1; y++) {
-        const double wy = tri((y - cy + 0.5) / fy);
-        if (wy == 0.0) continue;
-        wys += wy;
-        const unsigned char* row = src + (size_t)y * w * 3;
-        double rr = 0.0, gg = 0.0, bb = 0.0;
-        for (int x = x0; x < x1; x++) {
-            const double wx = tri((x - cx + 0.5) / fx);
-            const unsigned char* p = row + x * 3;
-            rr += wx * p[0];
-            gg += wx * p[1];
-            bb += wx * p[2];
-        }
-        r += wy * rr;
-        g += wy * gg;
-        bl += wy * bb;
-    }
-    const double norm = (wys > 0.0 && wxs > 0.0) ? 1.0 / (wys * wxs) : 0.0;
-    unsigned char* o = out + ((size_t)b * out_h * out_w + idx) * 3;
-    o[0] = (unsigned char)fmin(fmax(floor(r * norm + 0.5), 0.0), 255.0);
-    o[1] = (unsigned char)fmin(fmax(floor(g * norm + 0.5), 0.0), 255.0);
-    o[2] = (unsigned char)fmin(fmax(floor(bl * norm + 0.5), 0.0), 255.0);
-}
-"""
+
+def kernel_source():
+    """The CUDA C++ source of the backend's kernels."""
+    return resources.files("echo_native").joinpath("kernels.cu").read_text()
+
+
+def crop_resize_launch(n, out_h, out_w):
+    """(grid, block) of ``crop_resize``: a thread per output pixel, a grid row per image."""
+    return ((out_h * out_w + THREADS - 1) // THREADS, n), (THREADS,)
+
+
+def normalize_launch(pixels):
+    """(grid, block) of ``normalize``: a thread per pixel."""
+    return ((pixels + THREADS - 1) // THREADS,), (THREADS,)
+
+
+#: Output kinds of the ``normalize`` kernel, by the name of the output dtype.
+NORMALIZE_KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
+#: Batches during which a stream that imported one by DLPack is waited on.
+CONSUMER_BATCHES = 2
 
 
 class CudaDevice(ArrayDevice):
-    """Echo buffer, copies and re-augmentation on one GPU."""
+    """Echo buffer, copies and re-augmentation on one GPU.
+
+    ``register=False`` skips page-locking the ring and stages every slot
+    through a pinned buffer instead (what happens anyway where the system
+    refuses to register shared memory); the benchmark measures both.
+    """
 
     name = "cuda"
 
-    def __init__(self, index=0):
+    def __init__(self, index=0, register=True):
         import cupy
 
         super().__init__(cupy)
@@ -88,33 +72,64 @@ class CudaDevice(ArrayDevice):
         self.device = cupy.cuda.Device(self.index)
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self._kernel = cupy.RawKernel(_KERNEL, "crop_resize")
-        self._registered = None   # (pointer) of the registered ring mapping
-        self._staging = None      # pinned fallback
-        self._pending = None      # event of the last copy out of a slot
+            module = cupy.RawModule(code=kernel_source(), options=("--std=c++11",))
+            self._crop_resize = module.get_function("crop_resize")
+            self._normalize = module.get_function("normalize")
+        self.register = bool(register)
         self.registration = "none"
+        self._registered = None    # pointer of the registered ring mapping
+        self._staging = None       # pinned buffer when not registered
+        self._staged = None        # event: the staging buffer's last copy is done
+        self._returns = collections.deque()  # (event, release) of slots being copied out
+        self._consumers = {}       # stream handle -> reuses left, from our __dlpack__
+
+    @property
+    def device_id(self):
+        return self.index
 
     # -- ring memory ---------------------------------------------------------------------------
     def attach(self, ring):
         """Page-lock the ring mapping so copies out of slots are true async DMA."""
+        if not self.register:
+            self.registration = "pinned-staging"
+            return
         rt = self.cupy.cuda.runtime
         buf = np.frombuffer(ring.buf, np.uint8)
-        ptr, size = buf.ctypes.data, buf.nbytes
         try:
             with self.device:
-                rt.hostRegister(ptr, size, rt.hostRegisterPortable)
-            self._registered = ptr
+                rt.hostRegister(buf.ctypes.data, buf.nbytes, rt.hostRegisterPortable)
+            self._registered = buf.ctypes.data
             self.registration = "registered"
-        except self.cupy.cuda.runtime.CUDARuntimeError:
-            # Some kernels/containers refuse to pin shared memory: stage instead.
+        except rt.CUDARuntimeError:
+            # Some kernels and containers refuse to pin shared memory: stage instead.
             self.registration = "pinned-staging"
 
     def detach(self):
+        """Before the ring goes away: finish every copy out of it, then unpin it."""
+        self.drain()
         if self._registered is not None:
-            self.copied()
             with self.device:
                 self.cupy.cuda.runtime.hostUnregister(self._registered)
             self._registered = None
+
+    def release_after_copies(self, release):
+        # The event follows every copy queued so far on our stream, so it
+        # covers all copies out of this slot.
+        with self.device:
+            self._returns.append((self.stream.record(), release))
+        self._return_slots(IN_FLIGHT)
+
+    def _return_slots(self, keep):
+        while self._returns and (len(self._returns) > keep or self._returns[0][0].done):
+            event, release = self._returns.popleft()
+            event.synchronize()
+            release()
+
+    def drain(self):
+        self._return_slots(0)
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
 
     def _host_source(self, host):
         """A host array the copy engine can read asynchronously."""
@@ -122,26 +137,27 @@ class CudaDevice(ArrayDevice):
             return host
         import cupyx
         if self._staging is None or self._staging.nbytes < host.nbytes:
+            if self._staged is not None:
+                self._staged.synchronize()
             self._staging = cupyx.empty_pinned(host.nbytes, dtype=np.uint8)
-        # The previous copy must be done before the staging buffer is reused.
-        self.copied()
-        view = self._staging[:host.nbytes].reshape(host.shape)
+        elif self._staged is not None:
+            # The previous copy out of the staging buffer must be done.
+            self._staged.synchronize()
+        view = self._staging[:host.nbytes].view(host.dtype).reshape(host.shape)
         view[...] = host
         return view
 
     def _copy_in(self, dst, host):
+        """Queue host -> device on our stream (``host`` is ring memory)."""
+        host = np.ascontiguousarray(host)
         with self.device:
-            dst.set(self._host_source(np.ascontiguousarray(host)), stream=self.stream)
-            self._pending = self.stream.record()
-
-    def copied(self):
-        if self._pending is not None:
-            self._pending.synchronize()
-            self._pending = None
+            dst.set(self._host_source(host), stream=self.stream)
+            if self._registered is None:
+                self._staged = self.stream.record()
 
     # -- array operations on our stream ---------------------------------------------------
     def empty(self, shape, dtype):
-        with self.device:
+        with self.device, self.stream:
             return self.cupy.empty(shape, dtype=dtype)
 
     def to_device(self, host, out=None):
@@ -151,17 +167,18 @@ class CudaDevice(ArrayDevice):
         return out
 
     def store(self, buffer, entries, slot, count, fixed_shape):
+        # Whole slot rows in one copy (canvases sit at the start of their row),
+        # then one scatter into the echo buffer on the device.
         cp = self.cupy
+        row = buffer.pixels.shape[1]
         with self.device, self.stream:
-            if fixed_shape:
-                staged = cp.empty((count, buffer.pixels.shape[1]), dtype=cp.uint8)
-                self._copy_in(staged, slot.pixels[:count])
-                buffer.pixels[cp.asarray(entries)] = staged
-            else:
-                for i, e in enumerate(entries):
-                    n = int(slot.shapes[i][0]) * int(slot.shapes[i][1]) * 3
-                    self._copy_in(buffer.pixels[int(e), :n], slot.pixels[i, :n])
-            self._pending = self.stream.record()
+            staged = cp.empty((count, row), dtype=cp.uint8)
+            self._copy_in(staged, slot.pixels[:count, :row])
+            buffer.pixels[cp.asarray(np.asarray(entries, np.int64))] = staged
+
+    def copy(self, src, out):
+        with self.device, self.stream:
+            return super().copy(src, out)
 
     def gather(self, buffer, entries, out):
         with self.device, self.stream:
@@ -172,24 +189,74 @@ class CudaDevice(ArrayDevice):
             super().flip(images, mask)
 
     def normalize(self, images, mean, std, layout, out):
+        cp = self.cupy
+        n, h, w, _ = images.shape
+        std = np.asarray(std, np.float64)
+        coef = np.concatenate([1.0 / (255.0 * std), -np.asarray(mean) / std]).astype(np.float32)
         with self.device, self.stream:
-            return super().normalize(images, mean, std, layout, out)
+            src = cp.ascontiguousarray(images)
+            grid, block = normalize_launch(n * h * w)
+            self._normalize(grid, block, (src, np.int64(n * h * w), np.int32(h * w),
+                                          np.int32(layout == "NCHW"), cp.asarray(coef),
+                                          np.int32(NORMALIZE_KIND[output_dtype(out)]), out))
+        return out
 
     def crop_resize(self, buffer, entries, boxes, flips, out):
         cp = self.cupy
         n = len(entries)
         oh, ow = out.shape[1:3]
+        shapes = np.ascontiguousarray(buffer.shape[entries], np.int32)
         with self.device, self.stream:
-            args = (buffer.pixels, np.int64(buffer.pixels.shape[1]),
-                    cp.asarray(np.asarray(entries, np.int64)),
-                    cp.asarray(np.ascontiguousarray(buffer.shape[entries], np.int32)),
-                    cp.asarray(np.ascontiguousarray(boxes, np.float64)),
-                    cp.asarray(np.asarray(flips, np.uint8)), np.int32(oh), np.int32(ow), out)
-            threads = 256
-            self._kernel(((oh * ow + threads - 1) // threads, n), (threads,), args)
+            grid, block = crop_resize_launch(n, oh, ow)
+            self._crop_resize(grid, block, (
+                buffer.pixels, np.int64(buffer.pixels.shape[1]),
+                cp.asarray(np.asarray(entries, np.int64)), cp.asarray(shapes),
+                cp.asarray(np.ascontiguousarray(boxes, np.float64)),
+                cp.asarray(np.asarray(flips, np.uint8)), np.int32(oh), np.int32(ow), out))
+
+    # -- ordering against the consumer ----------------------------------------------------
+    def _consumer_streams(self):
+        """Streams a consumer may be using our batches on right now."""
+        cp = self.cupy
+        streams = {cp.cuda.get_current_stream().ptr}
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            streams.add(torch.cuda.current_stream(self.index).cuda_stream)
+        return streams | set(self._consumers)
+
+    def reuse(self, array):
+        """Before our stream overwrites an output buffer: wait for the work the
+        consumer has queued so far (which includes any reading of it)."""
+        cp = self.cupy
+        with self.device:
+            for handle in self._consumer_streams():
+                if handle != self.stream.ptr:
+                    self.stream.wait_event(cp.cuda.ExternalStream(handle).record())
+        return array
 
     def ready(self, batch):
-        """Order the consumer's current stream after everything we queued."""
+        """Order the consumer's current stream after everything we queued, and
+        give back the slots whose copies have finished."""
         with self.device:
-            self.cupy.cuda.get_current_stream().wait_event(self.stream.record())
+            done = self.stream.record()
+            self.cupy.cuda.get_current_stream().wait_event(done)
+        # A stream that imported a batch matters while that batch is valid
+        # (until the batch after next); forget it then: it may be destroyed.
+        for handle in list(self._consumers):
+            self._consumers[handle] -= 1
+            if not self._consumers[handle]:
+                del self._consumers[handle]
+        if isinstance(batch.images, BFloat16Array):
+            batch.images.event = done
+        self._return_slots(IN_FLIGHT)
         return batch
+
+    def order_consumer(self, stream, event):
+        """DLPack: stream ``stream`` (a handle, None for the legacy default stream,
+        -1 for none) must not start on a batch before ``event``."""
+        if stream == -1 or event is None:
+            return
+        handle = 0 if stream is None else int(stream)
+        with self.device:
+            self.cupy.cuda.runtime.streamWaitEvent(handle, event.ptr, 0)
+        self._consumers[handle] = CONSUMER_BATCHES

@@ -16,12 +16,30 @@ import math
 
 import numpy as np
 
-from echo_native import _kernel
+from echo_native import _dlpack, _kernel
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 LAYOUTS = ("NHWC", "NCHW")
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def storage_dtype(dtype):
+    """The array dtype that holds a normalised output of ``dtype`` (bfloat16 as its bits)."""
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def output_dtype(out):
+    """The name of the normalised dtype an output array holds (inverse of storage_dtype)."""
+    return "bfloat16" if out.dtype == np.uint16 else out.dtype.name
+
+
+def bfloat16_bits(values):
+    """float32 -> bfloat16 bits (uint16), rounding to nearest even as torch does.
+
+    Normalised pixels are finite (std > 0), so NaN needs no special case here."""
+    u = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
 
 
 def resolve(device):
@@ -91,28 +109,46 @@ class ArrayDevice:
     def __init__(self, xp=np):
         self.xp = xp
 
+    #: The backend's arrays are the host arrays themselves: a fresh batch can be
+    #: handed out as the ring slot's view, without a copy.
+    host_resident = False
+    device_id = 0
+
     # -- life cycle hooks (CUDA registers ring memory, orders streams) --------------
     def attach(self, ring):
-        """Called once the ring exists."""
+        """Called whenever the loader has created its ring (start, and after a seek)."""
 
     def detach(self):
-        """Called before the ring goes away."""
+        """Called before the ring goes away: nothing may still be reading it."""
+        self.drain()
 
-    def copied(self):
-        """Called before a ring slot goes back to the workers: every copy out of it
-        must be complete."""
+    def release_after_copies(self, release):
+        """``release()`` gives a ring slot back to the workers; call it once every
+        copy out of the slot has completed.  Copies here are synchronous: now."""
+        release()
+
+    def drain(self):
+        """Return every slot still waiting for its copies."""
+
+    def reuse(self, array):
+        """Called before an output buffer is overwritten with a new batch."""
+        return array
 
     def ready(self, batch):
         """Called on each batch before it reaches the consumer."""
         return batch
+
+    def order_consumer(self, stream, event):
+        """DLPack export on ``stream``: make it wait for the batch (no-op on the host)."""
 
     # -- moving pixels -------------------------------------------------------------------
     def empty(self, shape, dtype):
         return self.xp.empty(shape, dtype=dtype)
 
     def to_device(self, host, out=None):
+        """A copy of ``host`` (ring memory, about to be reused) on the device."""
         if out is None:
-            return self.xp.asarray(host)
+            return self.xp.array(host, copy=True)
         out[...] = self.xp.asarray(host)
         return out
 
@@ -125,6 +161,11 @@ class ArrayDevice:
         for i, e in enumerate(entries):
             n = int(slot.shapes[i][0]) * int(slot.shapes[i][1]) * 3
             buffer.pixels[int(e), :n] = xp.asarray(slot.pixels[i, :n])
+
+    def copy(self, src, out):
+        """Device to device: a repeated batch."""
+        out[...] = src
+        return out
 
     def gather(self, buffer, entries, out):
         xp = self.xp
@@ -159,7 +200,8 @@ class ArrayDevice:
             out[i] = xp.clip(xp.floor(res + 0.5), 0, 255).astype(xp.uint8)
 
     def normalize(self, images, mean, std, layout, out):
-        """(x / 255 - mean) / std into ``out`` (float32 or float16), NHWC or NCHW."""
+        """(x / 255 - mean) / std into ``out``, NHWC or NCHW: float32, float16, or
+        bfloat16 held as its bits in a uint16 array (see :func:`storage_dtype`)."""
         xp = self.xp
         bshape = (1, 1, 1, 3) if layout == "NHWC" else (1, 3, 1, 1)
         scale = xp.asarray(1.0 / (255.0 * np.asarray(std)), dtype=xp.float32).reshape(bshape)
@@ -168,6 +210,8 @@ class ArrayDevice:
         if out.dtype == xp.float32:
             xp.multiply(src, scale, out=out)
             out += shift
+        elif out.dtype == xp.uint16:
+            out[...] = bfloat16_bits(src * scale + shift)
         else:
             out[...] = src * scale + shift
         return out
@@ -178,6 +222,7 @@ class CpuDevice(ArrayDevice):
     GIL released, numerically identical to the fused decode path."""
 
     name = "cpu"
+    host_resident = True
 
     def __init__(self):
         super().__init__(np)
@@ -206,6 +251,64 @@ class CpuDevice(ArrayDevice):
             h, w = buffer.shape[e]
             canvas = buffer.pixels[e, :h * w * 3].reshape(h, w, 3)
             self._dec.resize(canvas, boxes[i], size, bool(flips[i]), out[i])
+
+
+class BFloat16Array:
+    """A normalised batch in bfloat16, a type NumPy and CuPy do not have.
+
+    ``bits`` holds it as uint16 (NumPy on the CPU, CuPy on a GPU);
+    ``__dlpack__`` exports it with DLPack's bfloat16 type code, so
+    ``torch.from_dlpack(a)`` and ``jax.dlpack.from_dlpack(a)`` give bfloat16
+    tensors sharing the memory, ordered after the pipeline's stream on a GPU.
+    """
+
+    dtype = "bfloat16"
+
+    def __init__(self, bits, device=None):
+        if bits.dtype != np.uint16:
+            raise TypeError(f"bfloat16 bits must be uint16, got {bits.dtype}")
+        self.bits = bits
+        self.device = device
+        self.event = None  # set by a GPU backend: the batch is complete after it
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+    @property
+    def ndim(self):
+        return self.bits.ndim
+
+    def __len__(self):
+        return len(self.bits)
+
+    def __repr__(self):
+        return f"BFloat16Array(shape={self.shape}, on={type(self.bits).__module__})"
+
+    def to_float32(self):
+        """The values as float32 (exact: bfloat16 is float32's upper half), same array module."""
+        return (self.bits.astype(np.uint32) << 16).view(np.float32)
+
+    def copy(self):
+        return BFloat16Array(self.bits.copy(), self.device)
+
+    def __dlpack_device__(self):
+        if isinstance(self.bits, np.ndarray):
+            return (_dlpack.KDL_CPU, 0)
+        return (_dlpack.KDL_CUDA, self.device.device_id if self.device else self.bits.device.id)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"this bfloat16 batch lives on {self.__dlpack_device__()}, "
+                              f"not {tuple(dl_device)}")
+        bits = self.bits.copy() if copy else self.bits
+        if self.device is not None and not isinstance(bits, np.ndarray):
+            self.device.order_consumer(stream, self.event)
+        ptr = bits.ctypes.data if isinstance(bits, np.ndarray) else bits.data.ptr
+        kind, index = self.__dlpack_device__()
+        # Legacy capsule: every consumer accepts it, whatever max_version it offers.
+        return _dlpack.capsule(bits, ptr, bits.shape, [s // 2 for s in bits.strides], kind,
+                               index, _dlpack.KDL_BFLOAT, 16)
 
 
 def buffer_bytes(entries, entry_bytes):

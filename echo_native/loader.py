@@ -152,6 +152,7 @@ class Loader:
         self._ticket = 0           # next ticket the consumer takes
         self._held = None          # ticket whose slot the consumer still reads
         self._finalizer = None
+        self._watchers = []        # (opened(ring), closing()) of stages that map the ring
         self._stats = _Counters()
 
     # -- life cycle -------------------------------------------------------------------
@@ -171,14 +172,27 @@ class Loader:
         self._finalizer = weakref.finalize(self, _shutdown, self._ring, self._pool)
         self._pool.start()
         self._stats.started = time.perf_counter()
+        for opened, _ in self._watchers:
+            opened(self._ring)
         return self
 
     def close(self):
         """Stop the workers and remove the shared memory.  Idempotent."""
         self._held = None
+        if self._ring is not None:
+            for _, closing in self._watchers:
+                closing()
         if self._finalizer is not None:
             self._finalizer()
         self._ring = self._pool = None
+
+    def watch_ring(self, opened, closing):
+        """Call ``opened(ring)`` whenever a ring is created (a seek makes a new one)
+        and ``closing()`` before it is removed: for stages that hold on to its
+        memory, such as a GPU backend that page-locks it."""
+        self._watchers.append((opened, closing))
+        if self._ring is not None:
+            opened(self._ring)
 
     def seek(self, ticket):
         """Continue from ``ticket`` (a batch number counted from epoch 0).
@@ -307,6 +321,19 @@ class Loader:
         """Give the slot of ``ticket`` back to the workers if the consumer still holds it."""
         if self._held == ticket:
             self._release_held()
+
+    def hand_off(self):
+        """Stop holding the slot of the batch just taken, and return a function that
+        gives it back to the workers: for a stage that reads the slot
+        asynchronously (a copy to a GPU) and releases it when that is done.  The
+        function does nothing once the ring it belongs to is gone."""
+        ticket, ring = self._held, self._ring
+        self._held = None
+        return functools.partial(self._release_in, ring, ticket)
+
+    def _release_in(self, ring, ticket):
+        if ticket is not None and ring is not None and ring is self._ring:
+            ring.release(ticket)
 
     def _release_held(self):
         if self._held is not None and self._ring is not None:

@@ -11,7 +11,8 @@ import time
 import numpy as np
 
 from echo_native import _kernel
-from echo_native.device import DTYPES, IMAGENET_MEAN, IMAGENET_STD, LAYOUTS, buffer_bytes, resolve
+from echo_native.device import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, LAYOUTS, BFloat16Array,
+                                buffer_bytes, resolve, storage_dtype)
 from echo_native.echo import (PLACEMENTS, AutoEcho, BatchWindow, ExampleBuffer, echo_counts,
                               shuffle_rng)
 from echo_native.loader import Batch, Loader
@@ -116,15 +117,14 @@ class EchoRing:
         self._sent = {}
         self._skip = set()
         self._buffer = None
-        self._outputs, self._turn = None, 0
+        self._outputs = {}
         self._books = _Books()
+        # The device follows the ring through restarts (a seek makes a new one).
+        self.loader.watch_ring(self.device.attach, self.device.detach)
 
     # -- life cycle -------------------------------------------------------------------
     def start(self):
-        fresh = self.loader.ring is None
         self.loader.start()
-        if fresh:
-            self.device.attach(self.loader.ring)
         if self._buffer is None and not self.passthrough and self.placement != "batch":
             xp = self.device.xp
             try:
@@ -142,11 +142,9 @@ class EchoRing:
 
     def close(self):
         """Stop workers, free shared memory.  Idempotent; also runs on GC and at exit."""
-        if self.loader.ring is not None:
-            self.device.detach()
         self.loader.close()
         self._buffer = None
-        self._outputs = None
+        self._outputs = {}
 
     def __enter__(self):
         return self.start()
@@ -200,15 +198,19 @@ class EchoRing:
     def _passthrough(self):
         loader = self.loader
         for _ in range(loader.left_in_epoch):
-            self.device.copied()  # the previous slot is about to go back to the workers
             t0 = time.perf_counter()
             b = loader.next_batch()
             self._books.wait_s += time.perf_counter() - t0
             self._books.fresh += int(b.fresh.sum())
             self._books.fresh_batches += 1
             self._note_fill()
-            yield self._finish(self.device.to_device(b.images), b.labels, b.sample_ids, b.fresh,
-                               b.echo_index, b.boxes, b.flips, b.epoch)
+            if self.device.host_resident:
+                images = b.images  # the slot itself; it goes back with the next batch
+            else:
+                images = self.device.to_device(b.images, self._output("images", b.images.shape))
+                self.device.release_after_copies(loader.hand_off())
+            yield self._finish(images, b.labels, b.sample_ids, b.fresh, b.echo_index, b.boxes,
+                               b.flips, b.epoch)
 
     def _note_fill(self):
         """Add the upstream cost (worker fill time) of the batch just taken."""
@@ -284,8 +286,7 @@ class EchoRing:
             k = self._auto.counts(rng, filled.count) if self.auto else \
                 counts[filled.slot.sample_ids[:filled.count]]
             self._add(buf, filled, k, fixed)
-            self.device.copied()
-            self.loader.release(filled.ticket)
+            self.device.release_after_copies(self.loader.hand_off())
             moved += 1
         return moved
 
@@ -323,7 +324,7 @@ class EchoRing:
         tickets = buf.ticket[entries].copy()
         echo_index = buf.emit(entries)
         self._note_sent(tickets[echo_index == 0], sample_ids[echo_index == 0])
-        images = self._next_images(n)
+        images = self._output("images", (n, self.image_size, self.image_size, 3))
         if self.placement == "after_augment":
             self.device.gather(buf, entries, images)
             boxes, flips = buf.box[entries].copy(), buf.flip[entries].copy()
@@ -412,12 +413,15 @@ class EchoRing:
             flips[i] = flip
         return boxes, flips, canvas_boxes
 
-    def _next_images(self, n):
-        shape = (self.batch_size, self.image_size, self.image_size, 3)
-        if self._outputs is None:
-            self._outputs = [self.device.empty(shape, np.uint8) for _ in range(2)]
-        self._turn ^= 1
-        return self._outputs[self._turn][:n]
+    def _output(self, kind, shape, dtype=np.uint8):
+        """The next of two alternating output buffers of ``kind``, ``shape[0]`` rows:
+        a delivered batch stays valid until the batch after next."""
+        full = (self.batch_size,) + tuple(shape[1:])
+        slot = self._outputs.get(kind)
+        if slot is None or slot[0][0].shape != full or slot[0][0].dtype != dtype:
+            slot = self._outputs[kind] = [[self.device.empty(full, dtype) for _ in range(2)], 0]
+        slot[1] ^= 1
+        return self.device.reuse(slot[0][slot[1]][:shape[0]])
 
     # -- batch echo ------------------------------------------------------------------------
     def _batch_echo(self):
@@ -441,15 +445,14 @@ class EchoRing:
                     continue
                 self._books.fresh += int(b.fresh.sum())
                 self._books.fresh_batches += 1
-                batch = b.copy()  # owns its memory: the slot goes back to the workers below
-                on_device = self.device.to_device(b.images)
-                if on_device is not b.images:  # a real transfer; a host backend returns the
-                    batch.images = on_device   # slot view itself, which must not be kept
-                self.device.copied()
+                batch = b.copy() if self.device.host_resident else \
+                    Batch(self.device.to_device(b.images), b.labels.copy(), b.sample_ids.copy(),
+                          b.fresh.copy(), b.echo_index.copy(), b.boxes.copy(), b.flips.copy(),
+                          b.epoch)  # owns its memory: the slot goes back to the workers below
+                self.device.release_after_copies(loader.hand_off())
                 window.add(batch, self._auto.counts(rng, 1)[0] if self.auto else counts[taken],
                            ticket)
                 self._unsent[ticket], self._sent[ticket] = 1, []
-                b.release()
                 taken += 1
             if not len(window):
                 self._skip = set()
@@ -462,8 +465,7 @@ class EchoRing:
                 self._note_sent(none, none)  # forget older, fully sent batches
             if self.drop_last and len(b) < self.batch_size:
                 continue
-            images = self._next_images(len(b))
-            images[...] = b.images
+            images = self.device.copy(b.images, self._output("images", b.images.shape))
             yield self._finish(images, b.labels.copy(), b.sample_ids.copy(),
                                b.fresh & (echo == 0), np.full(len(b), echo, np.int64),
                                b.boxes.copy(), b.flips.copy(), epoch)
@@ -490,8 +492,10 @@ class EchoRing:
             mean, std = self.normalize
             n, h, w, _ = images.shape
             shape = (n, h, w, 3) if self.layout == "NHWC" else (n, 3, h, w)
-            out = self.device.empty(shape, np.dtype(self.dtype))
+            out = self._output("normalized", shape, storage_dtype(self.dtype))
             images = self.device.normalize(images, mean, std, self.layout, out)
+            if self.dtype == "bfloat16":
+                images = BFloat16Array(images, self.device)
         return self.device.ready(Batch(images, labels, sample_ids, fresh, echo_index, boxes,
                                        np.asarray(flips, bool), epoch))
 
