@@ -19,16 +19,13 @@ running on CuPy.  What is here cannot be written against an array module:
 """
 from __future__ import annotations
 
-import collections
 import sys
 from importlib import resources
 
 import numpy as np
 
-from echo_native.device import ArrayDevice, BFloat16Array, output_dtype
+from echo_native.device import ArrayDevice, BFloat16Array, SlotReturns, output_dtype
 
-#: Slots whose copies may still be in flight before the host waits for the oldest.
-IN_FLIGHT = 1
 THREADS = 256
 
 
@@ -45,6 +42,13 @@ def crop_resize_launch(n, out_h, out_w):
 def normalize_launch(pixels):
     """(grid, block) of ``normalize``: a thread per pixel."""
     return ((pixels + THREADS - 1) // THREADS,), (THREADS,)
+
+
+def normalize_coefficients(mean, std):
+    """float32 (scale[3], shift[3]) with x * scale + shift = (x / 255 - mean) / std."""
+    std = np.asarray(std, np.float64)
+    return np.concatenate([1.0 / (255.0 * std), -np.asarray(mean, np.float64) / std]).astype(
+        np.float32)
 
 
 #: Output kinds of the ``normalize`` kernel, by the name of the output dtype.
@@ -80,7 +84,7 @@ class CudaDevice(ArrayDevice):
         self._registered = None    # pointer of the registered ring mapping
         self._staging = None       # pinned buffer when not registered
         self._staged = None        # event: the staging buffer's last copy is done
-        self._returns = collections.deque()  # (event, release) of slots being copied out
+        self._returns = SlotReturns()  # slots whose copies may still be in flight
         self._consumers = {}       # stream handle -> reuses left, from our __dlpack__
 
     @property
@@ -116,17 +120,10 @@ class CudaDevice(ArrayDevice):
         # The event follows every copy queued so far on our stream, so it
         # covers all copies out of this slot.
         with self.device:
-            self._returns.append((self.stream.record(), release))
-        self._return_slots(IN_FLIGHT)
-
-    def _return_slots(self, keep):
-        while self._returns and (len(self._returns) > keep or self._returns[0][0].done):
-            event, release = self._returns.popleft()
-            event.synchronize()
-            release()
+            self._returns.add(self.stream.record(), release)
 
     def drain(self):
-        self._return_slots(0)
+        self._returns.drain()
         if self._staged is not None:
             self._staged.synchronize()
             self._staged = None
@@ -191,8 +188,7 @@ class CudaDevice(ArrayDevice):
     def normalize(self, images, mean, std, layout, out):
         cp = self.cupy
         n, h, w, _ = images.shape
-        std = np.asarray(std, np.float64)
-        coef = np.concatenate([1.0 / (255.0 * std), -np.asarray(mean) / std]).astype(np.float32)
+        coef = normalize_coefficients(mean, std)
         with self.device, self.stream:
             src = cp.ascontiguousarray(images)
             grid, block = normalize_launch(n * h * w)
@@ -248,7 +244,7 @@ class CudaDevice(ArrayDevice):
                 del self._consumers[handle]
         if isinstance(batch.images, BFloat16Array):
             batch.images.event = done
-        self._return_slots(IN_FLIGHT)
+        self._returns.poll()
         return batch
 
     def order_consumer(self, stream, event):

@@ -12,6 +12,7 @@ raw resampling kernel.  The bookkeeping that decides *which* entries to emit
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -215,6 +216,39 @@ class ArrayDevice:
         else:
             out[...] = src * scale + shift
         return out
+
+
+class SlotReturns:
+    """Ring slots waiting for the copies out of them before going back to the workers.
+
+    Each entry is (event, release): ``event`` (``.done``, ``.synchronize()``,
+    as a CUDA event) completes after the slot's copies, ``release()`` hands
+    the slot back.  Slots go back as soon as their events are seen done; at
+    most ``in_flight`` wait, so the host only ever waits for an older copy,
+    never for the one it has just queued.
+    """
+
+    def __init__(self, in_flight=1):
+        self.in_flight = in_flight
+        self._queue = collections.deque()
+
+    def __len__(self):
+        return len(self._queue)
+
+    def add(self, event, release):
+        self._queue.append((event, release))
+        self.poll()
+
+    def poll(self, keep=None):
+        keep = self.in_flight if keep is None else keep
+        queue = self._queue
+        while queue and (len(queue) > keep or queue[0][0].done):
+            event, release = queue.popleft()
+            event.synchronize()
+            release()
+
+    def drain(self):
+        self.poll(0)
 
 
 class CpuDevice(ArrayDevice):

@@ -6,7 +6,8 @@ import pytest
 from PIL import Image
 
 import echo_native as en
-from echo_native.device import ArrayDevice, CpuDevice, pillow_weights, resolve
+from echo_native.device import (ArrayDevice, BFloat16Array, CpuDevice, SlotReturns,
+                                bfloat16_bits, pillow_weights, resolve)
 from echo_native.echo import ExampleBuffer
 
 
@@ -145,3 +146,208 @@ def test_resolve_devices():
         resolve("tpu")
     dev = ArrayDevice(np)
     assert resolve(dev) is dev
+
+
+# -- late copies: the slot/stream/event protocol, emulated on NumPy ----------------------------
+class _Event:
+    """Completes once the device has performed the first ``upto`` queued copies."""
+
+    def __init__(self, device, upto):
+        self.device, self.upto = device, upto
+
+    @property
+    def done(self):
+        return self.device.performed >= self.upto
+
+    def synchronize(self):
+        self.device.flush(self.upto)
+
+
+class LateCopyDevice(ArrayDevice):
+    """The NumPy backend with host->device copies that happen late, as DMA on a
+    stream does: a copy out of a ring slot reads the slot only when its event
+    is waited for, or when later work on the "stream" needs it.  A pipeline
+    that gave a slot back before its copy completed would deliver pixels the
+    workers wrote for a later batch."""
+
+    def __init__(self):
+        super().__init__(np)
+        self.pending, self.performed, self.queued = [], 0, 0
+        self.returns = SlotReturns()
+        self.released_early = 0
+        self.rings = []  # (event, ring name) of attach / detach calls
+
+    def _queue(self, copy):
+        self.pending.append(copy)
+        self.queued += 1
+
+    def flush(self, upto=None):
+        upto = self.queued if upto is None else upto
+        while self.performed < upto:
+            self.pending.pop(0)()
+            self.performed += 1
+
+    def attach(self, ring):
+        self.rings.append(("attach", ring.name))
+
+    def detach(self):
+        self.drain()
+        self.rings.append(("detach", None))
+
+    def release_after_copies(self, release):
+        event = _Event(self, self.queued)
+
+        def checked():
+            self.released_early += not event.done
+            release()
+        self.returns.add(event, checked)
+
+    def drain(self):
+        self.returns.drain()
+
+    def to_device(self, host, out=None):
+        out = np.empty_like(host) if out is None else out
+        self._queue(lambda: out.__setitem__(Ellipsis, host))
+        return out
+
+    def store(self, buffer, entries, slot, count, fixed_shape):
+        entries = np.array(entries)
+        self._queue(lambda: ArrayDevice.store(self, buffer, entries, slot, count, fixed_shape))
+
+    def _after_copies(name):
+        def op(self, *args):
+            self.flush()  # stream order: work queued after the copies sees them
+            return getattr(ArrayDevice, name)(self, *args)
+        return op
+
+    copy = _after_copies("copy")
+    gather = _after_copies("gather")
+    flip = _after_copies("flip")
+    crop_resize = _after_copies("crop_resize")
+    normalize = _after_copies("normalize")
+
+    def ready(self, batch):
+        self.flush()
+        self.returns.poll()
+        return batch
+
+
+def test_slot_returns_wait_for_their_events():
+    """A slot goes back once its event is done, or when more than in_flight wait (after
+    waiting for the oldest); drain returns all of them."""
+    released = []
+
+    class Ev:
+        def __init__(self):
+            self.done, self.waited = False, False
+
+        def synchronize(self):
+            self.waited, self.done = True, True
+
+    q = SlotReturns(in_flight=1)
+    a, b, c = Ev(), Ev(), Ev()
+    q.add(a, lambda: released.append("a"))
+    assert released == [] and len(q) == 1
+    q.add(b, lambda: released.append("b"))
+    assert released == ["a"] and a.waited and not b.waited
+    q.poll()
+    assert released == ["a"]  # b's copy still runs, and one may be in flight
+    b.done = True
+    q.poll()
+    assert released == ["a", "b"]
+    q.add(c, lambda: released.append("c"))
+    q.drain()
+    assert released == ["a", "b", "c"] and c.waited and len(q) == 0
+
+
+@pytest.mark.parametrize("placement,echo", [("before_augment", 2), ("after_augment", 2),
+                                            ("batch", 2), ("before_augment", 1)])
+def test_late_copies_never_read_a_returned_slot(placement, echo):
+    """With copies completing late and only two ring slots, every batch still equals the
+    CPU backend's: no slot goes back to the workers before the copies out of it."""
+    src = en.Samples(_jpegs(48), np.arange(48) % 3)
+    kw = dict(batch_size=8, image_size=40, echo=echo, placement=placement, workers=2, seed=9,
+              slots=2, worker_mode="thread")
+    with en.EchoRing(src, device="cpu", **kw) as ring:
+        ref = [b.copy() for b in ring]
+    dev = LateCopyDevice()
+    with en.EchoRing(src, device=dev, **kw) as ring:
+        got = [b.copy() for b in ring]
+    assert dev.released_early == 0 and dev.performed == dev.queued
+    assert len(ref) == len(got)
+    for r, g in zip(ref, got):
+        np.testing.assert_array_equal(r.sample_ids, g.sample_ids)
+        diff = np.abs(np.asarray(r.images, int) - g.images)
+        assert diff.max() <= (2 if placement == "before_augment" and echo > 1 else 0)
+
+
+def test_device_follows_the_ring_through_a_seek():
+    """A jump to another epoch makes a new ring: the device lets go of the old one
+    (after its copies) before it is removed and attaches to the new one."""
+    src = en.Samples(_jpegs(24), np.arange(24) % 3)
+    dev = LateCopyDevice()
+    ring = en.EchoRing(src, batch_size=8, image_size=32, echo=2, workers=1, seed=1,
+                       device=dev, worker_mode="thread")
+    with ring:
+        first = ring.loader.ring_name
+        next(iter(ring))
+        ring.set_epoch(3)
+        second = ring.loader.ring_name
+        assert sum(1 for _ in ring) == len(ring)
+    assert first != second
+    assert dev.rings == [("attach", first), ("detach", None), ("attach", second),
+                         ("detach", None)]
+    assert len(dev.returns) == 0
+
+
+# -- bfloat16 ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_bfloat16_batches_are_float32_rounded_and_reach_torch_without_copy(layout):
+    """dtype="bfloat16": the float32 batch rounded as torch rounds it, exported by
+    DLPack as torch.bfloat16 over the same memory."""
+    torch = pytest.importorskip("torch")
+    src = en.Samples(_jpegs(24), np.arange(24) % 3)
+    kw = dict(batch_size=8, image_size=32, echo=2, workers=1, seed=4, normalize=True,
+              layout=layout, worker_mode="thread")
+    with en.EchoRing(src, dtype="float32", **kw) as ring:
+        ref = [np.array(b.images) for b in ring]
+    with en.EchoRing(src, dtype="bfloat16", **kw) as ring:
+        for r, b in zip(ref, ring, strict=True):
+            assert isinstance(b.images, BFloat16Array) and b.images.shape == r.shape
+            t = torch.from_dlpack(b.images)
+            assert t.dtype == torch.bfloat16 and tuple(t.shape) == r.shape
+            assert t.data_ptr() == b.images.bits.ctypes.data
+            expect = torch.from_numpy(r).to(torch.bfloat16)
+            assert torch.equal(t, expect)
+            np.testing.assert_array_equal(b.images.to_float32(), expect.float().numpy())
+
+
+def test_bfloat16_capsules_own_their_memory():
+    """A consumer keeps the bits alive after the array is gone; a capsule nobody takes
+    lets go of them; a wrong device or copy=True is honoured."""
+    import gc
+    import sys
+    torch = pytest.importorskip("torch")
+    bits = bfloat16_bits(np.linspace(-3, 3, 60, dtype=np.float32).reshape(3, 4, 5))
+    base = sys.getrefcount(bits)
+    a = BFloat16Array(bits)
+    t = torch.from_dlpack(a)
+    assert sys.getrefcount(bits) == base + 2  # the wrapper and the consumer's tensor
+    del a
+    gc.collect()
+    np.testing.assert_allclose(t.float().numpy(), np.linspace(-3, 3, 60).reshape(3, 4, 5),
+                               rtol=2**-8)
+    del t
+    gc.collect()
+    assert sys.getrefcount(bits) == base
+    a = BFloat16Array(bits)
+    for _ in range(3):
+        a.__dlpack__()  # dropped unconsumed
+    gc.collect()
+    assert sys.getrefcount(bits) == base + 1
+    with pytest.raises(BufferError, match="lives on"):
+        a.__dlpack__(dl_device=(2, 0))
+    c = torch.from_dlpack(a.__dlpack__(copy=True))
+    assert c.data_ptr() != bits.ctypes.data and torch.equal(c, torch.from_dlpack(a))
+    with pytest.raises(TypeError, match="uint16"):
+        BFloat16Array(np.zeros(3, np.float32))

@@ -1,0 +1,296 @@
+"""The CUDA kernels (echo_native/kernels.cu) checked without a GPU.
+
+Two independent routes: NVRTC, the compiler CuPy uses at run time, must
+accept the source for the GPUs we target; and the same source, built by the
+host C++ compiler with tests/cuda_host.cpp, runs every thread of a launch on
+the CPU, so its arithmetic is compared with the native resampler, the NumPy
+backend, NumPy's float16 and torch's bfloat16 rounding.
+"""
+import ctypes
+import ctypes.util
+import glob
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import echo_native as en
+from echo_native import cuda
+from echo_native.device import ArrayDevice, CpuDevice, bfloat16_bits
+from echo_native.echo import ExampleBuffer
+
+HERE = os.path.dirname(__file__)
+PACKAGE = os.path.dirname(en.__file__)
+u8p = np.ctypeslib.ndpointer(np.uint8, flags="C")
+
+
+# -- the kernels, run on the CPU ------------------------------------------------------------
+class HostKernels:
+    """kernels.cu compiled for the host; launches use the CUDA backend's own grids."""
+
+    def __init__(self, path):
+        lib = ctypes.CDLL(path)
+        p = ctypes.c_void_p
+        lib.host_crop_resize.argtypes = [ctypes.c_uint] * 3 + [p, ctypes.c_int64, p, p, p, p,
+                                                               ctypes.c_int, ctypes.c_int, p]
+        lib.host_normalize.argtypes = [ctypes.c_uint] * 2 + [p, ctypes.c_int64, ctypes.c_int,
+                                                             ctypes.c_int, p, ctypes.c_int, p]
+        for name in ("host_half_array", "host_bfloat16_array"):
+            getattr(lib, name).argtypes = [p, p, ctypes.c_int64]
+        self.lib = lib
+
+    def crop_resize(self, buffer, entries, boxes, flips, out):
+        n, oh, ow = len(entries), out.shape[1], out.shape[2]
+        (gx, gy), (bx,) = cuda.crop_resize_launch(n, oh, ow)
+        entries = np.ascontiguousarray(entries, np.int64)
+        shapes = np.ascontiguousarray(buffer.shape[entries], np.int32)
+        boxes = np.ascontiguousarray(boxes, np.float64)
+        flips = np.ascontiguousarray(flips, np.uint8)
+        assert out.flags.c_contiguous and buffer.pixels.flags.c_contiguous
+        self.lib.host_crop_resize(gx, gy, bx, buffer.pixels.ctypes.data, buffer.pixels.shape[1],
+                                  entries.ctypes.data, shapes.ctypes.data, boxes.ctypes.data,
+                                  flips.ctypes.data, oh, ow, out.ctypes.data)
+
+    def normalize(self, images, mean, std, layout, out):
+        n, h, w, _ = images.shape
+        (gx,), (bx,) = cuda.normalize_launch(n * h * w)
+        coef = cuda.normalize_coefficients(mean, std)
+        kind = cuda.NORMALIZE_KIND["bfloat16" if out.dtype == np.uint16 else out.dtype.name]
+        images = np.ascontiguousarray(images)
+        self.lib.host_normalize(gx, bx, images.ctypes.data, n * h * w, h * w,
+                                int(layout == "NCHW"), coef.ctypes.data, kind, out.ctypes.data)
+        return out
+
+    def convert(self, name, values):
+        values = np.ascontiguousarray(values, np.float32)
+        out = np.empty(values.shape, np.uint16)
+        getattr(self.lib, f"host_{name}_array")(values.ctypes.data, out.ctypes.data, values.size)
+        return out
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a host C++ compiler (g++)")
+    lib = str(tmp_path_factory.mktemp("cuda_host") / "cuda_host.so")
+    # -ffp-contract=off: no fused multiply-add beyond the fmaf the source asks for.
+    subprocess.run([cxx, "-std=c++14", "-O2", "-ffp-contract=off", "-Wall", "-Werror",
+                    "-shared", "-fPIC", f"-I{PACKAGE}", os.path.join(HERE, "cuda_host.cpp"),
+                    "-o", lib], check=True, capture_output=True)
+    return HostKernels(lib)
+
+
+def _photo(name):
+    import skimage.data as sd
+    img = getattr(sd, name)()
+    return np.ascontiguousarray(np.stack([img] * 3, -1) if img.ndim == 2 else img)
+
+
+def _buffer(canvases, slots=None):
+    """An echo buffer holding ``canvases`` in entries ``slots`` (in order by default)."""
+    slots = list(range(len(canvases))) if slots is None else slots
+    buf = ExampleBuffer(max(slots) + 1, max(c.size for c in canvases))
+    buf.pixels[...] = 77  # whatever lies past a canvas must never be read
+    for s, c in zip(slots, canvases):
+        buf.pixels[s, :c.size] = c.reshape(-1)
+        buf.shape[s] = c.shape[:2]
+    return buf
+
+
+def _boxes(rng, shapes):
+    """Random crops the way echoes draw them, plus the awkward ones: a sliver, a
+    single pixel, the whole canvas, a box touching the far corner."""
+    out = []
+    for i, (h, w) in enumerate(shapes):
+        kind = i % 5
+        if kind == 0:
+            bh, bw = rng.uniform(0.3, 1) * h, rng.uniform(0.3, 1) * w
+            out.append((rng.uniform(0, h - bh), rng.uniform(0, w - bw), bh, bw))
+        elif kind == 1:
+            out.append((rng.uniform(0, h - 3), rng.uniform(0, w - 3), 2.5, rng.uniform(1, 3)))
+        elif kind == 2:
+            out.append((0.0, 0.0, float(h), float(w)))
+        elif kind == 3:
+            out.append((h - 40.25, w - 17.5, 40.25, 17.5))
+        else:
+            out.append((rng.integers(0, h - 1), rng.integers(0, w - 1), 1.0, 1.0))
+    return np.array(out, np.float64)
+
+
+@pytest.mark.parametrize("size", [(224, 224), (37, 61), (300, 160)])
+def test_crop_resize_kernel_matches_native_resampler(host, size):
+    """Shrinking, enlarging and mixed: the kernel stays within 2 levels of the
+    Pillow-exact native path (it rounds once, Pillow twice) and agrees with the
+    NumPy backend's one-pass float version more closely still."""
+    rng = np.random.default_rng(sum(size))
+    canvases = [_photo(n) for n in ("astronaut", "coffee", "chelsea", "rocket", "camera")]
+    slots = [4, 0, 3, 1, 2]  # entry order differs from canvas order
+    buf = _buffer(canvases, slots)
+    entries = np.array(slots * 2)
+    boxes = _boxes(rng, [buf.shape[e] for e in entries])
+    flips = np.arange(len(entries)) % 3 == 1
+    got = np.empty((len(entries),) + size + (3,), np.uint8)
+    native = np.empty_like(got)
+    generic = np.empty_like(got)
+    host.crop_resize(buf, entries, boxes, flips, got)
+    CpuDevice().crop_resize(buf, entries, boxes, flips, native)
+    ArrayDevice(np).crop_resize(buf, entries, boxes, flips, generic)
+    d_native = np.abs(got.astype(int) - native)
+    d_generic = np.abs(got.astype(int) - generic)
+    assert d_native.max() <= 2 and d_native.mean() < 0.3
+    assert d_generic.max() <= 1 and d_generic.mean() < 0.05
+
+
+def test_crop_resize_kernel_flip_is_an_exact_mirror(host):
+    """The flipped emission is exactly the mirror of the unflipped one."""
+    buf = _buffer([_photo("coffee")])
+    boxes = np.array([[13.7, 40.2, 250.3, 301.9]] * 2)
+    out = np.empty((2, 96, 128, 3), np.uint8)
+    host.crop_resize(buf, np.array([0, 0]), boxes, np.array([False, True]), out)
+    np.testing.assert_array_equal(out[1], out[0][:, ::-1])
+
+
+def test_crop_resize_kernel_identity_box_is_exact(host):
+    """A whole-canvas box at the canvas size gives back the canvas, byte for byte."""
+    img = _photo("chelsea")
+    h, w = img.shape[:2]
+    out = np.empty((1, h, w, 3), np.uint8)
+    host.crop_resize(_buffer([img]), np.array([0]), np.array([[0.0, 0.0, h, w]]),
+                     np.array([False]), out)
+    np.testing.assert_array_equal(out[0], img)
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_normalize_kernel_is_one_rounding_of_the_exact_value(host, layout, dtype):
+    """x * scale + shift with a single rounding to float32, then to the output type with
+    round-to-nearest-even: the same bits as NumPy's float16 and torch's bfloat16."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 256, (3, 7, 5, 3), dtype=np.uint8)
+    x[0, 0, 0] = (0, 128, 255)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    coef = cuda.normalize_coefficients(mean, std).astype(np.float64)
+    exact = (x * coef[:3] + coef[3:]).astype(np.float32)  # float64 holds it exactly
+    if layout == "NCHW":
+        exact = exact.transpose(0, 3, 1, 2)
+    shape = exact.shape
+    out = np.empty(shape, np.uint16 if dtype == "bfloat16" else dtype)
+    host.normalize(x, mean, std, layout, out)
+    if dtype == "float32":
+        np.testing.assert_array_equal(out, exact)
+    elif dtype == "float16":
+        np.testing.assert_array_equal(out.view(np.uint16), exact.astype(np.float16).view(np.uint16))
+    else:
+        ref = torch.from_numpy(np.ascontiguousarray(exact)).to(torch.bfloat16).view(torch.int16)
+        np.testing.assert_array_equal(out.view(np.int16), ref.numpy())
+    # The NumPy backend rounds twice (multiply, then add): within an ulp of float32.
+    generic = ArrayDevice(np).normalize(x, mean, std, layout, np.empty(shape, np.float32))
+    np.testing.assert_allclose(generic, exact, rtol=2e-7, atol=2e-7)
+
+
+def _awkward_floats(n, seed):
+    """Random bit patterns (every exponent, both signs, NaN and inf), plus the
+    values at the edges of float16's and bfloat16's ranges and rounding ties."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, 65536.0, 2.0**-14,
+                      2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 2.0**-26, 6.0e-8, np.inf, -np.inf,
+                      1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8,
+                      3.4e38, -2.75], np.float32)
+    near = (edges.view(np.uint32)[:, None] + np.arange(-2, 3, dtype=np.int64)).ravel()
+    return np.concatenate([bits.view(np.float32), edges,
+                           (near % 2**32).astype(np.uint32).view(np.float32)])
+
+
+def test_half_conversion_matches_numpy(host):
+    """float32 -> float16 bits as NumPy's astype (round to nearest even), NaN stays NaN."""
+    f = _awkward_floats(1_000_000, 0)
+    got = host.convert("half", f)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = f.astype(np.float16).view(np.uint16)
+    nan = np.isnan(f)
+    np.testing.assert_array_equal(got[~nan], ref[~nan])
+    assert np.isnan(got[nan].view(np.float16)).all()
+
+
+def test_bfloat16_conversion_matches_torch(host):
+    """float32 -> bfloat16 bits as torch rounds them, in the kernel and in the NumPy
+    backend; NaN stays NaN."""
+    torch = pytest.importorskip("torch")
+    f = _awkward_floats(1_000_000, 1)
+    got = host.convert("bfloat16", f)
+    ref = torch.from_numpy(f).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(f)
+    np.testing.assert_array_equal(got[~nan], ref[~nan])
+    np.testing.assert_array_equal(bfloat16_bits(f[~nan]), ref[~nan])
+    assert np.isnan((got[nan].astype(np.uint32) << 16).view(np.float32)).all()
+
+
+# -- the kernels through NVRTC ---------------------------------------------------------------
+def _nvrtc():
+    """libnvrtc from the nvidia-cuda-nvrtc wheel (a test dependency on Linux) or the system."""
+    candidates = []
+    try:
+        import nvidia.cuda_nvrtc
+        for d in nvidia.cuda_nvrtc.__path__:
+            candidates += sorted(glob.glob(os.path.join(d, "lib", "libnvrtc.so*")))
+    except ImportError:
+        pass
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        candidates.append(found)
+    for c in candidates:
+        if "builtins" in c or ".alt." in c:
+            continue
+        try:
+            return ctypes.CDLL(c)
+        except OSError:
+            continue
+    pytest.skip("needs NVRTC: pip install nvidia-cuda-nvrtc-cu12 (in the test extra on Linux)")
+
+
+def _compile(lib, source, options):
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernels.cu", 0, None,
+                                None)
+    assert rc == 0, f"nvrtcCreateProgram: {rc}"
+    try:
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        rc = lib.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if rc != 0:
+            return None, log.value.decode()
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, ptx)
+        return ptx.value.decode(), log.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.parametrize("arch", ["compute_75", "compute_80", "compute_90"])
+def test_kernels_compile_with_nvrtc(arch):
+    """The source CuPy compiles at run time builds, without warnings, for Turing,
+    Ampere and Hopper, and exports both kernels under their C names."""
+    lib = _nvrtc()
+    ptx, log = _compile(lib, cuda.kernel_source(), [f"--gpu-architecture={arch}",
+                                                    "--std=c++11"])
+    assert ptx is not None, log
+    assert "warning" not in log.lower(), log
+    for name in ("crop_resize", "normalize"):
+        assert f".entry {name}(" in ptx
+
+
+def test_nvrtc_reports_errors():
+    """The compile check above can fail: a broken kernel is refused with its line."""
+    lib = _nvrtc()
+    ptx, log = _compile(lib, cuda.kernel_source() + "\nextern \"C\" __global__ void k() { x; }\n",
+                        ["--gpu-architecture=compute_80"])
+    assert ptx is None and "identifier \"x\" is undefined" in log
