@@ -85,7 +85,8 @@ class CudaDevice(ArrayDevice):
         self._staging = None       # pinned buffer when not registered
         self._staged = None        # event: the staging buffer's last copy is done
         self._returns = SlotReturns()  # slots whose copies may still be in flight
-        self._consumers = {}       # stream handle -> reuses left, from our __dlpack__
+        self._consumers = {}       # stream handle -> batches left, from our __dlpack__
+        self.h2d_bytes = 0         # pixels copied host -> device (echoes add none)
 
     @property
     def device_id(self):
@@ -147,6 +148,7 @@ class CudaDevice(ArrayDevice):
     def _copy_in(self, dst, host):
         """Queue host -> device on our stream (``host`` is ring memory)."""
         host = np.ascontiguousarray(host)
+        self.h2d_bytes += host.nbytes
         with self.device:
             dst.set(self._host_source(host), stream=self.stream)
             if self._registered is None:

@@ -70,8 +70,17 @@ def cuda_available():
 
 
 def _cuda_device(device):
+    index = 0
+    if ":" in device:
+        try:
+            index = int(device.split(":", 1)[1])
+        except ValueError:
+            index = -1
+        if index < 0:
+            raise ValueError(f"device must be 'cuda' or 'cuda:N' with N a device number, got "
+                             f"{device!r}")
     try:
-        import cupy  # noqa: F401
+        import cupy
     except ImportError:
         raise RuntimeError(f"device={device!r} needs CuPy: pip install 'echo_native[gpu]' "
                            f"(CUDA 12) or 'echo_native[gpu13]' (CUDA 13), or use "
@@ -79,7 +88,10 @@ def _cuda_device(device):
     if not cuda_available():
         raise RuntimeError(f"device={device!r} but CuPy finds no usable CUDA device "
                            f"(cupy.is_available() is False); use device='cpu' or 'auto'")
-    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    count = cupy.cuda.runtime.getDeviceCount()
+    if index >= count:
+        raise ValueError(f"device={device!r} but CuPy sees {count} CUDA device(s): "
+                         f"use cuda:0 .. cuda:{count - 1}")
     from echo_native.cuda import CudaDevice
     return CudaDevice(index)
 
@@ -326,8 +338,11 @@ class BFloat16Array:
     def copy(self):
         return BFloat16Array(self.bits.copy(), self.device)
 
+    def _on_gpu(self):
+        return hasattr(self.bits, "__cuda_array_interface__")
+
     def __dlpack_device__(self):
-        if isinstance(self.bits, np.ndarray):
+        if not self._on_gpu():
             return (_dlpack.KDL_CPU, 0)
         return (_dlpack.KDL_CUDA, self.device.device_id if self.device else self.bits.device.id)
 
@@ -336,9 +351,12 @@ class BFloat16Array:
             raise BufferError(f"this bfloat16 batch lives on {self.__dlpack_device__()}, "
                               f"not {tuple(dl_device)}")
         bits = self.bits.copy() if copy else self.bits
-        if self.device is not None and not isinstance(bits, np.ndarray):
-            self.device.order_consumer(stream, self.event)
-        ptr = bits.ctypes.data if isinstance(bits, np.ndarray) else bits.data.ptr
+        if self._on_gpu():
+            if self.device is not None:
+                self.device.order_consumer(stream, self.event)
+            ptr = bits.data.ptr
+        else:
+            ptr = bits.ctypes.data
         kind, index = self.__dlpack_device__()
         # Legacy capsule: every consumer accepts it, whatever max_version it offers.
         return _dlpack.capsule(bits, ptr, bits.shape, [s // 2 for s in bits.strides], kind,

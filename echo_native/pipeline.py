@@ -204,12 +204,14 @@ class EchoRing:
             self._books.fresh += int(b.fresh.sum())
             self._books.fresh_batches += 1
             self._note_fill()
-            if self.device.host_resident:
-                images = b.images  # the slot itself; it goes back with the next batch
-            else:
+            if not self.device.host_resident:
+                # The slot goes back once its pixels are copied: keep what else it holds.
                 images = self.device.to_device(b.images, self._output("images", b.images.shape))
+                b = Batch(images, b.labels.copy(), b.sample_ids.copy(), b.fresh.copy(),
+                          b.echo_index, b.boxes.copy(), b.flips.copy(), b.epoch)
                 self.device.release_after_copies(loader.hand_off())
-            yield self._finish(images, b.labels, b.sample_ids, b.fresh, b.echo_index, b.boxes,
+            # else the batch is the slot itself; it goes back with the next batch.
+            yield self._finish(b.images, b.labels, b.sample_ids, b.fresh, b.echo_index, b.boxes,
                                b.flips, b.epoch)
 
     def _note_fill(self):

@@ -144,6 +144,9 @@ def test_resolve_devices():
             resolve("cuda")
     with pytest.raises(ValueError, match="device must be"):
         resolve("tpu")
+    for bad in ("cuda:x", "cuda:-1", "cuda:"):
+        with pytest.raises(ValueError, match="cuda:N"):
+            resolve(bad)
     dev = ArrayDevice(np)
     assert resolve(dev) is dev
 
@@ -199,6 +202,13 @@ class LateCopyDevice(ArrayDevice):
 
         def checked():
             self.released_early += not event.done
+            # As if a worker refilled the slot at once: whatever the pipeline still
+            # reads from it after this point is wrong.
+            ring, ticket = release.args
+            slot = ring.slots[ticket % ring.layout.nslots]
+            for field in (slot.pixels, slot.sample_ids, slot.labels, slot.boxes, slot.flip):
+                field[...] = 0
+            slot.status[...] = 1
             release()
         self.returns.add(event, checked)
 

@@ -64,23 +64,129 @@ def test_gpu_reaugmentation_matches_cpu(source):
         assert diff.max() <= 2 and diff.mean() < 0.3
 
 
-def test_slot_reuse_waits_for_copies_under_slow_consumer(source):
-    """A consumer stream kept busy never sees a batch overwritten by slot reuse."""
+_SPIN = r'''
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}'''
+
+
+def _spin():
     import cupy
-    spin = cupy.RawKernel(r'''
-    extern "C" __global__ void spin(long long cycles) {
-        long long t0 = clock64();
-        while (clock64() - t0 < cycles) {}
-    }''', "spin")
-    ref = _run(source, "cpu", echo=1, batch_size=8, image_size=32)
+    return cupy.RawKernel(_SPIN, "spin")
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_slot_reuse_waits_for_copies_under_slow_consumer(source, register):
+    """Two ring slots, copies from registered or staged memory, a consumer stream kept
+    busy: every batch still arrives with the bytes the CPU ring produced."""
+    import cupy
+    from echo_native.cuda import CudaDevice
+    spin = _spin()
+    kw = dict(batch_size=8, image_size=32, echo=1, workers=2, seed=7, slots=2)
+    ref = _run(source, "cpu", **kw)
+    dev = CudaDevice(0, register=register)
     sums = []
-    with en.EchoRing(source, batch_size=8, image_size=32, echo=1, workers=2, seed=7,
-                     device="cuda", slots=2) as ring:
+    with en.EchoRing(source, device=dev, **kw) as ring:
+        assert dev.registration == ("registered" if register else "pinned-staging")
         for b in ring:
             spin((1,), (1,), (np.int64(20_000_000),))  # ~10 ms on the consumer's stream
-            sums.append(int(b.images.astype(cupy.int64).sum()))
-    cupy.cuda.get_current_stream().synchronize()
+            sums.append(b.images.astype(cupy.int64).sum())
+        sums = [int(s) for s in sums]
     assert sums == [int(a.astype(np.int64).sum()) for a, _, _ in ref]
+
+
+@pytest.mark.parametrize("placement", ["before_augment", "after_augment", "batch"])
+def test_outputs_wait_for_a_slow_consumer_stream(source, placement):
+    """A torch consumer on its own stream, slowed down, reads each batch after the
+    pipeline has already produced the next one: it still reads the batch it was given
+    (the pipeline waits for the consumer's stream before reusing an output buffer)."""
+    torch = pytest.importorskip("torch")
+    kw = dict(batch_size=8, image_size=48, echo=2, placement=placement, workers=2, seed=3)
+    ref = _run(source, "cpu", **kw)
+    spin = _spin()
+    side = torch.cuda.Stream()
+    kept, prev = [], None
+    with en.EchoRing(source, device="cuda", **kw) as ring, torch.cuda.stream(side):
+        import cupy
+        with cupy.cuda.ExternalStream(side.cuda_stream):
+            for b in ring:
+                t = torch.from_dlpack(b.images)
+                spin((1,), (1,), (np.int64(5_000_000),))  # the consumer is slow ...
+                if prev is not None:
+                    kept.append(prev.clone())  # ... and reads the previous batch late
+                prev = t
+            kept.append(prev.clone())
+    side.synchronize()
+    assert len(kept) == len(ref)
+    for got, (want, _, _) in zip(kept, ref):
+        diff = np.abs(got.cpu().numpy().astype(int) - want)
+        assert diff.max() <= (2 if placement == "before_augment" else 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_gpu_normalisation_matches_cpu(source, dtype, layout):
+    """Normalisation fused on the GPU gives the CPU backend's values (one rounding
+    there, two here: within one unit in the last place of the output type)."""
+    import cupy
+    kw = dict(batch_size=8, image_size=40, echo=2, placement="after_augment", workers=2,
+              seed=5, normalize=True, layout=layout, dtype=dtype)
+
+    def values(device):
+        out = []
+        with en.EchoRing(source, device=device, **kw) as ring:
+            for b in ring:
+                x = b.images.to_float32() if dtype == "bfloat16" else b.images
+                out.append(np.asarray(cupy.asnumpy(x) if device != "cpu" else x, np.float32))
+        return out
+
+    rtol = {"float32": 1e-6, "float16": 2**-10, "bfloat16": 2**-7}[dtype]
+    for a, b in zip(values("cpu"), values("cuda"), strict=True):
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=1e-6)
+
+
+def test_bfloat16_batches_reach_torch_and_jax_on_the_gpu(source):
+    """bfloat16 batches leave by DLPack as bfloat16, on the GPU, without a copy."""
+    torch = pytest.importorskip("torch")
+    with en.EchoRing(source, batch_size=8, image_size=32, echo=2, workers=1, device="cuda",
+                     normalize=True, dtype="bfloat16", layout="NCHW") as ring:
+        b = next(iter(ring))
+        t = torch.from_dlpack(b.images)
+        assert t.dtype == torch.bfloat16 and t.is_cuda
+        assert t.data_ptr() == b.images.bits.data.ptr
+        np.testing.assert_array_equal(t.float().cpu().numpy(),
+                                      b.images.to_float32().get())
+        try:
+            import jax
+            import jax.numpy as jnp
+        except ImportError:
+            return
+        j = jax.dlpack.from_dlpack(b.images)
+        assert j.dtype == jnp.bfloat16 and j.shape == b.images.shape
+        np.testing.assert_array_equal(np.asarray(j.astype(jnp.float32)),
+                                      t.float().cpu().numpy())
+
+
+def test_echo_buffer_out_of_memory_says_what_to_do(source):
+    """An echo buffer larger than the GPU: MemoryError with the size and a smaller setting."""
+    import cupy
+    free = cupy.cuda.Device().mem_info[0]
+    per = 2 * 224 * 224 * 3
+    huge = int(free // per * 2) + 256
+    ring = en.EchoRing(source, batch_size=16, image_size=224, echo=2, workers=1,
+                       device="cuda", shuffle_buffer=huge)
+    with pytest.raises(MemoryError, match=r"GiB on cuda; try shuffle_buffer="):
+        ring.start()
+    ring.close()
+
+
+def test_cuda_device_numbers_are_checked():
+    """cuda:N beyond the devices present is refused by name."""
+    import cupy
+    n = cupy.cuda.runtime.getDeviceCount()
+    with pytest.raises(ValueError, match=f"sees {n} CUDA device"):
+        en.EchoRing(en.Samples(_jpegs(4), np.arange(4)), batch_size=2, device=f"cuda:{n}")
 
 
 def test_dlpack_interop_without_copy(source):
@@ -95,6 +201,12 @@ def test_dlpack_interop_without_copy(source):
         c = cupy.from_dlpack(b.images)
         assert c.data.ptr == b.images.data.ptr
         assert int(t.sum()) == int(b.images.astype(cupy.int64).sum())
+        try:
+            import jax
+        except ImportError:
+            return
+        j = jax.dlpack.from_dlpack(b.images)
+        np.testing.assert_array_equal(np.asarray(j), cupy.asnumpy(b.images))
 
 
 def test_no_device_memory_growth_over_epochs(source):
@@ -110,3 +222,18 @@ def test_no_device_memory_growth_over_epochs(source):
             cupy.cuda.Device().synchronize()
             used.append(pool.used_bytes())
     assert used[-1] <= used[1] * 1.05 + 2**20
+
+
+@pytest.mark.parametrize("placement", ["before_augment", "after_augment", "batch"])
+def test_echoes_add_no_host_to_device_traffic(source, placement):
+    """e=4 copies exactly the pixels e=2 copies: every fresh slot once, echoes none."""
+    from echo_native.cuda import CudaDevice
+    copied = {}
+    for e in (2, 4):
+        dev = CudaDevice(0)
+        with en.EchoRing(source, batch_size=8, image_size=40, echo=e, placement=placement,
+                         workers=2, seed=2, device=dev) as ring:
+            delivered = sum(len(b) for b in ring)
+        copied[e] = dev.h2d_bytes
+        assert delivered >= (e - 0.5) * len(source)
+    assert copied[2] == copied[4] > 0
