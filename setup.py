@@ -4,6 +4,9 @@ Environment switches:
   ECHO_NATIVE_NATIVE=1    tune for this CPU (-march=native); default builds are portable.
   ECHO_NATIVE_DEBUG=1     Cython bounds checks on, -O1 -g, asserts kept (test builds).
   ECHO_NATIVE_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer (implies DEBUG).
+  ECHO_NATIVE_JPEG_DIR=D  build against D/include and D/lib/libjpeg.so (found there at run
+                          time too): for machines without libjpeg-turbo installed, see
+                          benchmarks/gpu_prepare.sh.
 """
 import os
 
@@ -42,12 +45,22 @@ directives = {
 }
 
 
+JPEG_DIR = os.environ.get("ECHO_NATIVE_JPEG_DIR")
+
+
 def ext(name, sources, libraries=()):
+    include_dirs = [os.path.dirname(sources[0]), numpy.get_include()]
+    library_dirs = []
+    if JPEG_DIR and "jpeg" in libraries:
+        include_dirs.append(os.path.join(JPEG_DIR, "include"))
+        library_dirs.append(os.path.join(JPEG_DIR, "lib"))
     return Extension(
         name,
         sources=sources,
-        include_dirs=[os.path.dirname(sources[0]), numpy.get_include()],
+        include_dirs=include_dirs,
         libraries=list(libraries),
+        library_dirs=library_dirs,
+        runtime_library_dirs=library_dirs,
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -1,13 +1,32 @@
 #!/usr/bin/env bash
-# One script for a lent GPU machine: build, run the GPU tests and the GPU benchmark.
-# Budget: under 5 minutes.  Results go to $OUT (the device tool's output folder) or /tmp.
+# One script for a lent GPU machine: install, GPU tests, GPU benchmark (under 5 minutes).
+#
+#   here:   bash benchmarks/gpu_prepare.sh          # packs .gpu/ (wheel + libjpeg)
+#   there:  device run  command="bash benchmarks/gpu_check.sh"  carry=[".gpu"]
+#
+# Results go to $OUT (the device tool's output folder) or /tmp.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"
-python3 -c "import cupy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"
-python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 \
-  || { echo "build failed (needs Cython, numpy and libjpeg headers)"; exit 1; }
-timeout 200 python3 -m pytest -q tests/test_gpu.py tests/test_device.py -p no:cacheprovider \
-  2>&1 | tee "$out/gpu_tests.txt" | tail -15
-timeout 200 python3 -m pytest -q -s benchmarks/test_gpu_bench.py -p no:cacheprovider \
-  --benchmark-json="$out/gpu_bench.json" 2>&1 | tee "$out/gpu_bench.txt" | tail -30
+export PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys, cupy, torch; print(sys.version.split()[0], 'cupy', cupy.__version__,
+              'torch', torch.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"
+} 2>&1 | tee "$out/env.txt"
+
+# The compiled core, next to the sources (python -m pytest imports this folder's package):
+# from the wheel gpu_prepare.sh built, else built here against the carried libjpeg.
+python3 - <<'EOF' || ECHO_NATIVE_JPEG_DIR="$PWD/.gpu/jpeg" python3 setup.py -q build_ext --inplace
+import glob, zipfile
+wheel = zipfile.ZipFile(glob.glob(".gpu/echo_native-*-cp3*.whl")[0])
+wheel.extractall(".", [m for m in wheel.namelist()
+                       if m.endswith(".so") or m.startswith("echo_native.libs/")])
+EOF
+python3 -c "import echo_native._kernel, echo_native._dlpack, echo_native._ring" \
+  || { echo "the compiled core does not import"; exit 1; }
+
+timeout 220 python3 -m pytest -q -p no:cacheprovider -rs \
+  tests/test_gpu.py tests/test_cuda_kernels.py tests/test_device.py \
+  2>&1 | tee "$out/gpu_tests.txt" | tail -25
+timeout 240 python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_bench.py \
+  --benchmark-json="$out/gpu_bench.json" 2>&1 | tee "$out/gpu_bench.txt" | tail -40
