@@ -8,6 +8,7 @@ Pipeline order, one module per stage:
   loader   the consumer end: ordered zero-copy batches, supervision, cleanup
   echo     data echoing: echo counts, the shuffle buffer, auto echo factor
   device   where echoes are made (CPU: NumPy + native resampler)
+  cuda     the same on a GPU: CuPy, copy stream, events, kernels.cu
   pipeline EchoRing, the feeder that wires all of the above
 """
 from echo_native.decode import (
@@ -22,6 +23,7 @@ from echo_native.decode import (
     random_resized_crop_params,
     resize_crop,
 )
+from echo_native.device import BFloat16Array
 from echo_native.errors import DecodeError
 from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError
 from echo_native.pipeline import EchoRing
@@ -31,6 +33,7 @@ from echo_native.workers import CenterCrop, RandomResizedCrop
 __version__ = "0.1.0"
 
 __all__ = [
+    "BFloat16Array",
     "Batch",
     "CenterCrop",
     "FileList",

@@ -138,7 +138,7 @@ def test_gpu_normalisation_matches_cpu(source, dtype, layout):
         with en.EchoRing(source, device=device, **kw) as ring:
             for b in ring:
                 x = b.images.to_float32() if dtype == "bfloat16" else b.images
-                out.append(np.asarray(cupy.asnumpy(x) if device != "cpu" else x, np.float32))
+                out.append(np.array(cupy.asnumpy(x) if device != "cpu" else x, np.float32))
         return out
 
     rtol = {"float32": 1e-6, "float16": 2**-10, "bfloat16": 2**-7}[dtype]
