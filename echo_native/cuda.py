@@ -27,6 +27,8 @@ import numpy as np
 from echo_native.device import ArrayDevice, BFloat16Array, SlotReturns, output_dtype
 
 THREADS = 256
+#: cudaHostRegisterPortable: the pinning is seen by every CUDA context.
+HOST_REGISTER_PORTABLE = 1
 
 
 def kernel_source():
@@ -81,6 +83,7 @@ class CudaDevice(ArrayDevice):
             self._normalize = module.get_function("normalize")
         self.register = bool(register)
         self.registration = "none"
+        self.registration_error = None  # why the system refused to page-lock the ring
         self._registered = None    # pointer of the registered ring mapping
         self._staging = None       # pinned buffer when not registered
         self._staged = None        # event: the staging buffer's last copy is done
@@ -102,12 +105,13 @@ class CudaDevice(ArrayDevice):
         buf = np.frombuffer(ring.buf, np.uint8)
         try:
             with self.device:
-                rt.hostRegister(buf.ctypes.data, buf.nbytes, rt.hostRegisterPortable)
+                rt.hostRegister(buf.ctypes.data, buf.nbytes, HOST_REGISTER_PORTABLE)
             self._registered = buf.ctypes.data
             self.registration = "registered"
-        except rt.CUDARuntimeError:
-            # Some kernels and containers refuse to pin shared memory: stage instead.
+        except rt.CUDARuntimeError as e:
+            # Some kernels and sandboxes refuse to pin shared memory: stage instead.
             self.registration = "pinned-staging"
+            self.registration_error = str(e)
 
     def detach(self):
         """Before the ring goes away: finish every copy out of it, then unpin it."""
@@ -120,8 +124,7 @@ class CudaDevice(ArrayDevice):
     def release_after_copies(self, release):
         # The event follows every copy queued so far on our stream, so it
         # covers all copies out of this slot.
-        with self.device:
-            self._returns.add(self.stream.record(), release)
+        self._returns.add(self._mark(), release)
 
     def drain(self):
         self._returns.drain()
@@ -152,7 +155,7 @@ class CudaDevice(ArrayDevice):
         with self.device:
             dst.set(self._host_source(host), stream=self.stream)
             if self._registered is None:
-                self._staged = self.stream.record()
+                self._staged = self._mark()
 
     # -- array operations on our stream ---------------------------------------------------
     def empty(self, shape, dtype):
@@ -213,6 +216,14 @@ class CudaDevice(ArrayDevice):
                 cp.asarray(np.asarray(flips, np.uint8)), np.int32(oh), np.int32(ow), out))
 
     # -- ordering against the consumer ----------------------------------------------------
+    def _mark(self, stream=None):
+        """An event after the work queued so far on ``stream`` (a handle; ours by default)."""
+        event = self.cupy.cuda.Event(disable_timing=True)
+        with self.device:
+            self.cupy.cuda.runtime.eventRecord(
+                event.ptr, self.stream.ptr if stream is None else stream)
+        return event
+
     def _consumer_streams(self):
         """Streams a consumer may be using our batches on right now."""
         cp = self.cupy
@@ -225,18 +236,17 @@ class CudaDevice(ArrayDevice):
     def reuse(self, array):
         """Before our stream overwrites an output buffer: wait for the work the
         consumer has queued so far (which includes any reading of it)."""
-        cp = self.cupy
         with self.device:
             for handle in self._consumer_streams():
                 if handle != self.stream.ptr:
-                    self.stream.wait_event(cp.cuda.ExternalStream(handle).record())
+                    self.stream.wait_event(self._mark(handle))
         return array
 
     def ready(self, batch):
         """Order the consumer's current stream after everything we queued, and
         give back the slots whose copies have finished."""
+        done = self._mark()
         with self.device:
-            done = self.stream.record()
             self.cupy.cuda.get_current_stream().wait_event(done)
         # A stream that imported a batch matters while that batch is valid
         # (until the batch after next); forget it then: it may be destroyed.
