@@ -34,13 +34,14 @@ echo "   built in $(( $(date +%s) - t0 ))s"
 libasan=$(gcc -print-file-name=libasan.so)
 libubsan=$(gcc -print-file-name=libubsan.so)
 [ -e "$libasan" ] && [ -e "$libubsan" ] || { echo "no libasan/libubsan from gcc" >&2; exit 2; }
-for so in "$tree"/echo_native/_kernel*.so "$tree"/echo_native/_ring*.so; do
+for so in "$tree"/echo_native/_kernel*.so "$tree"/echo_native/_ring*.so \
+          "$tree"/echo_native/_dlpack*.so; do
   grep -q "__asan_init" "$so" || { echo "$so is not an ASan build" >&2; exit 2; }
 done
 
 if [ $# -eq 0 ]; then
   set -- tests/test_decode.py tests/test_hostile.py tests/test_fuzz.py tests/test_ring.py \
-         tests/test_bad_api.py \
+         tests/test_bad_api.py tests/test_device.py \
          tests/test_hostile_corpus.py -x -q -p no:cacheprovider
 fi
 
@@ -55,8 +56,9 @@ export PYTHONFAULTHANDLER=1 PYTHONDONTWRITEBYTECODE=1 PYTHONMALLOC=malloc
 cd "$tree"
 "$py" - <<'PY'
 import echo_native, echo_native._kernel as k, echo_native._ring as r, os, sys
+import echo_native._dlpack as d
 root = os.environ["PYTHONPATH"]
-for m in (echo_native, k, r):
+for m in (echo_native, k, r, d):
     print("   using", m.__file__)
     assert m.__file__.startswith(root), f"{m.__name__} is not the ASan build: {m.__file__}"
 PY
