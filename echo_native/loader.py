@@ -38,11 +38,12 @@ class SampleFailureWarning(UserWarning):
 class Batch:
     """One batch.
 
-    Straight from the ring (echo=1), the arrays are views of the slot until the
-    next batch is requested or :meth:`release` is called.  From the echo stage
-    they live in one of two alternating output buffers, valid until the batch
-    after next.  Either way ``copy()`` what you keep longer.  NumPy arrays
-    export DLPack: ``torch.from_dlpack(batch.images)`` shares the memory.
+    Straight from the ring (echo=1 on the CPU), the arrays are views of the
+    slot until the next batch is requested or :meth:`release` is called.
+    From :class:`EchoRing` otherwise (echoing, normalising, on a GPU), images
+    live in one of two alternating output buffers, valid until the batch after
+    next.  Either way ``copy()`` what you keep longer.  The arrays export
+    DLPack: ``torch.from_dlpack(batch.images)`` shares the memory.
     """
 
     images: np.ndarray       # (B, H, W, 3) uint8
