@@ -93,6 +93,17 @@ def test_h2d_bandwidth(benchmark):
           f"({staged / peak:.0%}); pageable {paged:.1f} (target: >= 80% of peak)")
 
 
+def _canvases(n, h=300, w=400):
+    """An echo buffer on the GPU holding ``n`` random h x w canvases."""
+    import cupy
+    from echo_native.echo import ExampleBuffer
+    buf = ExampleBuffer(n, h * w * 3, cupy)
+    buf.pixels[...] = cupy.random.randint(0, 256, buf.pixels.shape, dtype=cupy.uint8)
+    buf.shape[:] = (h, w)
+    cupy.cuda.Device().synchronize()  # written on the default stream, read on ours
+    return buf
+
+
 @pytest.mark.benchmark(group="gpu")
 def test_gpu_reaugmentation_rate(benchmark):
     """Images/s of the crop_resize kernel: 256 RandomResizedCrops (+ flips) of 300x400
@@ -131,6 +142,7 @@ def test_gpu_normalisation_rate(benchmark, dtype):
     dev = CudaDevice(0)
     x = cupy.random.randint(0, 256, (256, 224, 224, 3), dtype=cupy.uint8)
     out = cupy.empty((256, 3, 224, 224), storage_dtype(dtype))
+    cupy.cuda.Device().synchronize()
 
     def run():
         for _ in range(20):

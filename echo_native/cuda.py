@@ -4,8 +4,8 @@ Everything array-shaped is inherited from :class:`echo_native.device.ArrayDevice
 running on CuPy.  What is here cannot be written against an array module:
 
 - the ring's shared memory is page-locked for the GPU (``cudaHostRegister``),
-  or, where registration is refused, each slot is staged through one pinned
-  buffer;
+  or, where registration is refused, each slot is staged through one of two
+  pinned buffers;
 - host-to-device copies run asynchronously on a dedicated stream; an event
   recorded after the copies out of a slot decides when the slot goes back to
   the workers (FFCV's slot/stream/event pattern), so the host never waits for
@@ -84,9 +84,11 @@ class CudaDevice(ArrayDevice):
         self.register = bool(register)
         self.registration = "none"
         self.registration_error = None  # why the system refused to page-lock the ring
+        self._ring = None          # the ring served (one at a time)
         self._registered = None    # pointer of the registered ring mapping
-        self._staging = None       # pinned buffer when not registered
-        self._staged = None        # event: the staging buffer's last copy is done
+        self._staging = [None, None]  # pinned buffers when not registered ...
+        self._staged = [None, None]   # ... and events: their last copy is done
+        self._turn = 0
         self._returns = SlotReturns()  # slots whose copies may still be in flight
         self._consumers = {}       # stream handle -> batches left, from our __dlpack__
         self.h2d_bytes = 0         # pixels copied host -> device (echoes add none)
@@ -98,6 +100,10 @@ class CudaDevice(ArrayDevice):
     # -- ring memory ---------------------------------------------------------------------------
     def attach(self, ring):
         """Page-lock the ring mapping so copies out of slots are true async DMA."""
+        if self._ring is not None:
+            raise RuntimeError("this CudaDevice already serves a running ring: give each "
+                               "EchoRing its own device")
+        self._ring = ring.name
         if not self.register:
             self.registration = "pinned-staging"
             return
@@ -116,35 +122,41 @@ class CudaDevice(ArrayDevice):
     def detach(self):
         """Before the ring goes away: finish every copy out of it, then unpin it."""
         self.drain()
+        self._ring = None
         if self._registered is not None:
             with self.device:
                 self.cupy.cuda.runtime.hostUnregister(self._registered)
             self._registered = None
 
     def release_after_copies(self, release):
+        if self._registered is None:
+            release()  # staged: the slot was already copied, by the CPU
+            return
         # The event follows every copy queued so far on our stream, so it
         # covers all copies out of this slot.
         self._returns.add(self._mark(), release)
 
     def drain(self):
         self._returns.drain()
-        if self._staged is not None:
-            self._staged.synchronize()
-            self._staged = None
+        for event in self._staged:
+            if event is not None:
+                event.synchronize()
+        self._staged = [None, None]
 
     def _host_source(self, host):
-        """A host array the copy engine can read asynchronously."""
+        """A host array the copy engine can read asynchronously: the ring itself
+        when registered, else the next of two pinned buffers (the host waits only
+        for the copy before last out of it)."""
         if self._registered is not None:
             return host
         import cupyx
-        if self._staging is None or self._staging.nbytes < host.nbytes:
-            if self._staged is not None:
-                self._staged.synchronize()
-            self._staging = cupyx.empty_pinned(host.nbytes, dtype=np.uint8)
-        elif self._staged is not None:
-            # The previous copy out of the staging buffer must be done.
-            self._staged.synchronize()
-        view = self._staging[:host.nbytes].view(host.dtype).reshape(host.shape)
+        self._turn ^= 1
+        turn = self._turn
+        if self._staged[turn] is not None:
+            self._staged[turn].synchronize()
+        if self._staging[turn] is None or self._staging[turn].nbytes < host.nbytes:
+            self._staging[turn] = cupyx.empty_pinned(host.nbytes, dtype=np.uint8)
+        view = self._staging[turn][:host.nbytes].view(host.dtype).reshape(host.shape)
         view[...] = host
         return view
 
@@ -155,7 +167,7 @@ class CudaDevice(ArrayDevice):
         with self.device:
             dst.set(self._host_source(host), stream=self.stream)
             if self._registered is None:
-                self._staged = self._mark()
+                self._staged[self._turn] = self._mark()
 
     # -- array operations on our stream ---------------------------------------------------
     def empty(self, shape, dtype):
@@ -217,9 +229,11 @@ class CudaDevice(ArrayDevice):
 
     # -- ordering against the consumer ----------------------------------------------------
     def _mark(self, stream=None):
-        """An event after the work queued so far on ``stream`` (a handle; ours by default)."""
-        event = self.cupy.cuda.Event(disable_timing=True)
+        """An event after the work queued so far on ``stream`` (a handle; ours by default).
+
+        Blocking-sync events: a host that waits for one sleeps instead of spinning."""
         with self.device:
+            event = self.cupy.cuda.Event(block=True, disable_timing=True)
             self.cupy.cuda.runtime.eventRecord(
                 event.ptr, self.stream.ptr if stream is None else stream)
         return event
@@ -258,6 +272,12 @@ class CudaDevice(ArrayDevice):
             batch.images.event = done
         self._returns.poll()
         return batch
+
+    def copy_out(self, array):
+        """A copy of an output array, and the event after which it is complete."""
+        with self.device, self.stream:
+            copy = array.copy()
+        return copy, self._mark()
 
     def order_consumer(self, stream, event):
         """DLPack: stream ``stream`` (a handle, None for the legacy default stream,

@@ -154,6 +154,10 @@ class ArrayDevice:
     def order_consumer(self, stream, event):
         """DLPack export on ``stream``: make it wait for the batch (no-op on the host)."""
 
+    def copy_out(self, array):
+        """A copy of an output array, and the event after which it is complete."""
+        return array.copy(), None
+
     # -- moving pixels -------------------------------------------------------------------
     def empty(self, shape, dtype):
         return self.xp.empty(shape, dtype=dtype)
@@ -336,7 +340,12 @@ class BFloat16Array:
         return (self.bits.astype(np.uint32) << 16).view(np.float32)
 
     def copy(self):
-        return BFloat16Array(self.bits.copy(), self.device)
+        if self.device is None:
+            return BFloat16Array(self.bits.copy())
+        bits, event = self.device.copy_out(self.bits)
+        out = BFloat16Array(bits, self.device)
+        out.event = event
+        return out
 
     def _on_gpu(self):
         return hasattr(self.bits, "__cuda_array_interface__")
@@ -350,10 +359,11 @@ class BFloat16Array:
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
             raise BufferError(f"this bfloat16 batch lives on {self.__dlpack_device__()}, "
                               f"not {tuple(dl_device)}")
-        bits = self.bits.copy() if copy else self.bits
+        source = self.copy() if copy else self
+        bits = source.bits
         if self._on_gpu():
             if self.device is not None:
-                self.device.order_consumer(stream, self.event)
+                self.device.order_consumer(stream, source.event)
             ptr = bits.data.ptr
         else:
             ptr = bits.ctypes.data

@@ -52,14 +52,15 @@ def shuffle_rng(seed, epoch):
 class ExampleBuffer:
     """Fixed-capacity store of prepared examples with their remaining emissions.
 
-    Pixels live in ``pixels`` (an array of the device's module, one row of
-    ``entry_bytes`` per entry); bookkeeping stays in host NumPy arrays because
-    it is tiny and drives Python control flow.
+    Pixels live in ``pixels``, one row of ``entry_bytes`` per entry, allocated
+    by ``xp.empty`` (an array module, or a device backend, which allocates on
+    its own GPU and stream); bookkeeping stays in host NumPy arrays because it
+    is tiny and drives Python control flow.
     """
 
     def __init__(self, capacity, entry_bytes, xp=np):
         self.capacity = int(capacity)
-        self.pixels = xp.empty((self.capacity, int(entry_bytes)), dtype=xp.uint8)
+        self.pixels = xp.empty((self.capacity, int(entry_bytes)), np.uint8)
         c = self.capacity
         self.sample_id = np.zeros(c, np.int64)
         self.label = np.zeros(c, np.int64)

@@ -169,8 +169,10 @@ class Loader:
             self._ring.unlink()
             self._ring = None
             raise
-        # Runs on close(), garbage collection and interpreter exit alike.
-        self._finalizer = weakref.finalize(self, _shutdown, self._ring, self._pool)
+        # Runs on close(), garbage collection and interpreter exit alike; stages
+        # that hold on to the ring's memory let go of it first.
+        self._finalizer = weakref.finalize(self, _shutdown, self._ring, self._pool,
+                                           list(self._watchers))
         self._pool.start()
         self._stats.started = time.perf_counter()
         for opened, _ in self._watchers:
@@ -180,9 +182,6 @@ class Loader:
     def close(self):
         """Stop the workers and remove the shared memory.  Idempotent."""
         self._held = None
-        if self._ring is not None:
-            for _, closing in self._watchers:
-                closing()
         if self._finalizer is not None:
             self._finalizer()
         self._ring = self._pool = None
@@ -191,9 +190,9 @@ class Loader:
         """Call ``opened(ring)`` whenever a ring is created (a seek makes a new one)
         and ``closing()`` before it is removed: for stages that hold on to its
         memory, such as a GPU backend that page-locks it."""
-        self._watchers.append((opened, closing))
         if self._ring is not None:
-            opened(self._ring)
+            raise RuntimeError("watch_ring must be called before the loader starts")
+        self._watchers.append((opened, closing))
 
     def seek(self, ticket):
         """Continue from ``ticket`` (a batch number counted from epoch 0).
@@ -330,11 +329,8 @@ class Loader:
         function does nothing once the ring it belongs to is gone."""
         ticket, ring = self._held, self._ring
         self._held = None
-        return functools.partial(self._release_in, ring, ticket)
-
-    def _release_in(self, ring, ticket):
-        if ticket is not None and ring is not None and ring is self._ring:
-            ring.release(ticket)
+        # A weak reference: a stage holding the function must not keep the loader alive.
+        return functools.partial(_release_in, weakref.ref(self), ring, ticket)
 
     def _release_held(self):
         if self._held is not None and self._ring is not None:
@@ -439,8 +435,21 @@ def _check_state(owner, state):
                              f"{key}={mine}; the fresh stream would not continue exactly")
 
 
-def _shutdown(ring, pool):
+def _release_in(loader_ref, ring, ticket):
+    loader = loader_ref()
+    if loader is not None and ticket is not None and ring is not None and ring is loader._ring:
+        ring.release(ticket)
+
+
+def _shutdown(ring, pool, watchers=()):
     try:
-        pool.close()
+        for _, closing in watchers:
+            try:
+                closing()
+            except Exception as e:  # at interpreter exit CUDA may be gone already
+                warnings.warn(f"releasing the ring's memory failed: {e!r}", RuntimeWarning)
     finally:
-        ring.unlink()
+        try:
+            pool.close()
+        finally:
+            ring.unlink()

@@ -126,10 +126,9 @@ class EchoRing:
     def start(self):
         self.loader.start()
         if self._buffer is None and not self.passthrough and self.placement != "batch":
-            xp = self.device.xp
             try:
                 self._buffer = ExampleBuffer(self.shuffle_buffer,
-                                             self.loader.plan.transform.sample_bytes, xp)
+                                             self.loader.plan.transform.sample_bytes, self.device)
             except MemoryError:
                 size = buffer_bytes(self.shuffle_buffer, self.loader.plan.transform.sample_bytes)
                 raise MemoryError(f"echo buffer of {self.shuffle_buffer} examples needs {size} "

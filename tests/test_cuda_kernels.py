@@ -235,9 +235,10 @@ def _nvrtc():
     """libnvrtc from the nvidia-cuda-nvrtc wheel (a test dependency on Linux) or the system."""
     candidates = []
     try:
-        import nvidia.cuda_nvrtc
-        for d in nvidia.cuda_nvrtc.__path__:
-            candidates += sorted(glob.glob(os.path.join(d, "lib", "libnvrtc.so*")))
+        import nvidia  # namespace of NVIDIA's wheels: cuda_nvrtc/lib (12), cu13/lib (13)
+        for d in nvidia.__path__:
+            candidates += sorted(glob.glob(os.path.join(d, "**", "libnvrtc.so*"),
+                                           recursive=True))
     except ImportError:
         pass
     found = ctypes.util.find_library("nvrtc")

@@ -1,5 +1,7 @@
 """The array-module backend (the code the CUDA backend runs on CuPy), exercised on NumPy."""
 
+import os
+
 import echo_helpers
 import numpy as np
 import pytest
@@ -204,7 +206,7 @@ class LateCopyDevice(ArrayDevice):
             self.released_early += not event.done
             # As if a worker refilled the slot at once: whatever the pipeline still
             # reads from it after this point is wrong.
-            ring, ticket = release.args
+            _, ring, ticket = release.args
             slot = ring.slots[ticket % ring.layout.nslots]
             for field in (slot.pixels, slot.sample_ids, slot.labels, slot.boxes, slot.flip):
                 field[...] = 0
@@ -361,3 +363,20 @@ def test_bfloat16_capsules_own_their_memory():
     assert c.data_ptr() != bits.ctypes.data and torch.equal(c, torch.from_dlpack(a))
     with pytest.raises(TypeError, match="uint16"):
         BFloat16Array(np.zeros(3, np.float32))
+
+
+def test_a_ring_dropped_without_close_still_detaches_the_device():
+    """Garbage collection runs the same clean-up as close(): the device lets go of the
+    ring's memory (a GPU backend unpins it) before the segment is removed."""
+    import gc
+    src = en.Samples(_jpegs(16), np.arange(16) % 3)
+    dev = LateCopyDevice()
+    ring = en.EchoRing(src, batch_size=8, image_size=32, echo=2, workers=1, seed=1,
+                       device=dev, worker_mode="thread")
+    next(iter(ring))
+    name = ring.loader.ring_name
+    del ring
+    gc.collect()
+    assert dev.rings == [("attach", name), ("detach", None)]
+    assert len(dev.returns) == 0
+    assert not any(name.lstrip("/") in f for f in os.listdir("/dev/shm"))
