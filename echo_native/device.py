@@ -339,6 +339,20 @@ class BFloat16Array:
         """The values as float32 (exact: bfloat16 is float32's upper half), same array module."""
         return (self.bits.astype(np.uint32) << 16).view(np.float32)
 
+    def __array__(self, dtype=None, copy=None):
+        # NumPy has no bfloat16 of its own: never let it make an object array.
+        if self._on_gpu():
+            raise TypeError("a bfloat16 batch on the GPU does not convert to NumPy "
+                            "implicitly: use .to_float32().get() or .bits.get()")
+        if dtype is not None:
+            return self.to_float32().astype(dtype, copy=False)
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("NumPy has no bfloat16 type: use .to_float32(), .bits (uint16), "
+                            "np.asarray(a, np.float32), or install ml_dtypes") from None
+        return self.bits.view(ml_dtypes.bfloat16)
+
     def copy(self):
         if self.device is None:
             return BFloat16Array(self.bits.copy())

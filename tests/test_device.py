@@ -365,6 +365,20 @@ def test_bfloat16_capsules_own_their_memory():
         BFloat16Array(np.zeros(3, np.float32))
 
 
+def test_bfloat16_to_numpy_never_makes_an_object_array():
+    """np.asarray with a dtype converts exactly; without one it is bfloat16 (ml_dtypes)
+    or a clear TypeError, not an array of Python objects."""
+    a = BFloat16Array(bfloat16_bits(np.array([1.5, -2.25, 3.0e-3], np.float32)))
+    np.testing.assert_array_equal(np.asarray(a, np.float32), a.to_float32())
+    try:
+        import ml_dtypes
+    except ImportError:
+        with pytest.raises(TypeError, match="NumPy has no bfloat16"):
+            np.asarray(a)
+    else:
+        assert np.asarray(a).dtype == ml_dtypes.bfloat16
+
+
 def test_a_ring_dropped_without_close_still_detaches_the_device():
     """Garbage collection runs the same clean-up as close(): the device lets go of the
     ring's memory (a GPU backend unpins it) before the segment is removed."""
