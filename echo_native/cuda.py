@@ -104,6 +104,7 @@ class CudaDevice(ArrayDevice):
             raise RuntimeError("this CudaDevice already serves a running ring: give each "
                                "EchoRing its own device")
         self._ring = ring.name
+        self.registration, self.registration_error = "none", None
         if not self.register:
             self.registration = "pinned-staging"
             return
@@ -119,14 +120,18 @@ class CudaDevice(ArrayDevice):
             self.registration = "pinned-staging"
             self.registration_error = str(e)
 
-    def detach(self):
+    def detach(self, ring=None):
         """Before the ring goes away: finish every copy out of it, then unpin it."""
-        self.drain()
-        self._ring = None
-        if self._registered is not None:
-            with self.device:
-                self.cupy.cuda.runtime.hostUnregister(self._registered)
-            self._registered = None
+        if ring is not None and ring.name != self._ring:
+            return  # not ours (a start that this device refused)
+        try:
+            self.drain()
+        finally:
+            self._ring = None
+            ptr, self._registered = self._registered, None
+            if ptr is not None:
+                with self.device:
+                    self.cupy.cuda.runtime.hostUnregister(ptr)
 
     def release_after_copies(self, release):
         if self._registered is None:
@@ -273,11 +278,15 @@ class CudaDevice(ArrayDevice):
         self._returns.poll()
         return batch
 
-    def copy_out(self, array):
-        """A copy of an output array, and the event after which it is complete."""
-        with self.device, self.stream:
+    def copy_out(self, array, after=None):
+        """A copy made on the consumer's current stream (so that it may use it at once),
+        after event ``after``; and the event after which the copy is complete."""
+        with self.device:
+            current = self.cupy.cuda.get_current_stream()
+            if after is not None:
+                current.wait_event(after)
             copy = array.copy()
-        return copy, self._mark()
+        return copy, self._mark(current.ptr)
 
     def order_consumer(self, stream, event):
         """DLPack: stream ``stream`` (a handle, None for the legacy default stream,

@@ -131,8 +131,8 @@ class ArrayDevice:
     def attach(self, ring):
         """Called whenever the loader has created its ring (start, and after a seek)."""
 
-    def detach(self):
-        """Called before the ring goes away: nothing may still be reading it."""
+    def detach(self, ring=None):
+        """Called before ``ring`` goes away: nothing may still be reading it."""
         self.drain()
 
     def release_after_copies(self, release):
@@ -154,8 +154,9 @@ class ArrayDevice:
     def order_consumer(self, stream, event):
         """DLPack export on ``stream``: make it wait for the batch (no-op on the host)."""
 
-    def copy_out(self, array):
-        """A copy of an output array, and the event after which it is complete."""
+    def copy_out(self, array, after=None):
+        """A copy of an output array (made after event ``after``), and the event after
+        which the copy is complete."""
         return array.copy(), None
 
     # -- moving pixels -------------------------------------------------------------------
@@ -345,18 +346,21 @@ class BFloat16Array:
             raise TypeError("a bfloat16 batch on the GPU does not convert to NumPy "
                             "implicitly: use .to_float32().get() or .bits.get()")
         if dtype is not None:
+            if copy is False:
+                raise ValueError("bfloat16 -> another dtype needs a copy")
             return self.to_float32().astype(dtype, copy=False)
         try:
             import ml_dtypes
         except ImportError:
             raise TypeError("NumPy has no bfloat16 type: use .to_float32(), .bits (uint16), "
                             "np.asarray(a, np.float32), or install ml_dtypes") from None
-        return self.bits.view(ml_dtypes.bfloat16)
+        view = self.bits.view(ml_dtypes.bfloat16)
+        return view.copy() if copy else view
 
     def copy(self):
         if self.device is None:
             return BFloat16Array(self.bits.copy())
-        bits, event = self.device.copy_out(self.bits)
+        bits, event = self.device.copy_out(self.bits, self.event)
         out = BFloat16Array(bits, self.device)
         out.event = event
         return out

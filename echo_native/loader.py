@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -161,35 +162,41 @@ class Loader:
         if self._ring is not None:
             return self
         shape = getattr(self.plan.transform, "sample_bytes")
-        self._ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket)
+        ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket)
+        pool, opened = None, []
         try:
-            self._pool = WorkerPool(self._ring, self.plan, self.source, self.workers,
-                                    self._worker_mode, self._start_method)
-        except BaseException:  # e.g. an unknown start_method: do not leak the segment
-            self._ring.unlink()
-            self._ring = None
+            pool = WorkerPool(ring, self.plan, self.source, self.workers, self._worker_mode,
+                              self._start_method)
+            # Stages that hold on to the ring's memory (a GPU backend pins it)
+            # take it before any worker writes; one that refuses stops the start.
+            for watcher in self._watchers:
+                watcher[0](ring)
+                opened.append(watcher)
+            pool.start()
+        except BaseException:  # an unknown start_method, a refused device: leak nothing
+            _shutdown(ring, pool, opened)
             raise
-        # Runs on close(), garbage collection and interpreter exit alike; stages
-        # that hold on to the ring's memory let go of it first.
-        self._finalizer = weakref.finalize(self, _shutdown, self._ring, self._pool,
-                                           list(self._watchers))
-        self._pool.start()
+        self._ring, self._pool = ring, pool
+        # Runs on close(), garbage collection and interpreter exit alike; the
+        # stages that took the ring let go of it first.
+        self._finalizer = weakref.finalize(self, _shutdown, ring, pool, opened)
         self._stats.started = time.perf_counter()
-        for opened, _ in self._watchers:
-            opened(self._ring)
         return self
 
     def close(self):
         """Stop the workers and remove the shared memory.  Idempotent."""
         self._held = None
-        if self._finalizer is not None:
-            self._finalizer()
-        self._ring = self._pool = None
+        try:
+            if self._finalizer is not None:
+                self._finalizer()
+        finally:
+            self._ring = self._pool = None
 
     def watch_ring(self, opened, closing):
         """Call ``opened(ring)`` whenever a ring is created (a seek makes a new one)
-        and ``closing()`` before it is removed: for stages that hold on to its
-        memory, such as a GPU backend that page-locks it."""
+        and ``closing(ring)`` before it is removed: for stages that hold on to its
+        memory, such as a GPU backend that page-locks it.  ``closing`` runs only
+        for a ring ``opened`` accepted."""
         if self._ring is not None:
             raise RuntimeError("watch_ring must be called before the loader starts")
         self._watchers.append((opened, closing))
@@ -442,14 +449,22 @@ def _release_in(loader_ref, ring, ticket):
 
 
 def _shutdown(ring, pool, watchers=()):
-    try:
-        for _, closing in watchers:
-            try:
-                closing()
-            except Exception as e:  # at interpreter exit CUDA may be gone already
-                warnings.warn(f"releasing the ring's memory failed: {e!r}", RuntimeWarning)
-    finally:
+    """Let the watchers go, stop the workers, remove the segment: all of it even if a
+    step fails; the first failure is raised afterwards (not at interpreter exit,
+    where CUDA may already be gone)."""
+    error = None
+    for _, closing in watchers:
         try:
+            closing(ring)
+        except Exception as e:
+            error = error or e
+    try:
+        if pool is not None:
             pool.close()
-        finally:
-            ring.unlink()
+    finally:
+        ring.unlink()
+    if error is not None:
+        if sys.is_finalizing():
+            warnings.warn(f"releasing the ring's memory failed: {error!r}", RuntimeWarning)
+        else:
+            raise error

@@ -130,6 +130,7 @@ class EchoRing:
                 self._buffer = ExampleBuffer(self.shuffle_buffer,
                                              self.loader.plan.transform.sample_bytes, self.device)
             except MemoryError:
+                self.close()  # the workers are running already: stop them
                 size = buffer_bytes(self.shuffle_buffer, self.loader.plan.transform.sample_bytes)
                 raise MemoryError(f"echo buffer of {self.shuffle_buffer} examples needs {size} "
                                   f"on {self.device.name}; try shuffle_buffer="

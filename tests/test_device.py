@@ -195,9 +195,9 @@ class LateCopyDevice(ArrayDevice):
     def attach(self, ring):
         self.rings.append(("attach", ring.name))
 
-    def detach(self):
+    def detach(self, ring=None):
         self.drain()
-        self.rings.append(("detach", None))
+        self.rings.append(("detach", ring.name))
 
     def release_after_copies(self, release):
         event = _Event(self, self.queued)
@@ -307,8 +307,8 @@ def test_device_follows_the_ring_through_a_seek():
         second = ring.loader.ring_name
         assert sum(1 for _ in ring) == len(ring)
     assert first != second
-    assert dev.rings == [("attach", first), ("detach", None), ("attach", second),
-                         ("detach", None)]
+    assert dev.rings == [("attach", first), ("detach", first), ("attach", second),
+                         ("detach", second)]
     assert len(dev.returns) == 0
 
 
@@ -391,6 +391,60 @@ def test_a_ring_dropped_without_close_still_detaches_the_device():
     name = ring.loader.ring_name
     del ring
     gc.collect()
-    assert dev.rings == [("attach", name), ("detach", None)]
+    assert dev.rings == [("attach", name), ("detach", name)]
     assert len(dev.returns) == 0
     assert not any(name.lstrip("/") in f for f in os.listdir("/dev/shm"))
+
+
+class OneRingDevice(LateCopyDevice):
+    """Serves one ring at a time and refuses a second, as the CUDA backend does."""
+
+    serving = None
+
+    def attach(self, ring):
+        if self.serving is not None:
+            raise RuntimeError("already serves a running ring")
+        self.serving = ring.name
+        super().attach(ring)
+
+    def detach(self, ring=None):
+        if ring.name == self.serving:
+            self.serving = None
+            super().detach(ring)
+
+
+def _segments():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("echo_native-")}
+
+
+def test_a_refused_start_leaks_nothing_and_leaves_the_other_ring_alone():
+    """A device that refuses a second ring stops that start: no workers, no segment, and
+    the ring it does serve keeps running with its memory held."""
+    src = en.Samples(_jpegs(24), np.arange(24) % 3)
+    kw = dict(batch_size=8, image_size=32, echo=2, workers=1, seed=1)
+    dev = OneRingDevice()
+    before = _segments()
+    with en.EchoRing(src, device=dev, **kw) as first:
+        it = iter(first)
+        next(it)
+        second = en.EchoRing(src, device=dev, **kw)
+        with pytest.raises(RuntimeError, match="already serves"):
+            second.start()
+        assert second.loader.ring is None and second.loader.worker_pids() == []
+        assert _segments() - before == {first.loader.ring_name.lstrip("/")}
+        assert dev.rings == [("attach", first.loader.ring_name)]
+        assert sum(1 for _ in it) == len(first) - 1
+    assert _segments() == before
+    assert [r[0] for r in dev.rings] == ["attach", "detach"]
+
+
+def test_echo_buffer_too_large_stops_the_workers_and_says_what_to_do():
+    """An echo buffer that cannot be allocated: MemoryError with the size and a smaller
+    setting, and the ring started for it is gone."""
+    src = en.Samples(_jpegs(16), np.arange(16) % 3)
+    before = _segments()
+    ring = en.EchoRing(src, batch_size=8, image_size=224, echo=2, workers=1,
+                       shuffle_buffer=2**40)
+    with pytest.raises(MemoryError, match=r"needs .* GiB on cpu; try shuffle_buffer="):
+        ring.start()
+    assert ring.loader.ring is None and _segments() == before

@@ -130,9 +130,11 @@ def test_outputs_wait_for_a_slow_consumer_stream(source, placement):
         assert diff.max() <= (2 if placement == "before_augment" else 0)
 
 
-def test_consumer_never_sees_a_batch_before_it_is_complete(source):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_consumer_never_sees_a_batch_before_it_is_complete(source, dtype):
     """The pipeline's stream is slowed down before every normalisation; a torch consumer
-    on its own stream reads each batch at once: it still reads the finished batch."""
+    on its own stream reads each batch at once (and, for bfloat16, a copy made on the
+    current stream): it still reads the finished batch."""
     torch = pytest.importorskip("torch")
     from echo_native.cuda import CudaDevice
     spin = _spin()
@@ -144,18 +146,44 @@ def test_consumer_never_sees_a_batch_before_it_is_complete(source):
             return super().normalize(images, mean, std, layout, out)
 
     kw = dict(batch_size=8, image_size=32, echo=2, placement="after_augment", workers=2,
-              seed=6, normalize=True)
+              seed=6, normalize=True, dtype=dtype)
     with en.EchoRing(source, device="cpu", **kw) as ring:
-        ref = [np.array(b.images) for b in ring]
+        ref = [np.array(b.images, np.float32) for b in ring]
     side = torch.cuda.Stream()
-    got = []
+    got, copies = [], []
     with en.EchoRing(source, device=SlowDevice(0), **kw) as ring, torch.cuda.stream(side):
         for b in ring:
-            got.append(torch.from_dlpack(b.images).clone())
+            got.append(torch.from_dlpack(b.images).float())
+            if dtype == "bfloat16":
+                copies.append(b.images.copy().to_float32().get())
     side.synchronize()
     assert len(got) == len(ref)
+    rtol = 1e-6 if dtype == "float32" else 2**-7
     for g, r in zip(got, ref):
-        np.testing.assert_allclose(g.cpu().numpy(), r, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(g.cpu().numpy(), r, rtol=rtol, atol=1e-6)
+    for c, r in zip(copies, ref):
+        np.testing.assert_allclose(c, r, rtol=rtol, atol=1e-6)
+
+
+def test_refused_registration_falls_back_to_staging(source, monkeypatch):
+    """Where the system refuses to page-lock the ring, batches go through the pinned
+    staging buffers, say why, and are still byte-exact."""
+    import cupy
+    from echo_native.cuda import CudaDevice
+    rt = cupy.cuda.runtime
+
+    def refuse(*args):
+        raise rt.CUDARuntimeError(801)  # cudaErrorNotSupported
+    monkeypatch.setattr(rt, "hostRegister", refuse)
+    kw = dict(batch_size=8, image_size=32, echo=2, placement="after_augment", workers=2,
+              seed=8, slots=2)
+    ref = _run(source, "cpu", **kw)
+    dev = CudaDevice(0)
+    got = _run(source, dev, **kw)
+    assert dev.registration == "pinned-staging" and dev.registration_error
+    for (a, ia, _), (b, ib, _) in zip(ref, got, strict=True):
+        np.testing.assert_array_equal(ia, ib)
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
