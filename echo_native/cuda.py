@@ -97,6 +97,13 @@ class CudaDevice(ArrayDevice):
     def device_id(self):
         return self.index
 
+    def describe(self):
+        how = {"registered": "ring memory page-locked",
+               "pinned-staging": "staged through pinned buffers"}.get(self.registration,
+                                                                       "not attached")
+        why = f" ({self.registration_error})" if self.registration_error else ""
+        return f"cuda:{self.index}, {how}{why}"
+
     # -- ring memory ---------------------------------------------------------------------------
     def attach(self, ring):
         """Page-lock the ring mapping so copies out of slots are true async DMA."""

@@ -127,6 +127,10 @@ class ArrayDevice:
     host_resident = False
     device_id = 0
 
+    def describe(self):
+        """One line for stats(): the backend and how fresh batches reach it."""
+        return self.name
+
     # -- life cycle hooks (CUDA registers ring memory, orders streams) --------------
     def attach(self, ring):
         """Called whenever the loader has created its ring (start, and after a seek)."""

@@ -524,6 +524,7 @@ class EchoRing:
             "buffer_fill": (len(self._buffer) / self._buffer.capacity) if self._buffer else 0.0,
             "failures": low["failures"],
             "worker_restarts": low["worker_restarts"],
+            "device": self.device.describe(),
         }
 
 

@@ -448,3 +448,13 @@ def test_echo_buffer_too_large_stops_the_workers_and_says_what_to_do():
     with pytest.raises(MemoryError, match=r"needs .* GiB on cpu; try shuffle_buffer="):
         ring.start()
     assert ring.loader.ring is None and _segments() == before
+
+
+def test_stats_name_the_backend():
+    """stats() says which backend made the batches."""
+    src = en.Samples(_jpegs(16), np.arange(16) % 3)
+    for device, name in (("cpu", "cpu"), (ArrayDevice(np), "array")):
+        with en.EchoRing(src, batch_size=8, image_size=32, echo=2, workers=1,
+                         device=device, worker_mode="thread") as ring:
+            sum(1 for _ in ring)
+            assert ring.stats()["device"] == name
