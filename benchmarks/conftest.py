@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
+from bench_env import env_int
 
 SIZE = (224, 224)
 AUG_SEED = 1234         # augmentation seed: boxes and flips are a pure function of it
@@ -29,14 +30,6 @@ EPOCH = 0
 SCALE = (0.08, 1.0)
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
 FLIP_P = 0.5
-
-
-def _env_int(name, default):
-    value = os.environ.get(name, "")
-    try:
-        return int(value) if value else default
-    except ValueError:
-        raise pytest.UsageError(f"{name} must be an integer, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -86,7 +79,7 @@ def _corpus_files(n):
     from echo_native import corpus
 
     try:
-        root = corpus.default_corpus(n_images=n, seed=_env_int("ECHO_NATIVE_BENCH_SEED", 0))
+        root = corpus.default_corpus(n_images=n, seed=env_int("ECHO_NATIVE_BENCH_SEED", 0))
     except ImportError as e:
         pytest.skip(str(e))
     return root, corpus.corpus_files(root)
@@ -94,8 +87,8 @@ def _corpus_files(n):
 
 @pytest.fixture(scope="session")
 def workload() -> Workload:
-    n = _env_int("ECHO_NATIVE_BENCH_N", 300)
-    rounds = _env_int("ECHO_NATIVE_BENCH_ROUNDS", 10)
+    n = env_int("ECHO_NATIVE_BENCH_N", 300)
+    rounds = env_int("ECHO_NATIVE_BENCH_ROUNDS", 10)
     if n < 1 or rounds < 1:
         raise pytest.UsageError("ECHO_NATIVE_BENCH_N and ECHO_NATIVE_BENCH_ROUNDS must be >= 1")
     root, files = _corpus_files(n)

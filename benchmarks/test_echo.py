@@ -50,6 +50,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
+from bench_env import env_int
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PLACEMENTS = ("before_augment", "after_augment", "batch")
@@ -58,21 +59,13 @@ CASES = ([("bare", None, 1), ("ring", "any", 1)] +
 CONSUMERS = ("null", "step")
 
 
-def _env_int(name, default):
-    value = os.environ.get(name, "")
-    try:
-        return int(value) if value else default
-    except ValueError:
-        raise pytest.UsageError(f"{name} must be an integer, got {value!r}") from None
-
-
-N = _env_int("ECHO_NATIVE_ECHO_N", 1024)
-BATCH = _env_int("ECHO_NATIVE_ECHO_BATCH", 128)
-SIZE = _env_int("ECHO_NATIVE_ECHO_SIZE", 224)
-WORKERS = _env_int("ECHO_NATIVE_ECHO_WORKERS", 1)
-STEP_MS = _env_int("ECHO_NATIVE_ECHO_STEP_MS", 20)
-ROUNDS = _env_int("ECHO_NATIVE_ECHO_ROUNDS", 4)
-SEED = _env_int("ECHO_NATIVE_BENCH_SEED", 0)
+N = env_int("ECHO_NATIVE_ECHO_N", 1024)
+BATCH = env_int("ECHO_NATIVE_ECHO_BATCH", 128)
+SIZE = env_int("ECHO_NATIVE_ECHO_SIZE", 224)
+WORKERS = env_int("ECHO_NATIVE_ECHO_WORKERS", 1)
+STEP_MS = env_int("ECHO_NATIVE_ECHO_STEP_MS", 20)
+ROUNDS = env_int("ECHO_NATIVE_ECHO_ROUNDS", 4)
+SEED = env_int("ECHO_NATIVE_BENCH_SEED", 0)
 
 _rows = []
 

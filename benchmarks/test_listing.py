@@ -30,11 +30,12 @@ import tracemalloc
 
 import pytest
 
+from bench_env import env_int
 from echo_native.source import IMG_EXTENSIONS, ImageFolder
 
-N_FILES = int(os.environ.get("ECHO_NATIVE_LISTING_N", "200000"))
-N_CLASSES = int(os.environ.get("ECHO_NATIVE_LISTING_CLASSES", "1000"))
-ROUNDS = int(os.environ.get("ECHO_NATIVE_LISTING_ROUNDS", "5"))
+N_FILES = env_int("ECHO_NATIVE_LISTING_N", 200000)
+N_CLASSES = env_int("ECHO_NATIVE_LISTING_CLASSES", 1000)
+ROUNDS = env_int("ECHO_NATIVE_LISTING_ROUNDS", 5)
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
+from bench_env import env_int
 
 torch = pytest.importorskip("torch")
 
@@ -73,15 +74,10 @@ RESULTS = HERE / "results" / "pipeline.json"
 TORCH_LABEL = "torch DataLoader + torchvision-style Pillow transforms"
 
 
-def _env_int(name, default):
-    value = os.environ.get(name, "")
-    return int(value) if value else default
-
-
-BATCH = _env_int("ECHO_NATIVE_BENCH_BATCH", 64)
-ROUNDS = _env_int("ECHO_NATIVE_BENCH_PIPELINE_ROUNDS", 3)
-HANDOFF_ROUNDS = _env_int("ECHO_NATIVE_BENCH_HANDOFF_ROUNDS", 15)
-PAIRED_ROUNDS = _env_int("ECHO_NATIVE_BENCH_PAIRED_ROUNDS", 5)
+BATCH = env_int("ECHO_NATIVE_BENCH_BATCH", 64)
+ROUNDS = env_int("ECHO_NATIVE_BENCH_PIPELINE_ROUNDS", 3)
+HANDOFF_ROUNDS = env_int("ECHO_NATIVE_BENCH_HANDOFF_ROUNDS", 15)
+PAIRED_ROUNDS = env_int("ECHO_NATIVE_BENCH_PAIRED_ROUNDS", 5)
 
 _results: dict = {}
 

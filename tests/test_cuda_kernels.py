@@ -18,7 +18,7 @@ import pytest
 
 import echo_native as en
 from echo_native import cuda
-from echo_native.device import ArrayDevice, CpuDevice, bfloat16_bits
+from echo_native.device import ArrayDevice, CpuDevice, bfloat16_bits, output_dtype
 from echo_native.echo import ExampleBuffer
 
 HERE = os.path.dirname(__file__)
@@ -57,7 +57,7 @@ class HostKernels:
         n, h, w, _ = images.shape
         (gx,), (bx,) = cuda.normalize_launch(n * h * w)
         coef = cuda.normalize_coefficients(mean, std)
-        kind = cuda.NORMALIZE_KIND["bfloat16" if out.dtype == np.uint16 else out.dtype.name]
+        kind = cuda.NORMALIZE_KIND[output_dtype(out)]
         images = np.ascontiguousarray(images)
         self.lib.host_normalize(gx, bx, images.ctypes.data, n * h * w, h * w,
                                 int(layout == "NCHW"), coef.ctypes.data, kind, out.ctypes.data)
