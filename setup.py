@@ -76,7 +76,7 @@ EXTENSIONS = [
     ),
     ext("echo_native._ring", ["src/ring/_ring.pyx", "src/ring/en_ring.c"], ["rt"]),
     ext("echo_native._dlpack", ["src/dlpack/_dlpack.pyx"]),
-    ext("echo_native._bench", ["src/bench/_bench.pyx", "src/bench/roi_ceiling.c"], ["jpeg"]),
+    ext("echo_native.lab._bench", ["src/bench/_bench.pyx", "src/bench/roi_ceiling.c"], ["jpeg"]),
 ]
 
 setup(ext_modules=cythonize(EXTENSIONS, compiler_directives=directives,

@@ -76,7 +76,7 @@ def _corpus_files(n):
         if not files:
             raise pytest.UsageError(f"ECHO_NATIVE_BENCH_CORPUS={custom}: no JPEG files found")
         return root, files[:n]
-    from echo_native import corpus
+    from echo_native.lab import corpus
 
     try:
         root = corpus.default_corpus(n_images=n, seed=env_int("ECHO_NATIVE_BENCH_SEED", 0))

@@ -315,7 +315,7 @@ def main(argv=None):
                         "warm-up (off by default: a report, not a noisy assertion)")
     args = p.parse_args(argv)
 
-    from echo_native.corpus import build_corpus, default_cache_dir
+    from echo_native.lab.corpus import build_corpus, default_cache_dir
 
     cache = Path(args.cache) if args.cache else Path(default_cache_dir())
     root = build_corpus(cache / f"soak-{args.images}-s{args.seed}", n_images=args.images,

@@ -72,7 +72,7 @@ _rows = []
 
 @pytest.fixture(scope="module")
 def source():
-    from echo_native.corpus import default_corpus
+    from echo_native.lab.corpus import default_corpus
     src = en.ImageFolder(default_corpus(n_images=N, seed=SEED))
     assert len(src) >= N, f"corpus has {len(src)} images, wanted {N}"
     return src

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 import echo_native as en
-from echo_native.device import cuda_available
+from echo_native.backends import cuda_available
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
 
@@ -55,7 +55,7 @@ def test_h2d_bandwidth(benchmark):
     device's peak) and pageable memory."""
     import cupy
     import cupyx
-    from echo_native.cuda import CudaDevice
+    from echo_native.backends.cuda import CudaDevice
     from echo_native.ring import Ring
     shape = (256, 224 * 224 * 3)
     nbytes = shape[0] * shape[1]
@@ -109,7 +109,7 @@ def test_gpu_reaugmentation_rate(benchmark):
     """Images/s of the crop_resize kernel: 256 RandomResizedCrops (+ flips) of 300x400
     canvases to 224x224, as echoes draw them."""
     import cupy
-    from echo_native.cuda import CudaDevice
+    from echo_native.backends.cuda import CudaDevice
     dev = CudaDevice(0)
     buf = _canvases(1024)
     B = 256
@@ -137,8 +137,8 @@ def test_gpu_reaugmentation_rate(benchmark):
 def test_gpu_normalisation_rate(benchmark, dtype):
     """Images/s of the fused normalise kernel, 256x224x224x3 uint8 -> NCHW."""
     import cupy
-    from echo_native.cuda import CudaDevice
-    from echo_native.device import IMAGENET_MEAN, IMAGENET_STD, storage_dtype
+    from echo_native.backends.cuda import CudaDevice
+    from echo_native.output import IMAGENET_MEAN, IMAGENET_STD, storage_dtype
     dev = CudaDevice(0)
     x = cupy.random.randint(0, 256, (256, 224, 224, 3), dtype=cupy.uint8)
     out = cupy.empty((256, 3, 224, 224), storage_dtype(dtype))

@@ -27,7 +27,8 @@ import pytest
 from PIL import Image
 
 import echo_native as en
-from echo_native import _bench, _kernel
+from echo_native import _kernel
+from echo_native.lab import _bench
 
 PIL_VERSION = Image.__version__
 IS_PILLOW_SIMD = "post" in PIL_VERSION

@@ -89,7 +89,7 @@ def _files(workload):
         root = Path(custom).expanduser()
         files = sorted(p for p in root.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))
     else:
-        from echo_native import corpus
+        from echo_native.lab import corpus
 
         files = corpus.corpus_files(workload.root)
     return files[:workload.n]

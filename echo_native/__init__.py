@@ -23,12 +23,12 @@ from echo_native.decode import (
     random_resized_crop_params,
     resize_crop,
 )
-from echo_native.device import BFloat16Array
+from echo_native.output import BFloat16Array
 from echo_native.errors import DecodeError
 from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError
 from echo_native.pipeline import EchoRing
 from echo_native.source import FileList, ImageFolder, Samples, TarShards
-from echo_native.workers import CenterCrop, RandomResizedCrop
+from echo_native.transforms import CenterCrop, RandomResizedCrop
 
 __version__ = "0.1.0"
 

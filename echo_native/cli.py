@@ -75,7 +75,7 @@ def _run_ring(folder, args, echo, placement):
 
 
 def _run_torch(folder, args):
-    from echo_native.peers import torch_loader
+    from echo_native.lab.peers import torch_loader
 
     loader = torch_loader(folder, args.batch_size, args.workers, args.image_size, args.seed)
     step = args.step_ms / 1000.0
@@ -150,7 +150,7 @@ def _open_folder(root, batch_size=1):
 
 def _check_device(device):
     """Refuse a device that is not there (e.g. --device cuda without a GPU) in one line."""
-    from echo_native.device import resolve
+    from echo_native.backends import resolve
 
     try:
         resolve(device)
@@ -162,7 +162,7 @@ def cmd_bench(args):
     if args.dir:
         root = args.dir
     else:
-        from echo_native.corpus import default_corpus
+        from echo_native.lab.corpus import default_corpus
         print(f"building/using the built-in corpus of {args.images} images ...", file=sys.stderr)
         try:
             root = default_corpus(n_images=args.images)
@@ -256,7 +256,7 @@ def recommend(t_up, t_down, cap=4.0):
 
 
 def cmd_profile(args):
-    from echo_native.demo import measure_upstream
+    from echo_native.lab.demo import measure_upstream
 
     if args.step_ms is None and not args.model_fn:
         raise UsageError("give the consumer's step time: --step-ms T or --model-fn "
@@ -317,7 +317,7 @@ def cmd_make_dataset(args):
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"{args.out} exists and is not a folder")
     if args.kind == "fashion-mnist":
-        from echo_native.datasets import DatasetMissing, build_fashion_mnist
+        from echo_native.lab.datasets import DatasetMissing, build_fashion_mnist
 
         for name in ("limit_train", "limit_test"):
             v = getattr(args, name)
@@ -334,7 +334,7 @@ def cmd_make_dataset(args):
         print(f"Fashion-MNIST: {man['train']} train + {man['test']} test JPEGs in "
               f"{out}/train and {out}/test ({time.perf_counter() - t0:.1f} s)")
     else:
-        from echo_native.corpus import build_corpus
+        from echo_native.lab.corpus import build_corpus
 
         if args.images < 1:
             raise UsageError(f"--images must be >= 1, got {args.images}")
@@ -349,7 +349,7 @@ def cmd_make_dataset(args):
 
 # -- demo -----------------------------------------------------------------------------
 def cmd_demo(args):
-    from echo_native.demo import DemoConfig, run_demo
+    from echo_native.lab.demo import DemoConfig, run_demo
 
     try:
         import torch
@@ -380,7 +380,7 @@ def cmd_demo(args):
     if args.data:
         data = args.data
     else:
-        from echo_native.datasets import DatasetMissing, default_fashion_mnist
+        from echo_native.lab.datasets import DatasetMissing, default_fashion_mnist
 
         print("building/using the Fashion-MNIST JPEG tree in the cache ...", file=sys.stderr)
         try:

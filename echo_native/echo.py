@@ -2,7 +2,7 @@
 
 When reading + decoding cannot keep up with the accelerator, each fresh
 example is emitted e times instead of once.  This module holds the parts that
-decide *what* is emitted; :mod:`echo_native.device` decides *how* the pixels
+decide *what* is emitted; :mod:`echo_native.backends` decide *how* the pixels
 are produced (NumPy + native kernel on CPU, CuPy on GPU).
 
 - :func:`echo_counts`: floor(e) emissions per example plus one more with
@@ -236,3 +236,9 @@ class AutoEcho:
     def counts(self, rng, n):
         base = int(math.floor(self.value))
         return base + (rng.random(n) < self.value - base).astype(np.int32)
+
+
+def buffer_bytes(entries, entry_bytes):
+    """Human-readable size of an echo buffer, for error messages."""
+    n = entries * entry_bytes
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{math.ceil(n / 2**20)} MiB"

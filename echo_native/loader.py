@@ -24,7 +24,8 @@ import numpy as np
 
 from echo_native.errors import DecodeError
 from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, REASONS, Ring
-from echo_native.workers import ON_ERROR, Plan, RandomResizedCrop, WorkerPool
+from echo_native.transforms import RandomResizedCrop
+from echo_native.workers import ON_ERROR, Plan, WorkerPool
 
 
 class WorkerError(RuntimeError):

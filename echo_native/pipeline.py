@@ -11,13 +11,14 @@ import time
 import numpy as np
 
 from echo_native import _kernel
-from echo_native.device import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, LAYOUTS, BFloat16Array,
-                                buffer_bytes, resolve, storage_dtype)
-from echo_native.echo import (PLACEMENTS, AutoEcho, BatchWindow, ExampleBuffer, echo_counts,
-                              shuffle_rng)
+from echo_native.backends import resolve
+from echo_native.echo import (PLACEMENTS, AutoEcho, BatchWindow, ExampleBuffer, buffer_bytes,
+                              echo_counts, shuffle_rng)
+from echo_native.output import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, LAYOUTS, BFloat16Array,
+                                storage_dtype)
 from echo_native.loader import Batch, Loader
 from echo_native.ring import OK
-from echo_native.workers import Canvas, RandomResizedCrop, check_crop_args
+from echo_native.transforms import Canvas, RandomResizedCrop, check_crop_args
 
 
 class EchoRing:

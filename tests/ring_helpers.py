@@ -35,7 +35,7 @@ def make_corpus(root, n_images=48, seed=0, classes=3):
     """
     root = Path(root)
     try:
-        from echo_native.corpus import build_corpus
+        from echo_native.lab.corpus import build_corpus
     except ImportError:
         build_corpus = None
     if build_corpus is not None:

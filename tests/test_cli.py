@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from echo_native import cli, datasets
+from echo_native import cli
+from echo_native.lab import datasets
 from echo_native.cli import main, recommend
 
 HERE = Path(__file__).resolve().parent
@@ -173,7 +174,7 @@ def test_too_few_samples_for_batch(folder, capsys):
 
 
 def test_no_gpu_for_device_cuda(folder, capsys):
-    from echo_native.device import cuda_available
+    from echo_native.backends import cuda_available
     if cuda_available():
         pytest.skip("a CUDA device is available here: the error path cannot be reached")
     _error(capsys, ["bench", folder, "--no-peers", "--batch-size", "8", "--device", "cuda"],

@@ -1,4 +1,4 @@
-"""The CUDA kernels (echo_native/kernels.cu) checked without a GPU.
+"""The CUDA kernels (echo_native/backends/kernels.cu) checked without a GPU.
 
 Two independent routes: NVRTC, the compiler CuPy uses at run time, must
 accept the source for the GPUs we target; and the same source, built by the
@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from echo_native import cuda
-from echo_native.device import ArrayDevice, CpuDevice, bfloat16_bits, output_dtype
+from echo_native.backends import cuda
+from echo_native.backends.array import ArrayDevice
+from echo_native.backends.cpu import CpuDevice
+from echo_native.output import bfloat16_bits, output_dtype
 from echo_native.echo import ExampleBuffer
 
 HERE = os.path.dirname(__file__)
-PACKAGE = os.path.dirname(en.__file__)
+PACKAGE = os.path.join(os.path.dirname(en.__file__), "backends")
 u8p = np.ctypeslib.ndpointer(np.uint8, flags="C")
 
 

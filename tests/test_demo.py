@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("torch")
 
 import echo_native as en  # noqa: E402
-from echo_native import datasets  # noqa: E402
+from echo_native.lab import datasets  # noqa: E402
 from echo_native.cli import main  # noqa: E402
-from echo_native.demo import ThrottledSource, markdown_table, summarize  # noqa: E402
+from echo_native.lab.demo import ThrottledSource, markdown_table, summarize  # noqa: E402
 
 RUN_KEYS = {"echo", "placement", "seed", "reached", "fresh_to_target", "wall_to_target_s",
             "steps_to_target", "final_acc", "fresh", "steps", "wall_s", "effective_echo",

@@ -8,8 +8,10 @@ import pytest
 from PIL import Image
 
 import echo_native as en
-from echo_native.device import (ArrayDevice, BFloat16Array, CpuDevice, SlotReturns,
-                                bfloat16_bits, pillow_weights, resolve)
+from echo_native.backends import resolve
+from echo_native.backends.array import ArrayDevice, SlotReturns, pillow_weights
+from echo_native.backends.cpu import CpuDevice
+from echo_native.output import BFloat16Array, bfloat16_bits
 from echo_native.echo import ExampleBuffer
 
 
@@ -139,7 +141,7 @@ def test_echoring_on_array_backend_matches_cpu_backend(placement):
 def test_resolve_devices():
     """'cpu' and 'auto' (without CUDA) give the CPU backend; unknown names are refused."""
     assert resolve("cpu").name == "cpu"
-    from echo_native.device import cuda_available
+    from echo_native.backends import cuda_available
     if not cuda_available():
         assert resolve("auto").name == "cpu"
         with pytest.raises(RuntimeError, match="cpu"):

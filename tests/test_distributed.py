@@ -20,7 +20,8 @@ import pytest
 
 import echo_native as en
 from echo_native.loader import distributed_rank
-from echo_native.workers import Plan, RandomResizedCrop
+from echo_native.transforms import RandomResizedCrop
+from echo_native.workers import Plan
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

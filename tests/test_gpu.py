@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from echo_native.device import cuda_available
+from echo_native.backends import cuda_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
@@ -81,7 +81,7 @@ def test_slot_reuse_waits_for_copies_under_slow_consumer(source, register):
     """Two ring slots, copies from registered or staged memory, a consumer stream kept
     busy: every batch still arrives with the bytes the CPU ring produced."""
     import cupy
-    from echo_native.cuda import CudaDevice
+    from echo_native.backends.cuda import CudaDevice
     spin = _spin()
     kw = dict(batch_size=8, image_size=32, echo=1, workers=2, seed=7, slots=2)
     ref = _run(source, "cpu", **kw)
@@ -136,7 +136,7 @@ def test_consumer_never_sees_a_batch_before_it_is_complete(source, dtype):
     on its own stream reads each batch at once (and, for bfloat16, a copy made on the
     current stream): it still reads the finished batch."""
     torch = pytest.importorskip("torch")
-    from echo_native.cuda import CudaDevice
+    from echo_native.backends.cuda import CudaDevice
     spin = _spin()
 
     class SlowDevice(CudaDevice):
@@ -169,7 +169,7 @@ def test_refused_registration_falls_back_to_staging(source, monkeypatch):
     """Where the system refuses to page-lock the ring, batches go through the pinned
     staging buffers, say why, and are still byte-exact."""
     import cupy
-    from echo_native.cuda import CudaDevice
+    from echo_native.backends.cuda import CudaDevice
     rt = cupy.cuda.runtime
 
     def refuse(*args):
@@ -289,7 +289,7 @@ def test_no_device_memory_growth_over_epochs(source):
 @pytest.mark.parametrize("placement", ["before_augment", "after_augment", "batch"])
 def test_echoes_add_no_host_to_device_traffic(source, placement):
     """e=4 copies exactly the pixels e=2 copies: every fresh slot once, echoes none."""
-    from echo_native.cuda import CudaDevice
+    from echo_native.backends.cuda import CudaDevice
     copied = {}
     for e in (2, 4):
         dev = CudaDevice(0)

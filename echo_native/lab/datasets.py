@@ -136,7 +136,7 @@ def build_fashion_mnist(out, quality: int = 90, limit_train=None, limit_test=Non
 
 def default_fashion_mnist(quality: int = 90) -> Path:
     """The full JPEG tree, cached under the user's cache directory, built on first use."""
-    from echo_native.corpus import default_cache_dir
+    from echo_native.lab.corpus import default_cache_dir
 
     return build_fashion_mnist(default_cache_dir() / f"fashion-mnist-q{int(quality)}",
                                quality=quality)

@@ -1,6 +1,6 @@
 """The CUDA-only parts of the GPU backend, kept thin (CuPy).
 
-Everything array-shaped is inherited from :class:`echo_native.device.ArrayDevice`
+Everything array-shaped is inherited from :class:`echo_native.backends.array.ArrayDevice`
 running on CuPy.  What is here cannot be written against an array module:
 
 - the ring's shared memory is page-locked for the GPU (``cudaHostRegister``),
@@ -24,7 +24,8 @@ from importlib import resources
 
 import numpy as np
 
-from echo_native.device import ArrayDevice, BFloat16Array, SlotReturns, output_dtype
+from echo_native.backends.array import ArrayDevice, SlotReturns
+from echo_native.output import BFloat16Array, output_dtype
 
 THREADS = 256
 #: cudaHostRegisterPortable: the pinning is seen by every CUDA context.
@@ -33,7 +34,7 @@ HOST_REGISTER_PORTABLE = 1
 
 def kernel_source():
     """The CUDA C++ source of the backend's kernels."""
-    return resources.files("echo_native").joinpath("kernels.cu").read_text()
+    return resources.files("echo_native.backends").joinpath("kernels.cu").read_text()
 
 
 def crop_resize_launch(n, out_h, out_w):
