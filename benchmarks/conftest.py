@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from bench_env import env_int
+from benchenv import env_int
 
 SIZE = (224, 224)
 AUG_SEED = 1234         # augmentation seed: boxes and flips are a pure function of it

@@ -26,7 +26,8 @@ python3 -c "import echo_native._kernel, echo_native._dlpack, echo_native._ring" 
   || { echo "the compiled core does not import"; exit 1; }
 
 timeout 220 python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_gpu.py tests/test_cuda_kernels.py tests/test_device.py \
+  tests/test_gpu.py tests/test_cuda_kernels.py tests/test_backends.py tests/test_output.py \
+  tests/test_pipeline.py \
   2>&1 | tee "$out/gpu_tests.txt" | tail -25
-timeout 240 python3 -m pytest -q -s -p no:cacheprovider benchmarks/test_gpu_bench.py \
+timeout 240 python3 -m pytest -q -s -p no:cacheprovider benchmarks/bench_gpu.py \
   --benchmark-json="$out/gpu_bench.json" 2>&1 | tee "$out/gpu_bench.txt" | tail -40

@@ -1,6 +1,6 @@
 """Summarise a kernel benchmark run as a Markdown table of images/s and ratios.
 
-    python -m pytest benchmarks/test_kernel.py --benchmark-json=/tmp/kernel.json -q
+    python -m pytest benchmarks/bench_kernel.py --benchmark-json=/tmp/kernel.json -q
     python benchmarks/report.py /tmp/kernel.json
 
 Throughput is images per pass divided by the time of a pass (every benchmark

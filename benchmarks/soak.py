@@ -21,7 +21,7 @@ Prints a table, writes JSON (``--json``) and exits 1 when coverage fails,
 restarts differ from kills, or anything leaks; with ``--rss-bound-mib`` it
 also fails when RSS after warm-up grows by more than the bound.
 
-``tests/test_soak.py`` runs a short version of :func:`run_soak` in CI.
+``tests/robustness/test_soak.py`` runs a short version of :func:`run_soak` in CI.
 """
 from __future__ import annotations
 

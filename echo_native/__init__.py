@@ -1,17 +1,27 @@
 """echo_native: a fast image input pipeline with data echoing.
 
-Pipeline order, one module per stage:
-  source   where the bytes come from (ImageFolder, Samples)
-  decode   JPEG bytes -> augmented pixels (native kernel, libjpeg-turbo)
-  ring     shared-memory ring of batch slots (lock-free hand-off)
-  workers  processes/threads that fill slots, keyed so any of them can
-  loader   the consumer end: ordered zero-copy batches, supervision, cleanup
-  echo     data echoing: echo counts, the shuffle buffer, auto echo factor
-  device   where echoes are made (CPU: NumPy + native resampler)
-  cuda     the same on a GPU: CuPy, copy stream, events, kernels.cu
-  pipeline EchoRing, the feeder that wires all of the above
+Pipeline order, one module per stage (open them in this order to follow a
+batch from file bytes to the GPU):
+
+  source      where the bytes come from (ImageFolder, FileList, TarShards, Samples)
+  decode      bytes -> pixels: JPEG by the native kernel, other formats by Pillow
+  transforms  what each sample becomes: RandomResizedCrop, CenterCrop
+  ring        shared-memory ring of batch slots (layout and atomics in C)
+  workers     processes that fill slots; Plan and Shard say which samples
+  loader      the consumer end: ordered zero-copy batches, supervision, clean-up
+  echo        data echoing: Echo, echo counts, the shuffle buffer, auto echo
+  output      Output: normalisation, layout, dtype; BFloat16Array
+  backends    where echoes are made: NumPy on the CPU, CuPy on a GPU
+  pipeline    EchoRing, which wires the specs to all of the above
+
+The lab (benchmark corpus, peers, demo) is :mod:`echo_native.lab`; the library
+never imports it.
 """
+from echo_native.errors import DecodeError
+from echo_native.source import FileList, ImageFolder, Samples, TarShards
 from echo_native.decode import (
+    DecodeLimits,
+    Decoder,
     center_crop_box,
     decode,
     decode_canvas,
@@ -23,29 +33,34 @@ from echo_native.decode import (
     random_resized_crop_params,
     resize_crop,
 )
-from echo_native.output import BFloat16Array
-from echo_native.errors import DecodeError
-from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError
-from echo_native.pipeline import EchoRing
-from echo_native.source import FileList, ImageFolder, Samples, TarShards
 from echo_native.transforms import CenterCrop, RandomResizedCrop
+from echo_native.workers import Shard
+from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError
+from echo_native.echo import Echo
+from echo_native.output import BFloat16Array, Output
+from echo_native.pipeline import EchoRing
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BFloat16Array",
     "Batch",
     "CenterCrop",
+    "DecodeError",
+    "DecodeLimits",
+    "Decoder",
+    "Echo",
+    "EchoRing",
     "FileList",
     "ImageFolder",
     "Loader",
+    "Output",
     "RandomResizedCrop",
     "SampleFailureWarning",
     "Samples",
+    "Shard",
     "TarShards",
     "WorkerError",
-    "DecodeError",
-    "EchoRing",
     "__version__",
     "center_crop_box",
     "decode",

@@ -4,7 +4,39 @@ WAIT_OK: int
 WAIT_TIMEOUT: int
 WAIT_CLOSED: int
 
+MAGIC: int
+VERSION: int
+PAGE: int
+HEADER_BYTES: int
+MAX_WORKERS: int
+REPORT_BYTES: int
+CLAIM_PENDING: int
+NO_SAMPLE: int
+FAILURE_ALIGN: int
+FAILURE_CLIPPED: int
+ERR_NONE: int
+ERR_WORKER: int
+ERR_DECODE: int
+STATUS_OK: int
+STATUS_REPLACED: int
+STATUS_SKIPPED: int
+REASON_NONE: int
+REASON_DECODE: int
+REASON_READ: int
+REASON_LIMIT: int
+HEADER_STRUCT_BYTES: int
+SLOT_HEADER_BYTES: int
+FAILURE_HEADER_BYTES: int
+
+# name -> (offset, size, element width) of each field of the C struct
+HEADER_FIELDS: dict[str, tuple[int, int, int]]
+SLOT_FIELDS: dict[str, tuple[int, int, int]]
+FAILURE_FIELDS: dict[str, tuple[int, int, int]]
+
 def unlink(name: str) -> None: ...
+def seq_free(ticket: int) -> int: ...
+def seq_filled(ticket: int) -> int: ...
+def layout(nslots: int, batch: int, sample_bytes: int) -> dict[str, int]: ...
 
 class Segment:
     name: str
@@ -14,6 +46,11 @@ class Segment:
     def size(self) -> int: ...
     def unlink(self) -> None: ...
     def __buffer__(self, flags: int) -> memoryview: ...
+    def ring_init(self, nslots: int, batch: int, sample_bytes: int, first_ticket: int,
+                  owner_pid: int) -> dict[str, int]: ...
+    def ring_check(self) -> dict[str, int]: ...
+    def claim_load(self, worker: int) -> int: ...
+    def claim_store(self, worker: int, value: int) -> None: ...
     def ticket_take(self, offset: int) -> int: ...
     def load64(self, offset: int) -> int: ...
     def store64(self, offset: int, value: int) -> None: ...

@@ -1,15 +1,18 @@
-"""Stage 1 of the pipeline: JPEG (or other image) bytes to RGB pixels.
+"""Stage 1 of the pipeline: image bytes to RGB pixels.
 
-JPEG goes through the fused native kernel (libjpeg-turbo region-of-interest
-decode at a DCT scale, antialiased resize, flip, in one pass with the GIL
-released).  Everything else Pillow can open goes through Pillow, then through
-the same native resize, so crop/resize/flip semantics do not depend on the
-format.  Each thread gets its own :class:`~echo_native._kernel.Decoder`.
+:class:`Decoder` is the one place that decides how bytes become pixels: JPEG
+through the fused native kernel (libjpeg-turbo region-of-interest decode at a
+DCT scale, antialiased resize, flip, one header parse, GIL released), every
+other format Pillow can open through Pillow and then the same native resize,
+so crop/resize/flip semantics do not depend on the format.  The module-level
+functions use one :class:`Decoder` per thread.  :class:`DecodeLimits` says
+what a decode may cost and how strict it is.
 """
 from __future__ import annotations
 
 import io
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,20 +22,196 @@ from echo_native.errors import DecodeError
 DEFAULT_MAX_PIXELS = _kernel.DEFAULT_MAX_PIXELS
 DEFAULT_MAX_SCANS = _kernel.DEFAULT_MAX_SCANS
 
-_local = threading.local()
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What a decode may cost, and what it accepts.
+
+    Parameters
+    ----------
+    strict : bool, default True
+        Refuse JPEGs that libjpeg can only partly decode (truncated or corrupt
+        entropy data).  ``False`` accepts them: rows past a truncation come out
+        mid-grey and corrupt segments as libjpeg reconstructs them.
+    max_pixels : int, default 89,478,485 (Pillow's ``MAX_IMAGE_PIXELS``)
+        Decompression-bomb guard on the declared width x height, any format.
+    max_scans : int, default 256
+        Progressive JPEG scans allowed before the file is refused (a crafted
+        file can otherwise make the decoder loop over thousands of scans).
+    """
+
+    strict: bool = True
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_scans: int = DEFAULT_MAX_SCANS
+
+    def __post_init__(self):
+        if not isinstance(self.strict, (bool, np.bool_)):
+            raise TypeError(f"DecodeLimits: strict must be True or False, got {self.strict!r}")
+        for name in ("max_pixels", "max_scans"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"DecodeLimits: {name} must be a positive integer, got "
+                                 f"{value!r}")
+        if self.max_pixels >= 2**63:
+            raise ValueError(f"DecodeLimits: max_pixels must be below 2**63, got "
+                             f"{self.max_pixels}")
+        if self.max_scans >= 2**31:
+            raise ValueError(f"DecodeLimits: max_scans must be below 2**31, got "
+                             f"{self.max_scans}")
 
 
-def _decoder(max_pixels, max_scans, strict):
-    dec = getattr(_local, "decoder", None)
-    if dec is None:
-        dec = _local.decoder = _kernel.Decoder()
-    dec.set_limits(max_pixels, max_scans, strict)
-    return dec
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def is_jpeg(data) -> bool:
     """True when the bytes start with a JPEG SOI marker."""
     return len(data) >= 2 and data[0] == 0xFF and data[1] == 0xD8
+
+
+class Decoder:
+    """Bytes of any image format to pixels, with one set of :class:`DecodeLimits`.
+
+    Every method takes encoded bytes and hands them to the native kernel when
+    they are a JPEG, else to Pillow followed by the same native resampler.
+    Not thread-safe: one per thread (workers each own one).
+    """
+
+    def __init__(self, limits: DecodeLimits = DecodeLimits()):
+        self.kernel = _kernel.Decoder()
+        self._pillow = _PillowDecoder(self.kernel)
+        self.limits = None
+        self.set_limits(limits)
+
+    def set_limits(self, limits: DecodeLimits):
+        if limits != self.limits:
+            self.kernel.set_limits(limits.max_pixels, limits.max_scans, limits.strict)
+            self._pillow.max_pixels = limits.max_pixels
+            self.limits = limits
+
+    def _for(self, data):
+        # The only place that tells formats apart.
+        return self.kernel if is_jpeg(data) else self._pillow
+
+    def size(self, data):
+        """``(height, width)`` from the header, without decoding pixels."""
+        h, w, _, _ = self._for(data).info(data)
+        return h, w
+
+    def decode(self, data):
+        """The whole image, ``(H, W, 3)`` uint8 RGB."""
+        return self._for(data).decode(data)
+
+    def crop(self, data, box, size, flip=False, out=None):
+        """Box of the original resized to ``size`` (and flipped); returns the pixels."""
+        return self._for(data).decode_crop(data, box, size, flip, out)
+
+    def random_crop(self, data, size, key, scale, ratio, flip_p, out):
+        """RandomResizedCrop + flip drawn from ``key`` = (seed, epoch, sample id, echo
+        index), into ``out``; returns ``(box, flip)``."""
+        return self._for(data).decode_random_crop(data, size, *key, scale, ratio, flip_p, out)
+
+    def center_crop(self, data, resize_side, size, out=None):
+        """Resize(resize_side) + CenterCrop(size) into ``out``; returns the box."""
+        return self._for(data).decode_center_crop(data, resize_side, size, out)
+
+    def canvas(self, data, min_side, max_pixels=2**64 - 1, out=None):
+        """The canvas echoing before augmentation keeps (see ``_kernel.canvas_plan``):
+        ``(canvas, (scale_y, scale_x), (source_height, source_width))``."""
+        return self._for(data).decode_canvas(data, min_side, max_pixels, out)
+
+    def resize(self, image, box, size, flip=False, out=None):
+        """The same resampling for an ``(H, W, 3)`` image already in memory."""
+        return self.kernel.resize(image, box, size, flip, out)
+
+
+class _PillowDecoder:
+    """The kernel's decoding methods for every format that is not JPEG: Pillow
+    decodes, the native resampler crops and resizes (same arithmetic as JPEG)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.max_pixels = DEFAULT_MAX_PIXELS
+
+    def info(self, data):
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                return im.size[1], im.size[0], len(im.getbands()), False
+        except Exception as e:
+            raise _not_an_image(data, e) from None
+
+    def decode(self, data):
+        return _pillow_rgb(data, self.max_pixels)
+
+    def decode_crop(self, data, box, size, flip, out):
+        return self.kernel.resize(self.decode(data), box, size, flip, out)
+
+    def decode_random_crop(self, data, size, seed, epoch, sample_id, echo_index, scale, ratio,
+                           flip_p, out):
+        image = self.decode(data)
+        box, flip = _kernel.random_resized_crop_params(seed, epoch, sample_id, echo_index,
+                                                       image.shape[0], image.shape[1], scale,
+                                                       ratio, flip_p)
+        self.kernel.resize(image, box, size, flip, out)
+        return box, flip
+
+    def decode_center_crop(self, data, resize_side, size, out):
+        image = self.decode(data)
+        box = _kernel.center_crop_box(image.shape[0], image.shape[1], resize_side, size)
+        self.kernel.resize(image, box, size, False, out)
+        return box
+
+    def decode_canvas(self, data, min_side, max_pixels, out):
+        from PIL import Image
+
+        image = self.decode(data)
+        source = (int(image.shape[0]), int(image.shape[1]))
+        plan = _kernel.canvas_plan(*source, min_side, max_pixels)
+        if plan["denom"] > 1:  # Pillow's box reduction stands in for DCT scaling
+            image = np.asarray(Image.fromarray(image).reduce(plan["denom"]))
+        h, w = plan["shape"]
+        if out is None:
+            out = np.empty(h * w * 3, np.uint8)
+        flat = np.asarray(out)
+        # Same checks as the kernel: a non-contiguous array would be copied by
+        # reshape (the canvas would never reach `out`), another dtype cast.
+        if flat.dtype != np.uint8 or not flat.flags.c_contiguous or not flat.flags.writeable:
+            raise ValueError(f"out must be a writable contiguous uint8 buffer, got {flat.dtype} "
+                             f"contiguous={flat.flags.c_contiguous} "
+                             f"writeable={flat.flags.writeable}")
+        flat = flat.reshape(-1)
+        if flat.size < h * w * 3:
+            raise ValueError(f"canvas buffer holds {flat.size} bytes, a {h}x{w} canvas needs "
+                             f"{h * w * 3}")
+        canvas = flat[:h * w * 3].reshape(h, w, 3)
+        if (h, w) == plan["reduced"]:
+            canvas[...] = image
+        else:
+            self.kernel.resize(np.ascontiguousarray(image), (0, 0) + plan["reduced"], (h, w),
+                               False, canvas)
+        return canvas, plan["scale"], source
+
+
+def _not_an_image(data, e):
+    if len(data) == 0:
+        return DecodeError("empty input (0 bytes)")
+    return DecodeError(f"not a decodable image ({type(e).__name__}: {e})")
+
+
+_local = threading.local()
+
+
+def _decoder(strict=True, max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS):
+    """This thread's :class:`Decoder`, set to the given limits."""
+    limits = DecodeLimits(bool(strict), max_pixels, max_scans)
+    dec = getattr(_local, "decoder", None)
+    if dec is None:
+        dec = _local.decoder = Decoder(limits)
+    else:
+        dec.set_limits(limits)
+    return dec
 
 
 def _pillow_rgb(data, max_pixels):
@@ -51,9 +230,7 @@ def _pillow_rgb(data, max_pixels):
     except Image.DecompressionBombError as e:
         raise DecodeError(f"decompression bomb refused by Pillow: {e}") from None
     except Exception as e:  # Pillow raises many types for bad data
-        if len(data) == 0:
-            raise DecodeError("empty input (0 bytes)") from None
-        raise DecodeError(f"not a decodable image ({type(e).__name__}: {e})") from None
+        raise _not_an_image(data, e) from None
 
 
 def _as_bytes(data):
@@ -71,15 +248,9 @@ def decode(data, *, strict=True, max_pixels=DEFAULT_MAX_PIXELS,
            max_scans=DEFAULT_MAX_SCANS) -> np.ndarray:
     """Decode a whole image to an ``(H, W, 3)`` uint8 RGB array.
 
-    ``strict=True`` refuses JPEGs that libjpeg can only partly decode (truncated
-    or corrupt entropy data).  With ``strict=False`` such a file decodes: rows
-    past a truncation are filled with mid-grey (libjpeg's behaviour) and
-    corrupt segments come out as libjpeg reconstructs them.
+    ``strict``, ``max_pixels`` and ``max_scans`` are the :class:`DecodeLimits`.
     """
-    data = _as_bytes(data)
-    if is_jpeg(data):
-        return _decoder(max_pixels, max_scans, strict).decode(data)
-    return _pillow_rgb(data, max_pixels)
+    return _decoder(strict, max_pixels, max_scans).decode(_as_bytes(data))
 
 
 def decode_crop(data, box, size, flip=False, out=None, *, strict=True,
@@ -94,12 +265,8 @@ def decode_crop(data, box, size, flip=False, out=None, *, strict=True,
     shrinking).  Writes into ``out`` (an ``(h, w, 3)`` uint8 array with
     contiguous rows) when given and returns it.
     """
-    data = _as_bytes(data)
-    box = _box4(box)
-    dec = _decoder(max_pixels, max_scans, strict)
-    if is_jpeg(data):
-        return dec.decode_crop(data, box, size, flip, out)
-    return dec.resize(_pillow_rgb(data, max_pixels), box, size, flip, out)
+    return _decoder(strict, max_pixels, max_scans).crop(_as_bytes(data), _box4(box), size,
+                                                         flip, out)
 
 
 def decode_random_crop(data, size, seed, epoch, sample_id, echo_index=0, *,
@@ -112,40 +279,38 @@ def decode_random_crop(data, size, seed, epoch, sample_id, echo_index=0, *,
     Returns ``(image, box, flip)``.
     """
     data = _as_bytes(data)
-    dec = _decoder(max_pixels, max_scans, strict)
+    dec = _decoder(strict, max_pixels, max_scans)
     if out is None:
         out = np.empty((*_pair(size), 3), dtype=np.uint8)
-    if is_jpeg(data):
-        box, flip = dec.decode_random_crop(data, size, seed, epoch, sample_id, echo_index,
-                                           scale, ratio, flip_p, out)
-        return out, box, flip
-    image = _pillow_rgb(data, max_pixels)
-    box, flip = _kernel.random_resized_crop_params(seed, epoch, sample_id, echo_index,
-                                                   image.shape[0], image.shape[1], scale,
-                                                   ratio, flip_p)
-    return dec.resize(image, box, size, flip, out), box, flip
+    box, flip = dec.random_crop(data, size, (seed, epoch, sample_id, echo_index), scale, ratio,
+                                flip_p, out)
+    return out, box, flip
 
 
 def decode_center_crop(data, size, resize_size=None, out=None, *, strict=True,
                        max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS):
     """Evaluation transform: ``Resize(resize_size)`` then ``CenterCrop(size)``, fused.
 
-    ``resize_size`` defaults to ``round(size / 0.875)`` (256 for 224).  The two
-    torchvision steps become one resampling of the matching box of the
-    original, so there is one rounding instead of two.
+    ``size`` is an int (square) or ``(height, width)``; ``resize_size`` (the
+    shorter side after resizing) defaults to ``round(max(size) / 0.875)`` (256
+    for 224).  The two torchvision steps become one resampling of the matching
+    box of the original, so there is one rounding instead of two.
     """
-    side = _positive_int("size", size)
-    resize_side = int(round(side / 0.875)) if resize_size is None else \
+    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+        size = (_positive_int("size", size),) * 2
+    size = _pair(size)
+    resize_side = default_resize(size) if resize_size is None else \
         _positive_int("resize_size", resize_size)
     data = _as_bytes(data)
-    dec = _decoder(max_pixels, max_scans, strict)
-    if is_jpeg(data):
-        h, w, _, _ = dec.info(data)
-        box = _kernel.center_crop_box(h, w, resize_side, side)
-        return dec.decode_crop(data, box, (side, side), False, out)
-    image = _pillow_rgb(data, max_pixels)
-    box = _kernel.center_crop_box(image.shape[0], image.shape[1], resize_side, side)
-    return dec.resize(image, box, (side, side), False, out)
+    if out is None:
+        out = np.empty((*size, 3), dtype=np.uint8)
+    _decoder(strict, max_pixels, max_scans).center_crop(data, resize_side, size, out)
+    return out
+
+
+def default_resize(size):
+    """torchvision's evaluation convention: resize to ``size / 0.875`` (224 -> 256)."""
+    return int(round(max(size) / 0.875))
 
 
 def decode_canvas(data, min_side, out=None, *, strict=True, max_pixels=DEFAULT_MAX_PIXELS,
@@ -155,40 +320,14 @@ def decode_canvas(data, min_side, out=None, *, strict=True, max_pixels=DEFAULT_M
     This is what echoing before augmentation stores: a canvas from which every
     echo cuts its own random crop with :func:`resize_crop`.  ``out`` may be any
     large-enough writable uint8 buffer; returns ``(canvas, scale)`` where
-    ``canvas`` is an ``(h, w, 3)`` view of it and ``scale`` the DCT denominator
+    ``canvas`` is an ``(h, w, 3)`` view of it and ``scale`` the reduction factor
     (box coordinates on the canvas are the original's divided by ``scale``).
     Non-JPEG images are decoded by Pillow and reduced by the same rule.
     """
-    min_side = _positive_int("min_side", min_side)  # here so the Pillow path refuses it too
-    data = _as_bytes(data)
-    dec = _decoder(max_pixels, max_scans, strict)
-    if is_jpeg(data):
-        return dec.decode_canvas(data, min_side, out)
-    image = _pillow_rgb(data, max_pixels)
-    h, w = image.shape[:2]
-    d = 8
-    while d > 1 and (-(-h // d) < min_side or -(-w // d) < min_side):
-        d //= 2
-    if d > 1:
-        from PIL import Image
-        image = np.asarray(Image.fromarray(image).reduce(d))
-    if out is not None:
-        flat = np.asarray(out)
-        # Same checks as the JPEG path: a non-contiguous array would be copied
-        # by reshape (the canvas would never reach `out`), another dtype cast.
-        if (flat.dtype != np.uint8 or not flat.flags.c_contiguous
-                or not flat.flags.writeable):
-            raise ValueError("out must be a writable contiguous uint8 buffer, got "
-                             f"{flat.dtype} contiguous={flat.flags.c_contiguous} "
-                             f"writeable={flat.flags.writeable}")
-        flat = flat.reshape(-1)
-        if flat.size < image.size:
-            raise ValueError(f"canvas buffer holds {flat.size} bytes, a {image.shape[0]}x"
-                             f"{image.shape[1]} canvas needs {image.size}")
-        view = flat[: image.size].reshape(image.shape)
-        view[...] = image
-        image = view
-    return image, d
+    min_side = _positive_int("min_side", min_side)
+    canvas, (scale, _), _ = _decoder(strict, max_pixels, max_scans).canvas(
+        _as_bytes(data), min_side, out=out)
+    return canvas, int(scale)
 
 
 def resize_crop(image, box, size, flip=False, out=None) -> np.ndarray:
@@ -196,22 +335,12 @@ def resize_crop(image, box, size, flip=False, out=None) -> np.ndarray:
 
     The same resampling as :func:`decode_crop`, for canvases already in memory.
     """
-    return _decoder(DEFAULT_MAX_PIXELS, DEFAULT_MAX_SCANS, True).resize(
-        np.ascontiguousarray(image), _box4(box), size, flip, out)
+    return _decoder().resize(np.ascontiguousarray(image), _box4(box), size, flip, out)
 
 
 def image_size(data, *, max_pixels=DEFAULT_MAX_PIXELS) -> tuple[int, int]:
     """``(height, width)`` from the header, without decoding pixels."""
-    data = _as_bytes(data)
-    if is_jpeg(data):
-        h, w, _, _ = _decoder(max_pixels, DEFAULT_MAX_SCANS, True).info(data)
-        return h, w
-    from PIL import Image
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            return im.size[1], im.size[0]
-    except Exception as e:
-        raise DecodeError(f"not a decodable image ({type(e).__name__}: {e})") from None
+    return _decoder(max_pixels=max_pixels).size(_as_bytes(data))
 
 
 def _box4(box):

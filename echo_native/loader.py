@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from echo_native.decode import DecodeLimits
 from echo_native.errors import DecodeError
-from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, REASONS, Ring
-from echo_native.transforms import RandomResizedCrop
-from echo_native.workers import ON_ERROR, Plan, WorkerPool
+from echo_native.ring import ERR_DECODE, ERR_WORKER, MAX_WORKERS, OK, REASONS, Ring
+from echo_native.transforms import RandomResizedCrop, output_size
+from echo_native.workers import ON_ERROR, Plan, Shard, WorkerPool, distributed_rank  # noqa: F401
 
 
 class WorkerError(RuntimeError):
@@ -74,21 +75,8 @@ class Batch:
                      self.flips.copy(), self.epoch)
 
 
-def distributed_rank(rank=None, world_size=None):
-    """(rank, world_size): given explicitly, else from torchrun's RANK/WORLD_SIZE, else (0, 1)."""
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0")) if world_size > 1 else 0
-    rank, world_size = int(rank), int(world_size)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, "
-                         f"world_size={world_size}")
-    return rank, world_size
-
-
 def _is_int(x):
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _default_workers():
@@ -98,19 +86,99 @@ def _default_workers():
         return max(1, os.cpu_count() or 1)
 
 
+def fold_shorthands(owner, augment, decode, shard, shorthands):
+    """The ``augment``, ``decode`` and ``shard`` specs, with the flat keyword
+    shorthands of the public contract (``image_size``, ``scale``, ``ratio``,
+    ``flip_p``, ``strict``, ``rank``, ``world_size``) folded in.  A shorthand
+    given next to the spec it belongs to is an error: which one would win is
+    not obvious."""
+    crop_keys = {"image_size": "size", "scale": "scale", "ratio": "ratio", "flip_p": "flip_p"}
+    crop = {crop_keys[k]: shorthands.pop(k) for k in list(shorthands) if k in crop_keys}
+    if crop:
+        if augment is not None:
+            raise TypeError(f"{owner}: give either augment= or {', '.join(sorted(crop))}, "
+                            f"not both")
+        if "size" in crop:  # errors should name what the user wrote
+            crop["size"] = output_size(crop["size"], "image_size")
+        augment = RandomResizedCrop(**crop)
+    if augment is None:
+        augment = RandomResizedCrop()
+    if "strict" in shorthands:
+        strict = shorthands.pop("strict")
+        if decode is not None:
+            raise TypeError(f"{owner}: give either decode= or strict=, not both")
+        decode = DecodeLimits(strict=strict)
+    if decode is None:
+        decode = DecodeLimits()
+    if not isinstance(decode, DecodeLimits):
+        raise TypeError(f"{owner}: decode must be an echo_native.DecodeLimits, got {decode!r}")
+    ranks = {k: shorthands.pop(k) for k in ("rank", "world_size") if k in shorthands}
+    if ranks:
+        if shard is not None:
+            raise TypeError(f"{owner}: give either shard= or rank=/world_size=, not both")
+        shard = Shard(**ranks)
+    if shard is None:
+        shard = Shard()
+    if not isinstance(shard, Shard):
+        raise TypeError(f"{owner}: shard must be an echo_native.Shard, got {shard!r}")
+    return augment, decode, shard
+
+
 class Loader:
     """Batches of decoded, augmented images from a source, through shared memory.
 
     One iteration is one epoch (``len(loader)`` batches); iterate again for the
     next.  Batches come in a fixed order for a seed, whatever the worker count.
+    :class:`echo_native.EchoRing` adds echoing, normalisation and devices on top.
+
+    Parameters
+    ----------
+    source : ImageFolder, FileList, TarShards, Samples, or any object with ``len``,
+        ``labels``, ``read(i) -> bytes`` and ``describe(i)``.
+    batch_size : int
+        Samples per batch; the last batch of an epoch may be short (see ``drop_last``).
+    augment : RandomResizedCrop or CenterCrop, default RandomResizedCrop(224)
+        What each sample becomes, decoded and augmented by the workers.
+    workers : int, default: the CPUs this process may use
+        Worker processes (or threads) decoding in parallel, at most ``ring.MAX_WORKERS``.
+    seed : int, default 0
+        Shuffling and every augmentation are pure functions of it.
+    shuffle : bool, default True
+        Visit samples in a random order per epoch; False keeps the source's order.
+    drop_last : bool, default False
+        Drop the epoch's last batch when it is short.
+    on_error : {"replace", "skip", "raise"}, default "replace"
+        A sample that cannot be read or decoded is replaced by a deterministic other
+        sample (``fresh=False``), skipped (a shorter batch), or raised as ``DecodeError``;
+        every failure is counted in ``stats()["failures"]`` and reported with its path.
+    shard : Shard, default Shard() (torchrun's RANK/WORLD_SIZE)
+        This process's part of the data.
+    decode : DecodeLimits, default DecodeLimits()
+        Strictness and decompression-bomb limits.
+    slots : int, default max(4, 2 x workers)
+        Batch slots in the shared-memory ring.
+    timeout : float, default 120
+        Seconds to wait for one batch before raising ``TimeoutError``.
+    worker_mode : {"process", "thread"}, default "process"
+    start_method : str, optional
+        multiprocessing start method of worker processes (default "forkserver").
+
+    Shorthands: ``image_size=``, ``scale=``, ``ratio=``, ``flip_p=`` make the
+    ``RandomResizedCrop``; ``strict=`` the ``DecodeLimits``; ``rank=``,
+    ``world_size=`` the ``Shard``.
     """
 
-    def __init__(self, source, batch_size, transform=None, *, image_size=224, workers=None,
-                 slots=None, seed=0, shuffle=True, drop_last=False, on_error="replace",
-                 timeout=120.0, worker_mode="process", start_method=None, strict=True,
-                 rank=None, world_size=None):
+    def __init__(self, source, batch_size, *, augment=None, workers=None, seed=0, shuffle=True,
+                 drop_last=False, on_error="replace", shard=None, decode=None, slots=None,
+                 timeout=120.0, worker_mode="process", start_method=None, **shorthands):
+        augment, decode, shard = fold_shorthands("Loader", augment, decode, shard, shorthands)
+        if shorthands:
+            raise TypeError(f"Loader got unexpected keyword argument(s) "
+                            f"{', '.join(sorted(shorthands))}")
+        if not hasattr(augment, "apply") or not hasattr(augment, "sample_bytes"):
+            raise TypeError(f"augment must be an echo_native.RandomResizedCrop or CenterCrop, "
+                            f"got {augment!r}")
         n = len(source)
-        rank, world_size = distributed_rank(rank, world_size)
         if not _is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         if n == 0:
@@ -124,28 +192,29 @@ class Loader:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if not _is_int(seed) or not 0 <= seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+        if not isinstance(drop_last, (bool, np.bool_)):
+            raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
         if worker_mode not in ("process", "thread"):
             raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
-        if workers is not None and not _is_int(workers):
-            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        if workers is not None and (not _is_int(workers) or not 1 <= workers <= MAX_WORKERS):
+            raise ValueError(f"workers must be an integer from 1 to {MAX_WORKERS}, got "
+                             f"{workers!r}")
         if slots is not None and (not _is_int(slots) or slots < 2):
             raise ValueError(f"slots must be an integer >= 2, got {slots!r}")
         if start_method is not None and start_method not in mp.get_all_start_methods():
             raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got "
                              f"{start_method!r}")
-        if transform is None:
-            if int(image_size) <= 0:
-                raise ValueError(f"image_size must be positive, got {image_size}")
-            transform = RandomResizedCrop((int(image_size), int(image_size)))
+        rank, world_size, pad = shard.resolve(shuffle)
         self.source = source
-        self.workers = _default_workers() if workers is None else int(workers)
-        if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = min(_default_workers(), MAX_WORKERS) if workers is None else int(workers)
         self.slots = slots or max(4, 2 * self.workers)
         self.timeout = float(timeout)
-        self.plan = Plan(total_samples=n, batch_size=int(batch_size), transform=transform,
-                         seed=int(seed), shuffle=shuffle, drop_last=drop_last,
-                         on_error=on_error, strict=strict, rank=rank, world_size=world_size)
+        self.plan = Plan(total_samples=n, batch_size=int(batch_size), transform=augment,
+                         seed=int(seed), shuffle=bool(shuffle), drop_last=bool(drop_last),
+                         on_error=on_error, decode=decode, rank=rank, world_size=world_size,
+                         pad=pad)
         if self.plan.batches_per_epoch == 0:
             raise ValueError(f"batch_size {batch_size} is larger than the "
                              f"{self.plan.num_samples} samples of this rank's shard "
@@ -309,16 +378,18 @@ class Loader:
         self._ticket += 1
         self._held = ticket
         ring = self._ring
-        count, error, failures, report = ring.read_meta(ticket)
+        count, error, failures, records = ring.read_meta(ticket)
         if error == ERR_WORKER:
             self._release_held()
-            raise WorkerError(f"a worker failed while filling batch {ticket}:\n{report}")
+            detail = "\n".join(r.message for r in records) or "(no traceback)"
+            raise WorkerError(f"a worker failed while filling batch {ticket}:\n{detail}")
         if failures:
-            self._report_failures(report, failures)
+            self._report_failures(records, failures)
         if error == ERR_DECODE:
             self._release_held()
-            sid, _, path, message = report.splitlines()[-1].split("\t", 3)
-            raise DecodeError(message, path)
+            if not records:  # cannot happen: a lone record is clipped to fit, never dropped
+                raise DecodeError(f"{failures} samples of batch {ticket} failed")
+            raise DecodeError(records[-1].message, records[-1].path)
         slot = ring.slots[ticket % ring.layout.nslots]
         self._stats.batches += 1
         self._stats.delivered += count
@@ -369,18 +440,22 @@ class Loader:
         """True when the next batch is already published (taking it will not wait)."""
         return self._ring is not None and self._ring.is_published(self._ticket)
 
-    def _report_failures(self, report, failures):
-        lines = report.splitlines()
+    def _report_failures(self, records, failures):
         action = {"replace": "replaced", "skip": "skipped", "raise": "raised"}[
             self.plan.on_error]
-        for line in lines:
-            sid, reason, path, message = line.split("\t", 3)
-            self._count_failure(REASONS.get(int(reason), "other"))
-            warnings.warn(f"{path}: {message} (sample {sid}, {action})", SampleFailureWarning,
-                          stacklevel=4)
-        if failures > len(lines):  # more than the slot's report area could name
-            self._count_failure("unreported", failures - len(lines))
-            warnings.warn(f"{failures - len(lines)} more samples of this batch failed "
+        for r in records:
+            self._count_failure(REASONS.get(r.reason, "other"))
+            # A name with control characters (newline, tab, U+2028) or undecodable
+            # bytes is shown escaped, so it cannot break or forge a log line; the
+            # exact name is the warning's ``failure.path``.
+            shown = r.path if r.path and r.path.isprintable() else repr(r.path)
+            w = SampleFailureWarning(f"{shown}: {' '.join(r.message.split())} "
+                                     f"(sample {r.sample_id}, {action})")
+            w.failure = r
+            warnings.warn(w, stacklevel=4)
+        if failures > len(records):  # more than the slot's report area could name
+            self._count_failure("unreported", failures - len(records))
+            warnings.warn(f"{failures - len(records)} more samples of this batch failed "
                           f"({action}); their paths did not fit in the report",
                           SampleFailureWarning, stacklevel=4)
 

@@ -8,6 +8,8 @@ CuPy have no bfloat16, so such a batch is a :class:`BFloat16Array` whose
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from echo_native import _dlpack
@@ -16,6 +18,92 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 LAYOUTS = ("NHWC", "NCHW")
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a batch's images are: the output contract (DALI's ``crop_mirror_normalize``).
+
+    Parameters
+    ----------
+    normalize : True, (mean, std) or False, default True
+        True: ``(x / 255 - mean) / std`` with ImageNet's mean and std; a pair of
+        3-tuples in [0, 1] units for others; False: uint8 pixels as decoded.
+    layout : {"NHWC", "NCHW"}, default "NHWC"
+        Axis order of normalised output (uint8 output is NHWC).
+    dtype : {"float32", "float16", "bfloat16"}, default "float32"
+        Type of normalised output; "uint8" (the only choice) without normalisation.
+        A bfloat16 batch is a :class:`BFloat16Array` (DLPack gives torch and JAX
+        real bfloat16 tensors).
+
+    ``output=None`` means uint8 NHWC, the same as ``Output(normalize=False)``.
+    Normalisation runs once per batch where the batch is (on the GPU for
+    ``device="cuda"``), into one of two alternating buffers.
+    """
+
+    normalize: object = True
+    layout: str = "NHWC"
+    dtype: str = None
+
+    def __post_init__(self):
+        n = self.normalize
+        if n is True:
+            stats = (IMAGENET_MEAN, IMAGENET_STD)
+        elif n is False or n is None:
+            stats = None
+        else:
+            try:
+                mean, std = n
+                mean, std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
+            except (TypeError, ValueError):
+                raise ValueError(f"Output: normalize must be True, False or (mean, std), got "
+                                 f"{n!r}") from None
+            if len(mean) != 3 or len(std) != 3 or not min(std) > 0 or \
+                    not all(np.isfinite(mean + std)):
+                raise ValueError(f"Output: normalize needs 3 finite means and 3 positive stds, "
+                                 f"got {n!r}")
+            stats = (mean, std)
+        if stats is None or n is True:
+            object.__setattr__(self, "normalize", stats is not None)
+        else:
+            object.__setattr__(self, "normalize", stats)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Output: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if stats is None:
+            if self.dtype not in (None, "uint8"):
+                raise ValueError(f"Output: dtype={self.dtype!r} needs normalize=True (or "
+                                 f"(mean, std)); without normalisation batches are uint8")
+            if self.layout != "NHWC":
+                raise ValueError(f"Output: layout={self.layout!r} applies to normalised "
+                                 f"output; uint8 batches are NHWC")
+            object.__setattr__(self, "dtype", "uint8")
+        else:
+            dtype = "float32" if self.dtype is None else self.dtype
+            if dtype not in DTYPES:
+                raise ValueError(f"Output: dtype of normalised output must be one of {DTYPES}, "
+                                 f"got {self.dtype!r}")
+            object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def normalized(self):
+        """True unless the batches are uint8 pixels."""
+        return self.normalize is not False
+
+    @property
+    def mean(self):
+        """Per-channel mean in [0, 1] units, or None without normalisation."""
+        if self.normalize is False:
+            return None
+        return IMAGENET_MEAN if self.normalize is True else self.normalize[0]
+
+    @property
+    def std(self):
+        """Per-channel std in [0, 1] units, or None without normalisation."""
+        if self.normalize is False:
+            return None
+        return IMAGENET_STD if self.normalize is True else self.normalize[1]
 
 
 def storage_dtype(dtype):

@@ -1,116 +1,124 @@
 """The public feeder: :class:`EchoRing` = source -> workers -> ring -> echo -> device.
 
-Reading order of the pipeline: :mod:`source`, :mod:`decode`, :mod:`ring`,
-:mod:`workers`, :mod:`loader`, :mod:`echo`, :mod:`device`, then this module,
-which only wires them together and keeps the books (:meth:`EchoRing.stats`).
+Reading order of the pipeline: :mod:`source`, :mod:`decode`, :mod:`transforms`,
+:mod:`ring`, :mod:`workers`, :mod:`loader`, :mod:`echo`, :mod:`output`,
+:mod:`backends`, then this module, which only wires them together from the
+specs and keeps the books (:meth:`EchoRing.stats`).
 """
 from __future__ import annotations
 
 import math
 import time
+
 import numpy as np
 
 from echo_native import _kernel
-from echo_native.backends import resolve
-from echo_native.echo import (PLACEMENTS, AutoEcho, BatchWindow, ExampleBuffer, buffer_bytes,
-                              echo_counts, shuffle_rng)
-from echo_native.output import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, LAYOUTS, BFloat16Array,
-                                storage_dtype)
-from echo_native.loader import Batch, Loader
+from echo_native.transforms import CenterCrop, RandomResizedCrop, canvas_for
 from echo_native.ring import OK
-from echo_native.transforms import Canvas, RandomResizedCrop, check_crop_args
+from echo_native.loader import Batch, Loader, fold_shorthands
+from echo_native.echo import (AutoEcho, BatchWindow, Echo, ExampleBuffer, buffer_bytes,
+                              echo_counts, shuffle_rng)
+from echo_native.output import BFloat16Array, Output, storage_dtype
+from echo_native.backends import resolve
 
 
 class EchoRing:
-    """Framework-agnostic feeder with data echoing.
+    """Framework-agnostic feeder with data echoing: source -> workers -> ring -> echo -> device.
+
+    Each argument that groups several decisions is a small spec that validates
+    itself; the constructor only wires them.
 
     Parameters
     ----------
-    source : ImageFolder, Samples or any object with ``len``, ``labels``, ``read(i)``,
-        ``describe(i)``.
-    batch_size, image_size : output batches are (batch_size, image_size, image_size, 3).
-    echo : float >= 1 or "auto".  Each fresh example is emitted floor(e) times plus once
-        more with probability frac(e).  1 is an exact pass-through of the ring.
-    placement : "before_augment" (default; workers keep a canvas and every emission gets
-        its own RandomResizedCrop + flip), "after_augment" (the augmented image is
-        repeated), or "batch" (whole batches repeated).
-    shuffle_buffer : examples held by the echo stage (default 4 x batch_size; at least
-        2 x batch_size).  Memory: shuffle_buffer x bytes per example.
-    workers, device, seed, drop_last, on_error : see :class:`echo_native.Loader`.
-    normalize : None for uint8, True for ImageNet mean/std, or (mean, std) in [0, 1]
-        units; the output is then ``dtype`` ("float32" or "float16") in ``layout``
-        ("NHWC" or "NCHW").
-    max_echo : cap for ``echo="auto"``.
-    canvas_side, canvas_max_pixels : before_augment canvas: shorter side at least
-        ``canvas_side`` (default image_size) through DCT scaling, at most
-        ``canvas_max_pixels`` pixels (default 2 x canvas_side^2).
-    echo_flip : after_augment only: each echo draws its own horizontal flip.
+    source : ImageFolder, FileList, TarShards, Samples, or any object with ``len``,
+        ``labels``, ``read(i) -> bytes`` and ``describe(i)``.
+    batch_size : int, default 256
+    augment : RandomResizedCrop or CenterCrop, default RandomResizedCrop(224)
+        What each sample becomes.  ``CenterCrop(224, resize=256)`` with ``echo=1``
+        and ``shuffle=False`` is the evaluation path: every sample once, in order.
+    echo : Echo, float >= 1 or "auto", default 2.0
+        A number or "auto" is ``Echo(factor)``; see :class:`Echo` for placement,
+        shuffle buffer, ``max_echo`` and the canvas budget.
+    output : Output, optional
+        Normalisation, layout and dtype of the images; None gives uint8 NHWC.
+    workers : int, default: the CPUs this process may use
+        Decoding worker processes.
+    device : "cpu", "cuda", "cuda:N", "auto", or a backend object, default "cpu"
+        Where the echo buffer lives and batches are delivered.
+    seed : int, default 0
+        Order, augmentation and echo counts are pure functions of it.
+    shuffle : bool, default True
+        Random order per epoch; False keeps the source's order.
+    drop_last : bool, default False
+        Drop the epoch's last batch when it is short.
+    on_error : {"replace", "skip", "raise"}, default "replace"
+        What a sample that cannot be read or decoded becomes (see :class:`Loader`).
+    shard : Shard, optional
+        This process's part of the data (default: torchrun's RANK/WORLD_SIZE).
+    decode : DecodeLimits, optional
+        Strict decoding and decompression-bomb limits.
+    slots, timeout, worker_mode, start_method : see :class:`Loader`.
+
+    Shorthands (the flat names of the original contract, still supported):
+    ``image_size``, ``scale``, ``ratio``, ``flip_p`` build the
+    ``RandomResizedCrop``; ``placement``, ``shuffle_buffer``, ``max_echo``,
+    ``canvas_side``, ``canvas_max_pixels``, ``echo_flip`` the ``Echo``;
+    ``normalize``, ``layout``, ``dtype`` the ``Output``; ``strict`` the
+    ``DecodeLimits``; ``rank``, ``world_size`` the ``Shard``.  Giving a
+    shorthand together with the spec it belongs to is a ``TypeError``.
     """
 
-    def __init__(self, source, batch_size=256, image_size=224, echo=2.0,
-                 placement="before_augment", shuffle_buffer=None, workers=None, device="cpu",
-                 seed=0, drop_last=False, on_error="replace", normalize=None, layout="NHWC",
-                 max_echo=4.0, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip_p=0.5,
-                 canvas_side=None, canvas_max_pixels=None, echo_flip=False, slots=None,
-                 timeout=120.0, worker_mode="process", start_method=None, strict=True,
-                 rank=None, world_size=None, dtype="float32"):
-        n = len(source)
-        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    def __init__(self, source, batch_size=256, *, augment=None, echo=2.0, output=None,
+                 workers=None, device="cpu", seed=0, shuffle=True, drop_last=False,
+                 on_error="replace", shard=None, decode=None, slots=None, timeout=120.0,
+                 worker_mode="process", start_method=None, **shorthands):
+        echo = _fold_echo(echo, shorthands)
+        output = _fold_output(output, shorthands)
+        augment, decode, shard = fold_shorthands("EchoRing", augment, decode, shard, shorthands)
+        if shorthands:
+            raise TypeError(f"EchoRing got unexpected keyword argument(s) "
+                            f"{', '.join(sorted(shorthands))}")
+        if not isinstance(augment, (RandomResizedCrop, CenterCrop)):
+            raise TypeError(f"augment must be an echo_native.RandomResizedCrop or CenterCrop, "
+                            f"got {augment!r}")
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or \
+                batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if not isinstance(image_size, (int, np.integer)) or image_size <= 0:
-            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
-        self.auto = echo == "auto"
-        if not self.auto:
-            if isinstance(echo, str) or not isinstance(echo, (int, float, np.number)):
-                raise ValueError(f"echo must be a number >= 1 or 'auto', got {echo!r}")
-            if not echo >= 1 or math.isinf(echo):
-                raise ValueError(f"echo must be >= 1 (1 means no echo), got {echo!r}")
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype (of normalised output) must be one of {DTYPES}, got "
-                             f"{dtype!r}")
-        self.dtype = dtype
-        shuffle_buffer = 4 * batch_size if shuffle_buffer is None else int(shuffle_buffer)
-        if shuffle_buffer < 2 * batch_size:
+        if isinstance(augment, CenterCrop) and not echo.off and echo.placement == "before_augment":
+            raise ValueError("CenterCrop is deterministic: echoing it before augmentation would "
+                             "repeat identical images at the cost of a canvas each; use echo=1 "
+                             "(evaluation) or Echo(..., placement='after_augment')")
+        self.spec = echo
+        self.augment, self.output = augment, output
+        self.auto, self.placement = echo.auto, echo.placement
+        self.echo = echo.factor
+        self.passthrough = echo.off
+        self.batch_size = int(batch_size)
+        self.size = augment.size
+        self.drop_last = bool(drop_last)
+        shuffle_buffer = 4 * self.batch_size if echo.shuffle_buffer is None else \
+            echo.shuffle_buffer
+        if shuffle_buffer < 2 * self.batch_size:
             raise ValueError(f"shuffle_buffer must be at least 2 x batch_size "
-                             f"({2 * batch_size}), got {shuffle_buffer}")
-        self.echo = "auto" if self.auto else float(echo)
-        self.placement = placement
-        self.batch_size, self.image_size = int(batch_size), int(image_size)
-        self.seed, self.drop_last = int(seed), bool(drop_last)
+                             f"({2 * self.batch_size}), got {shuffle_buffer}")
         self.shuffle_buffer = shuffle_buffer
-        self.layout = layout
-        self.normalize = _norm_args(normalize)
-        self.echo_flip = bool(echo_flip)
-        self.flip_p = float(flip_p)
-        self._crop_args = (tuple(scale), tuple(ratio), float(flip_p))
-        check_crop_args(*self._crop_args)
         self.device = resolve(device)
-        self._auto = AutoEcho(max_echo, start=1.0) if self.auto else None
-        self.passthrough = not self.auto and self.echo == 1.0
-        size = (self.image_size, self.image_size)
-        if placement == "before_augment" and not self.passthrough:
-            side = int(canvas_side or self.image_size)
-            budget = int(canvas_max_pixels or 2 * side * side)
-            if side <= 0 or budget < side * side:
-                raise ValueError(f"canvas_max_pixels ({budget}) must be at least canvas_side^2 "
-                                 f"({side * side})")
-            transform = Canvas(min_side=side, max_pixels=budget)
+        self._auto = AutoEcho(echo.max_echo, start=1.0) if self.auto else None
+        if echo.placement == "before_augment" and not self.passthrough:
+            transform = canvas_for(augment, echo.canvas_side, echo.canvas_max_pixels)
         else:
-            transform = RandomResizedCrop(size, *self._crop_args)
+            transform = augment
         # Echo stages need every sample of the epoch; echo=1 is the Loader itself.
-        self.loader = Loader(source, self.batch_size, transform, workers=workers, slots=slots,
-                             seed=seed, drop_last=self.drop_last and self.passthrough,
-                             on_error=on_error, timeout=timeout,
-                             worker_mode=worker_mode, start_method=start_method, strict=strict,
-                             rank=rank, world_size=world_size)
-        shard = self.loader.plan.num_samples
-        if batch_size > shard:
-            where = "the source" if shard == n else "this rank's shard"
-            raise ValueError(f"batch_size {batch_size} is larger than the {shard} samples of "
+        self.loader = Loader(source, self.batch_size, augment=transform, workers=workers,
+                             slots=slots, seed=seed, shuffle=shuffle,
+                             drop_last=self.drop_last and self.passthrough, on_error=on_error,
+                             shard=shard, decode=decode, timeout=timeout,
+                             worker_mode=worker_mode, start_method=start_method)
+        self.seed = self.loader.plan.seed
+        n, shard_n = len(source), self.loader.plan.num_samples
+        if self.batch_size > shard_n:
+            where = "the source" if shard_n == n else "this rank's shard"
+            raise ValueError(f"batch_size {batch_size} is larger than the {shard_n} samples of "
                              f"{where}")
         # Resume bookkeeping: per fresh batch (ticket), how many of its examples
         # still await their first emission, and which ids already had it.
@@ -122,6 +130,11 @@ class EchoRing:
         self._books = _Books()
         # The device follows the ring through restarts (a seek makes a new one).
         self.loader.watch_ring(self.device.attach, self.device.detach)
+
+    @property
+    def image_size(self):
+        """Output ``(height, width)`` (the augment spec's size)."""
+        return self.size
 
     # -- life cycle -------------------------------------------------------------------
     def start(self):
@@ -327,14 +340,14 @@ class EchoRing:
         tickets = buf.ticket[entries].copy()
         echo_index = buf.emit(entries)
         self._note_sent(tickets[echo_index == 0], sample_ids[echo_index == 0])
-        images = self._output("images", (n, self.image_size, self.image_size, 3))
+        images = self._output("images", (n, *self.size, 3))
         if self.placement == "after_augment":
             self.device.gather(buf, entries, images)
             boxes, flips = buf.box[entries].copy(), buf.flip[entries].copy()
-            if self.echo_flip:
+            if self.spec.flip:
                 redo = echo_index > 0
                 new = np.array([_kernel.random_resized_crop_params(
-                    self.seed, int(buf.epoch[e]), int(s), int(j), 1, 1, flip_p=self.flip_p)[1]
+                    self.seed, int(buf.epoch[e]), int(s), int(j), 1, 1, flip_p=self.augment.flip_p)[1]
                     for e, s, j in zip(entries, sample_ids, echo_index)], dtype=bool)
                 change = redo & (new != flips)
                 self.device.flip(images, change)
@@ -402,7 +415,8 @@ class EchoRing:
         boxes = np.empty((n, 4), np.float32)
         canvas_boxes = np.empty((n, 4), np.float64)
         flips = np.empty(n, bool)
-        scale, ratio, flip_p = self._crop_args
+        crop = self.augment
+        scale, ratio, flip_p = crop.scale, crop.ratio, crop.flip_p
         for i, e in enumerate(entries):
             H, W = buf.source_hw[e]
             box, flip = _kernel.random_resized_crop_params(
@@ -491,13 +505,14 @@ class EchoRing:
 
     # -- output ------------------------------------------------------------------------------
     def _finish(self, images, labels, sample_ids, fresh, echo_index, boxes, flips, epoch):
-        if self.normalize is not None:
-            mean, std = self.normalize
+        out_spec = self.output
+        if out_spec.normalized:
+            mean, std = out_spec.mean, out_spec.std
             n, h, w, _ = images.shape
-            shape = (n, h, w, 3) if self.layout == "NHWC" else (n, 3, h, w)
-            out = self._output("normalized", shape, storage_dtype(self.dtype))
-            images = self.device.normalize(images, mean, std, self.layout, out)
-            if self.dtype == "bfloat16":
+            shape = (n, h, w, 3) if out_spec.layout == "NHWC" else (n, 3, h, w)
+            out = self._output("normalized", shape, storage_dtype(out_spec.dtype))
+            images = self.device.normalize(images, mean, std, out_spec.layout, out)
+            if out_spec.dtype == "bfloat16":
                 images = BFloat16Array(images, self.device)
         return self.device.ready(Batch(images, labels, sample_ids, fresh, echo_index, boxes,
                                        np.asarray(flips, bool), epoch))
@@ -536,17 +551,43 @@ class _Books:
         self.wait_s = self.consumer_s = self.fill_s = 0.0
 
 
-def _norm_args(normalize):
-    if normalize is None or normalize is False:
-        return None
-    if normalize is True:
-        return IMAGENET_MEAN, IMAGENET_STD
+def _fold_echo(echo, shorthands):
+    """``echo=`` as an :class:`Echo`, with the flat shorthands folded in."""
+    keys = {"placement": "placement", "shuffle_buffer": "shuffle_buffer",
+            "max_echo": "max_echo", "canvas_side": "canvas_side",
+            "canvas_max_pixels": "canvas_max_pixels", "echo_flip": "flip"}
+    given = {keys[k]: shorthands.pop(k) for k in list(shorthands) if k in keys}
+    if isinstance(echo, Echo):
+        if given:
+            raise TypeError(f"EchoRing: give either echo=Echo(...) or "
+                            f"{', '.join(sorted(given))}, not both")
+        return echo
+    if not isinstance(echo, (str, int, float, np.integer, np.floating)) or \
+            isinstance(echo, bool):
+        raise ValueError(f"echo must be an echo_native.Echo, a number >= 1 or 'auto', got "
+                         f"{echo!r}")
     try:
-        mean, std = normalize
-        mean, std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
-    except (TypeError, ValueError):
-        raise ValueError(f"normalize must be None, True or (mean, std), got {normalize!r}") \
-            from None
-    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
-        raise ValueError(f"normalize needs 3 means and 3 positive stds, got {normalize!r}")
-    return mean, std
+        return Echo(echo, **given)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("Echo: factor", "echo")) from None
+
+
+def _fold_output(output, shorthands):
+    """``output=`` as an :class:`Output`, with ``normalize``/``layout``/``dtype`` folded in."""
+    given = {k: shorthands.pop(k) for k in ("normalize", "layout", "dtype") if k in shorthands}
+    if given:
+        if output is not None:
+            raise TypeError(f"EchoRing: give either output=Output(...) or "
+                            f"{', '.join(sorted(given))}, not both")
+        if not given.get("normalize"):
+            # The flat contract checked layout and dtype but used them only with
+            # normalisation: check them the same way, then give uint8.
+            Output(normalize=True, layout=given.get("layout", "NHWC"),
+                   dtype=given.get("dtype", "float32"))
+            return Output(normalize=False)
+        return Output(**given)
+    if output is None:
+        return Output(normalize=False)
+    if not isinstance(output, Output):
+        raise TypeError(f"output must be an echo_native.Output or None, got {output!r}")
+    return output

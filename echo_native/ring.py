@@ -2,13 +2,17 @@
 
 Workers decode straight into a slot; the consumer reads the same bytes
 through NumPy views, so a batch crosses the process boundary without a copy.
-The hand-off protocol (tickets, one sequence word per slot, futex sleep) is in
-``src/ring/en_ring.h``; this module fixes the byte layout and names things.
+The hand-off protocol (tickets, one sequence word per slot, futex sleep) and
+the byte layout of the segment are defined once, in C, in
+``src/ring/en_ring.h``; this module reads every offset from the compiled
+module and names things.
 
-Segment layout (all offsets in bytes; slots start page-aligned)::
+Segment layout (slots start page-aligned)::
 
-    header  magic, geometry, closed flag, next ticket, per-worker claims
-    slot 0  seq | count | ticket | error kind | failures | report text
+    header  en_ring_header: magic, version, geometry, closed flag, next ticket,
+            per-worker claims (MAX_WORKERS of them)
+    slot 0  en_ring_slot: seq | count | ticket | error kind | failures | fill time
+            | failure records (REPORT_BYTES)
             labels i64[B] | sample ids i64[B] | status u8[B] | reason u8[B]
             flip u8[B] | boxes f32[B, 4] | image shape u16[B, 2] | source shape i32[B, 2]
             canvas scale f32[B, 2] | (page) pixels u8[B, S]
@@ -19,109 +23,259 @@ budget when echoing before augmentation.  For a canvas, "source shape" is the
 original image size and "canvas scale" maps canvas pixels to original pixels
 (original = canvas * scale), so every echo can draw its crop in the
 original's coordinates.
+
+Failed samples travel as binary, length-prefixed records (en_ring_failure:
+sample id, reason, path length, message length, then the path's raw bytes and
+the UTF-8 message): :func:`encode_failures` / :func:`decode_failures` are
+the one codec, so no byte of a file name can split or forge a record.
 """
 from __future__ import annotations
 
 import os
 import re
 import secrets
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from echo_native import _ring
 
-PAGE = 4096
-MAGIC = 0x31474E4952484345  # "ECHRING1"
-MAX_WORKERS = 64
-REPORT_BYTES = 4096
+PAGE = _ring.PAGE
+MAGIC = _ring.MAGIC
+VERSION = _ring.VERSION
+#: Worker indexes run from 0 to MAX_WORKERS - 1 (one claim word each in the header).
+MAX_WORKERS = _ring.MAX_WORKERS
+REPORT_BYTES = _ring.REPORT_BYTES
+HEADER_BYTES = _ring.HEADER_BYTES
 PREFIX = "echo_native-"
 
-# Header fields.
-_H_MAGIC, _H_NSLOTS, _H_BATCH, _H_SAMPLE_BYTES = 0, 8, 12, 16
-_H_SLOT_BYTES, _H_OWNER, _H_CLOSED, _H_NEXT_TICKET = 24, 32, 36, 40
-_H_CLAIMS = 64
-HEADER_BYTES = PAGE  # _H_CLAIMS + 8 * MAX_WORKERS fits with room to spare
-
-# Per-slot fields.
-_S_SEQ, _S_COUNT, _S_TICKET, _S_ERROR, _S_FAILURES, _S_REPORT_LEN = 0, 4, 8, 16, 20, 24
-_S_FILL_US = 28  # microseconds the worker spent filling the slot (upstream cost)
-_S_REPORT = 64
-
 #: Claim word value while a worker is between taking a ticket and recording it.
-CLAIM_PENDING = 2**64 - 1
+CLAIM_PENDING = _ring.CLAIM_PENDING
+#: Sample id of a failure record that is no sample's (a worker's traceback).
+NO_SAMPLE = _ring.NO_SAMPLE
 
 # Slot error kinds.
-ERR_NONE, ERR_WORKER, ERR_DECODE = 0, 1, 2
+ERR_NONE, ERR_WORKER, ERR_DECODE = _ring.ERR_NONE, _ring.ERR_WORKER, _ring.ERR_DECODE
 
 # Per-sample status.
-OK, REPLACED, SKIPPED = 0, 1, 2
+OK, REPLACED, SKIPPED = _ring.STATUS_OK, _ring.STATUS_REPLACED, _ring.STATUS_SKIPPED
 # Per-sample failure reasons (stats key names).
-REASONS = {0: "none", 1: "decode", 2: "read", 3: "limit"}
+REASON_NONE, REASON_DECODE = _ring.REASON_NONE, _ring.REASON_DECODE
+REASON_READ, REASON_LIMIT = _ring.REASON_READ, _ring.REASON_LIMIT
+REASONS = {REASON_NONE: "none", REASON_DECODE: "decode", REASON_READ: "read",
+           REASON_LIMIT: "limit"}
+
+_H = {name: f[0] for name, f in _ring.HEADER_FIELDS.items()}   # header field offsets
+_S = {name: f[0] for name, f in _ring.SLOT_FIELDS.items()}     # slot field offsets
+
+
+def _dtype(fields, itemsize, skip=()):
+    """A structured dtype over a C struct, from its field table (native-endian)."""
+    names = [n for n in fields if n not in skip]
+    formats = [f"=u{fields[n][2]}" if fields[n][1] == fields[n][2]
+               else (f"=u{fields[n][2]}", fields[n][1] // fields[n][2]) for n in names]
+    return np.dtype({"names": names, "formats": formats,
+                     "offsets": [fields[n][0] for n in names], "itemsize": itemsize})
+
+
+# The slot's metadata words (the report bytes are read through SlotView.report_area).
+_SLOT_META = _dtype(_ring.SLOT_FIELDS, _ring.SLOT_HEADER_BYTES, skip=("report",))
+
+
+def _saturate(name, value):
+    """value, capped at what the slot's field ``name`` holds."""
+    return min(value, int(np.iinfo(_SLOT_META[name]).max))
+
+
+def _struct(fields, size):
+    """A struct.Struct packing a C struct's fields in offset order, padding as zeros."""
+    fmt, at = "=", 0
+    for name, (offset, nbytes, width) in sorted(fields.items(), key=lambda kv: kv[1][0]):
+        if nbytes != width:
+            raise TypeError(f"field {name} is an array; _struct packs scalars")
+        fmt += "x" * (offset - at) + {1: "B", 2: "H", 4: "I", 8: "Q"}[width]
+        at = offset + nbytes
+    return struct.Struct(fmt + "x" * (size - at)), [
+        n for n, _ in sorted(fields.items(), key=lambda kv: kv[1][0])]
+
+
+_FAILURE, _FAILURE_ORDER = _struct(_ring.FAILURE_FIELDS, _ring.FAILURE_HEADER_BYTES)
+_CLIP_MARK = b"[...]"
 
 
 def _align(n, a):
     return (n + a - 1) // a * a
 
 
+# ---- failure records ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Failure:
+    """One failed sample as it crosses the ring.
+
+    ``path`` is a str; bytes that are not valid UTF-8 are carried through
+    ``os.fsencode``/``os.fsdecode`` (surrogate escapes), so ``os.fsencode(path)``
+    gives back the file's exact name.  ``clipped`` says the path or message
+    was shortened (around a ``[...]`` mark) to fit the slot.
+    """
+
+    sample_id: int
+    reason: int
+    path: str
+    message: str
+    clipped: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", os.fsdecode(self.path))
+        object.__setattr__(self, "message", str(self.message))
+
+
+def _utf8_start(data, i):
+    """The nearest index <= i that does not split a UTF-8 sequence."""
+    while 0 < i < len(data) and data[i] & 0xC0 == 0x80:
+        i -= 1
+    return i
+
+
+def _clip(data, n):
+    """``data`` cut to at most n bytes by replacing its middle with the clip mark:
+    the head of a message says what failed, the tail of a path and of a
+    traceback says where."""
+    if len(data) <= n:
+        return data
+    if n <= len(_CLIP_MARK):
+        return data[:_utf8_start(data, n)]
+    keep = n - len(_CLIP_MARK)
+    head = _utf8_start(data, keep // 2)
+    tail = len(data) - (keep - head)
+    while tail < len(data) and data[tail] & 0xC0 == 0x80:  # do not start mid-character
+        tail += 1
+    return data[:head] + _CLIP_MARK + data[tail:]
+
+
+def _path_bytes(path):
+    try:
+        return os.fsencode(path)
+    except UnicodeEncodeError:  # a lone surrogate fsdecode cannot have made
+        return path.encode("utf-8", "surrogatepass")
+
+
+def _encode_one(rec, capacity):
+    """One record's bytes (padded), its path and message clipped so that it fits
+    ``capacity`` on its own; None if not even an empty record fits."""
+    room = capacity // _ring.FAILURE_ALIGN * _ring.FAILURE_ALIGN - _FAILURE.size
+    if room < 0:
+        return None
+    path = _path_bytes(rec.path)
+    msg = rec.message.encode("utf-8", "surrogatepass")  # any str round-trips
+    clipped = rec.clipped
+    if len(path) + len(msg) > room:
+        # The path gets what the message leaves, and at least half when both are long.
+        path = _clip(path, min(len(path), max(room - len(msg), room // 2)))
+        msg = _clip(msg, room - len(path))
+        clipped = True
+    if not 0 <= rec.sample_id <= NO_SAMPLE or not 0 <= rec.reason <= 0xFF:
+        raise ValueError(f"sample id {rec.sample_id} / reason {rec.reason} do not fit a "
+                         f"failure record")
+    values = {"sample_id": rec.sample_id, "path_len": len(path), "message_len": len(msg),
+              "reason": rec.reason, "flags": _ring.FAILURE_CLIPPED if clipped else 0}
+    body = _FAILURE.pack(*(values[n] for n in _FAILURE_ORDER)) + path + msg
+    return body + bytes(_align(len(body), _ring.FAILURE_ALIGN) - len(body))
+
+
+def encode_failures(records, capacity=REPORT_BYTES):
+    """Pack failure records into at most ``capacity`` bytes: ``(data, dropped)``.
+
+    Records are kept in order until one does not fit; it and every later one
+    are dropped whole and counted in ``dropped``.  A record too long to fit
+    even alone is clipped (its ``clipped`` flag set) rather than dropped.
+    """
+    out, dropped = bytearray(), 0
+    for rec in records:
+        if not isinstance(rec, Failure):
+            raise TypeError(f"failure records must be Failure objects, got {rec!r}")
+        data = None if dropped else _encode_one(rec, capacity)
+        if data is None or len(out) + len(data) > capacity:
+            dropped += 1
+            continue
+        out += data
+    return bytes(out), dropped
+
+
+def _text(data):
+    try:
+        return data.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:  # not written by encode_failures
+        return data.decode("utf-8", "replace")
+
+
+def decode_failures(data):
+    """The records :func:`encode_failures` packed into ``data``, in order.
+
+    ValueError if a record runs past the end (the bytes are not such a packing).
+    """
+    data = bytes(data)
+    out, at, size = [], 0, _FAILURE.size
+    while at < len(data):
+        if at + size > len(data):
+            raise ValueError(f"failure record at byte {at} is cut short")
+        values = dict(zip(_FAILURE_ORDER, _FAILURE.unpack_from(data, at)))
+        path_end = at + size + values["path_len"]
+        end = path_end + values["message_len"]
+        if end > len(data):
+            raise ValueError(f"failure record at byte {at} claims {end - at} bytes, "
+                             f"{len(data) - at} are left")
+        out.append(Failure(values["sample_id"], values["reason"],
+                           os.fsdecode(data[at + size:path_end]), _text(data[path_end:end]),
+                           bool(values["flags"] & _ring.FAILURE_CLIPPED)))
+        at = _align(end, _ring.FAILURE_ALIGN)
+    return out
+
+
+# ---- layout -----------------------------------------------------------------------------
+def _offset(name, doc):
+    return property(lambda self: self._c[name], doc=doc)
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Byte offsets of one slot for a batch size and per-sample pixel budget."""
+    """Byte offsets of one slot for a batch size and per-sample pixel budget,
+    as ``en_ring_compute_layout`` places them (ValueError for a geometry it refuses)."""
 
     nslots: int
     batch_size: int
     sample_bytes: int
+    _c: dict = field(init=False, repr=False, compare=False)
 
-    @property
-    def labels(self):
-        return _S_REPORT + REPORT_BYTES
+    def __post_init__(self):
+        object.__setattr__(self, "_c", _ring.layout(self.nslots, self.batch_size,
+                                                    self.sample_bytes))
 
-    @property
-    def sample_ids(self):
-        return self.labels + 8 * self.batch_size
-
-    @property
-    def status(self):
-        return self.sample_ids + 8 * self.batch_size
-
-    @property
-    def reason(self):
-        return self.status + self.batch_size
-
-    @property
-    def flip(self):
-        return self.reason + self.batch_size
-
-    @property
-    def boxes(self):
-        return _align(self.flip + self.batch_size, 16)
-
-    @property
-    def shapes(self):
-        return self.boxes + 16 * self.batch_size
-
-    @property
-    def source_hw(self):
-        return _align(self.shapes + 4 * self.batch_size, 8)
-
-    @property
-    def canvas_scale(self):
-        return self.source_hw + 8 * self.batch_size
-
-    @property
-    def pixels(self):
-        return _align(self.canvas_scale + 8 * self.batch_size, PAGE)
-
-    @property
-    def slot_bytes(self):
-        return _align(self.pixels + self.sample_bytes * self.batch_size, PAGE)
-
-    @property
-    def total_bytes(self):
-        return HEADER_BYTES + self.nslots * self.slot_bytes
+    labels = _offset("labels", "labels i64[B]")
+    sample_ids = _offset("sample_ids", "sample ids i64[B]")
+    status = _offset("status", "status u8[B]")
+    reason = _offset("reason", "failure reason u8[B]")
+    flip = _offset("flip", "flip u8[B]")
+    boxes = _offset("boxes", "boxes f32[B, 4]")
+    shapes = _offset("shapes", "image shape u16[B, 2]")
+    source_hw = _offset("source_hw", "source shape i32[B, 2]")
+    canvas_scale = _offset("canvas_scale", "canvas scale f32[B, 2]")
+    pixels = _offset("pixels", "pixels u8[B, S], page-aligned")
+    slot_bytes = _offset("slot_bytes", "bytes per slot, a page multiple")
+    total_bytes = _offset("total_bytes", "bytes of the whole segment")
 
     def slot(self, i):
         return HEADER_BYTES + (i % self.nslots) * self.slot_bytes
+
+
+class Meta(NamedTuple):
+    """What a published slot says besides its arrays (see :meth:`Ring.read_meta`)."""
+
+    count: int
+    error: int
+    failures: int          # samples that failed, named in ``records`` or not
+    records: list          # list[Failure], as many as fit the slot's report area
 
 
 def _pid_alive(pid):
@@ -180,7 +334,9 @@ class SlotView:
                                           base + layout.canvas_scale).reshape(B, 2)
         self.pixels = np.frombuffer(b, np.uint8, layout.sample_bytes * B,
                                     base + layout.pixels).reshape(B, layout.sample_bytes)
-        self.report_area = np.frombuffer(b, np.uint8, REPORT_BYTES, base + _S_REPORT)
+        self.report_area = np.frombuffer(b, np.uint8, REPORT_BYTES, base + _S["report"])
+        # One structured view, so each metadata word is addressed by its C name.
+        self.meta = np.ndarray((), _SLOT_META, b, base)
 
 
 class Ring:
@@ -206,29 +362,23 @@ class Ring:
         layout = Layout(int(nslots), int(batch_size), int(sample_bytes))
         name = f"/{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         seg = _ring.Segment(name, layout.total_bytes, create=True)
-        head = np.frombuffer(seg, np.uint64, 8, 0)
-        head[0] = MAGIC
-        words = np.frombuffer(seg, np.uint32, 16, 0)
-        words[_H_NSLOTS // 4] = layout.nslots
-        words[_H_BATCH // 4] = layout.batch_size
-        words[_H_OWNER // 4] = os.getpid()
-        head[_H_SAMPLE_BYTES // 8] = layout.sample_bytes
-        head[_H_SLOT_BYTES // 8] = layout.slot_bytes
-        ring = cls(seg, layout)
-        head[_H_NEXT_TICKET // 8] = first_ticket
-        for t in range(first_ticket, first_ticket + layout.nslots):  # each slot free for its ticket
-            seg.seq_publish(layout.slot(t) + _S_SEQ, (2 * t) & 0xFFFFFFFF)
-        return ring
+        try:
+            seg.ring_init(layout.nslots, layout.batch_size, layout.sample_bytes,
+                          first_ticket, os.getpid())
+        except BaseException:
+            seg.unlink()
+            raise
+        return cls(seg, layout)
 
     @classmethod
     def attach(cls, name):
         seg = _ring.Segment(name)
-        if seg.size < HEADER_BYTES or np.frombuffer(seg, np.uint64, 1, 0)[0] != MAGIC:
-            raise ValueError(f"shared memory {name} is not an echo_native ring")
-        words = np.frombuffer(seg, np.uint32, 16, 0)
-        sample_bytes = int(np.frombuffer(seg, np.uint64, 8, 0)[_H_SAMPLE_BYTES // 8])
-        layout = Layout(int(words[_H_NSLOTS // 4]), int(words[_H_BATCH // 4]), sample_bytes)
-        return cls(seg, layout)
+        try:
+            c = seg.ring_check()
+        except ValueError as e:
+            raise ValueError(f"shared memory {name} is not an echo_native ring this build "
+                             f"can read: {e}") from None
+        return cls(seg, Layout(c["nslots"], c["batch"], c["sample_bytes"]))
 
     def __reduce__(self):
         return (Ring.attach, (self.name,))
@@ -243,80 +393,78 @@ class Ring:
     # -- header words ------------------------------------------------------------
     @property
     def closed(self):
-        return self.segment.seq_load(_H_CLOSED) != 0
+        return self.segment.seq_load(_H["closed"]) != 0
 
     def close(self):
         """Tell every waiter the ring is closing and wake them all."""
-        self.segment.seq_publish(_H_CLOSED, 1)
+        self.segment.seq_publish(_H["closed"], 1)
         for i in range(self.layout.nslots):
-            self.segment.wake(self.layout.slot(i) + _S_SEQ)
+            self.segment.wake(self.layout.slot(i) + _S["seq"])
 
     @property
     def next_ticket(self):
-        return self.segment.load64(_H_NEXT_TICKET)
+        return self.segment.load64(_H["next_ticket"])
 
     def take_ticket(self):
-        return self.segment.ticket_take(_H_NEXT_TICKET)
+        return self.segment.ticket_take(_H["next_ticket"])
 
     def claim(self, worker):
-        return self.segment.load64(_H_CLAIMS + 8 * worker)
+        """Worker ``worker``'s claim word; ValueError unless 0 <= worker < MAX_WORKERS."""
+        return self.segment.claim_load(worker)
 
     def set_claim(self, worker, value):
-        self.segment.store64(_H_CLAIMS + 8 * worker, value)
+        self.segment.claim_store(worker, value)
 
     # -- slot words --------------------------------------------------------------
     def seq(self, ticket):
-        return self.segment.seq_load(self.layout.slot(ticket) + _S_SEQ)
+        return self.segment.seq_load(self.layout.slot(ticket) + _S["seq"])
 
     def is_published(self, ticket):
-        return self.seq(ticket) == (2 * ticket + 1) & 0xFFFFFFFF
+        return self.seq(ticket) == _ring.seq_filled(ticket)
 
     def wait_free(self, ticket, timeout):
         """Producer side: sleep until the slot of ``ticket`` is free for it."""
-        return self.segment.seq_wait(self.layout.slot(ticket) + _S_SEQ,
-                                     (2 * ticket) & 0xFFFFFFFF, _H_CLOSED, timeout)
+        return self.segment.seq_wait(self.layout.slot(ticket) + _S["seq"],
+                                     _ring.seq_free(ticket), _H["closed"], timeout)
 
     def wait_filled(self, ticket, timeout):
         """Consumer side: sleep until ``ticket`` is published in its slot."""
-        return self.segment.seq_wait(self.layout.slot(ticket) + _S_SEQ,
-                                     (2 * ticket + 1) & 0xFFFFFFFF, _H_CLOSED, timeout)
+        return self.segment.seq_wait(self.layout.slot(ticket) + _S["seq"],
+                                     _ring.seq_filled(ticket), _H["closed"], timeout)
 
     def publish(self, ticket):
-        self.segment.seq_publish(self.layout.slot(ticket) + _S_SEQ, (2 * ticket + 1) & 0xFFFFFFFF)
+        self.segment.seq_publish(self.layout.slot(ticket) + _S["seq"], _ring.seq_filled(ticket))
 
     def release(self, ticket):
         """Consumer side: hand the slot of ``ticket`` to ticket + nslots."""
-        nxt = ticket + self.layout.nslots
-        self.segment.seq_publish(self.layout.slot(ticket) + _S_SEQ, (2 * nxt) & 0xFFFFFFFF)
+        self.segment.seq_publish(self.layout.slot(ticket) + _S["seq"],
+                                 _ring.seq_free(ticket + self.layout.nslots))
 
-    def _slot_words(self, ticket):
-        base = self.layout.slot(ticket)
-        return np.frombuffer(self.buf, np.uint32, 8, base), base
-
-    def write_meta(self, ticket, count, error, failures, report: bytes, fill_s=0.0):
-        words, base = self._slot_words(ticket)
-        words[_S_FILL_US // 4] = min(int(fill_s * 1e6), 0xFFFFFFFF)
-        words[_S_COUNT // 4] = count
-        words[_S_ERROR // 4] = error
-        words[_S_FAILURES // 4] = failures
-        if len(report) > REPORT_BYTES:
-            # Keep the newest whole lines: under on_error="raise" the last one is
-            # the sample to raise for.  The failure count still covers them all.
-            report = report[-REPORT_BYTES:]
-            report = report[report.find(b"\n") + 1:]
-        words[_S_REPORT_LEN // 4] = len(report)
-        np.frombuffer(self.buf, np.uint64, 1, base + _S_TICKET)[0] = ticket
-        self.slots[ticket % self.layout.nslots].report_area[:len(report)] = np.frombuffer(
-            report, np.uint8)
+    def write_meta(self, ticket, count, error, failures_total, records=(), fill_s=0.0):
+        """Producer side: the slot's count, error kind, failure total and records
+        (Failure objects; those that do not fit the report area are dropped
+        whole, the total still counts them).  Returns how many were dropped."""
+        slot = self.slots[ticket % self.layout.nslots]
+        data, dropped = encode_failures(records, REPORT_BYTES)
+        meta = slot.meta
+        meta["fill_us"] = _saturate("fill_us", int(fill_s * 1e6))
+        meta["count"] = count
+        meta["error"] = error
+        meta["failures"] = _saturate("failures", int(failures_total))
+        meta["report_len"] = len(data)
+        meta["ticket"] = ticket
+        slot.report_area[:len(data)] = np.frombuffer(data, np.uint8)
+        return dropped
 
     def fill_seconds(self, ticket):
         """Time the worker spent filling this ticket's slot."""
-        return int(self._slot_words(ticket)[0][_S_FILL_US // 4]) * 1e-6
+        return int(self.slots[ticket % self.layout.nslots].meta["fill_us"]) * 1e-6
 
     def read_meta(self, ticket):
-        """(count, error kind, failures, report text) of a published slot."""
-        words, base = self._slot_words(ticket)
-        n = int(words[_S_REPORT_LEN // 4])
-        report = bytes(self.slots[ticket % self.layout.nslots].report_area[:n])
-        return (int(words[_S_COUNT // 4]), int(words[_S_ERROR // 4]),
-                int(words[_S_FAILURES // 4]), report.decode("utf-8", "replace"))
+        """Consumer side: :class:`Meta` (count, error kind, failure total, records)
+        of a published slot."""
+        slot = self.slots[ticket % self.layout.nslots]
+        meta = slot.meta
+        n = min(int(meta["report_len"]), REPORT_BYTES)
+        return Meta(int(meta["count"]), int(meta["error"]), int(meta["failures"]),
+                    decode_failures(slot.report_area[:n]))

@@ -1,18 +1,50 @@
 """Stage 1b of the pipeline: what each sample becomes (the augmentation specs).
 
-A transform is a small frozen spec that validates itself.  Workers call
-``apply`` to write sample ``i`` of a ring slot: its pixels and the metadata
-that says how they were made (crop box, flip, shapes).  Bad data raises
-:class:`~echo_native.errors.DecodeError` (or ``ValueError``); the worker applies
-the error policy.
+A spec is a small frozen object that validates itself when it is made, so a
+mistake is reported where the user wrote it, not as a failed sample inside a
+worker.  Workers call ``apply`` to write sample ``i`` of a ring slot: its
+pixels and the metadata that says how they were made (crop box, flip,
+shapes).  How the bytes are decoded is :class:`echo_native.decode.Decoder`'s
+business; bad data raises :class:`~echo_native.errors.DecodeError` and the
+worker applies the error policy.
+
+- :class:`RandomResizedCrop`: training, torchvision's RandomResizedCrop +
+  RandomHorizontalFlip, drawn from (seed, epoch, sample id, echo index).
+- :class:`CenterCrop`: evaluation, torchvision's Resize + CenterCrop.
+- :class:`Canvas`: what echoing before augmentation keeps (internal).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from echo_native import _kernel
-from echo_native.decode import _pillow_rgb, is_jpeg
+
+
+def output_size(size, owner="size"):
+    """``size`` (an int for a square, or ``(height, width)``) as a checked pair."""
+    if isinstance(size, (int, np.integer)) and not isinstance(size, (bool, np.bool_)):
+        size = (size, size)
+    try:
+        h, w = size
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner} must be an int or (height, width), got {size!r}") from None
+    for v in (h, w):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{owner} must be an int or (height, width) of ints, got {size!r}")
+        if not 0 < v <= 65535:
+            raise ValueError(f"{owner} must be positive and at most 65535, got {size!r}")
+    return int(h), int(w)
+
+
+def _pair_of_floats(value, name, owner):
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}: {name} must be a pair of numbers, got {value!r}") from None
+    return lo, hi
+
 
 def check_crop_args(scale, ratio, flip_p):
     """Refuse bad RandomResizedCrop arguments up front (ValueError naming them): inside
@@ -20,71 +52,103 @@ def check_crop_args(scale, ratio, flip_p):
     _kernel.random_resized_crop_params(0, 0, 0, 0, 1, 1, scale, ratio, flip_p)
 
 
-def _size2(size):
-    return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
-
-
 @dataclass(frozen=True)
 class RandomResizedCrop:
-    """torchvision's RandomResizedCrop + RandomHorizontalFlip, fused with decoding."""
+    """torchvision's ``RandomResizedCrop(size, scale, ratio)`` + ``RandomHorizontalFlip(flip_p)``,
+    fused with the decode.
 
-    size: tuple
+    Parameters
+    ----------
+    size : int or (height, width), default 224
+        Output size; stored as ``(height, width)``.
+    scale : (float, float), default (0.08, 1.0)
+        Range of the crop's area as a fraction of the image's.
+    ratio : (float, float), default (3/4, 4/3)
+        Range of the crop's aspect ratio (width / height), drawn log-uniformly.
+    flip_p : float, default 0.5
+        Probability of a horizontal flip.
+
+    Every crop and flip is a pure function of (seed, epoch, sample id, echo
+    index): any worker draws the same, and every echo draws its own.
+    """
+
+    size: tuple = (224, 224)
     scale: tuple = (0.08, 1.0)
     ratio: tuple = (3 / 4, 4 / 3)
     flip_p: float = 0.5
 
     def __post_init__(self):
-        check_crop_args(self.scale, self.ratio, self.flip_p)
+        name = type(self).__name__
+        set_ = object.__setattr__
+        set_(self, "size", output_size(self.size, f"{name}: size"))
+        set_(self, "scale", _pair_of_floats(self.scale, "scale", name))
+        set_(self, "ratio", _pair_of_floats(self.ratio, "ratio", name))
+        try:
+            set_(self, "flip_p", float(self.flip_p))
+        except (TypeError, ValueError):
+            raise TypeError(f"{name}: flip_p must be a number, got {self.flip_p!r}") from None
+        try:
+            check_crop_args(self.scale, self.ratio, self.flip_p)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
     @property
     def sample_bytes(self):
-        h, w = _size2(self.size)
+        h, w = self.size
         return h * w * 3
 
     def apply(self, dec, data, key, slot, i):
-        seed, epoch, sid, echo = key
-        size = _size2(self.size)
-        out = slot.pixels[i].reshape(*size, 3)
-        if is_jpeg(data):
-            box, flip = dec.decode_random_crop(data, size, seed, epoch, sid, echo, self.scale,
-                                               self.ratio, self.flip_p, out)
-        else:
-            image = _pillow_rgb(data, dec.limits["max_pixels"])
-            box, flip = _kernel.random_resized_crop_params(
-                seed, epoch, sid, echo, image.shape[0], image.shape[1], self.scale, self.ratio,
-                self.flip_p)
-            dec.resize(image, box, size, flip, out)
+        out = slot.pixels[i].reshape(*self.size, 3)
+        box, flip = dec.random_crop(data, self.size, key, self.scale, self.ratio, self.flip_p,
+                                    out)
         slot.boxes[i] = box
         slot.flip[i] = flip
-        slot.shapes[i] = size
+        slot.shapes[i] = self.size
 
 
 @dataclass(frozen=True)
 class CenterCrop:
-    """Evaluation transform: Resize(resize_size) + CenterCrop(size), fused."""
+    """Evaluation: torchvision's ``Resize(resize)`` + ``CenterCrop(size)``, fused.
 
-    size: int
-    resize_size: int
+    Parameters
+    ----------
+    size : int or (height, width), default 224
+        Output size; stored as ``(height, width)``.
+    resize : int, optional
+        The shorter side after resizing (torchvision's ``Resize(int)``);
+        default ``round(max(size) / 0.875)``: 256 for 224.
+
+    The two torchvision steps are one resampling of the matching box of the
+    original (one rounding instead of two), decoded at a reduced DCT scale when
+    the box is at least twice the output size.  Against torchvision's own
+    pipeline on the same file the pixels differ by about one level on average
+    (``tests/test_evaluation.py`` states the bound).
+    """
+
+    size: tuple = (224, 224)
+    resize: int = None
+
+    def __post_init__(self):
+        name = type(self).__name__
+        object.__setattr__(self, "size", output_size(self.size, f"{name}: size"))
+        if self.resize is None:
+            object.__setattr__(self, "resize", int(round(max(self.size) / 0.875)))
+        elif (not isinstance(self.resize, (int, np.integer)) or isinstance(self.resize, bool)
+              or not 0 < self.resize <= 65535):
+            raise ValueError(f"{name}: resize must be a positive integer (the shorter side "
+                             f"after resizing), got {self.resize!r}")
+        object.__setattr__(self, "resize", int(self.resize))
 
     @property
     def sample_bytes(self):
-        return self.size * self.size * 3
+        h, w = self.size
+        return h * w * 3
 
     def apply(self, dec, data, key, slot, i):
-        size = (self.size, self.size)
-        out = slot.pixels[i].reshape(*size, 3)
-        if is_jpeg(data):
-            h, w, _, _ = dec.info(data)
-            box = _kernel.center_crop_box(h, w, self.resize_size, self.size)
-            dec.decode_crop(data, box, size, False, out)
-        else:
-            image = _pillow_rgb(data, dec.limits["max_pixels"])
-            box = _kernel.center_crop_box(image.shape[0], image.shape[1], self.resize_size,
-                                          self.size)
-            dec.resize(image, box, size, False, out)
-        slot.boxes[i] = box
+        out = slot.pixels[i].reshape(*self.size, 3)
+        slot.boxes[i] = dec.center_crop(data, self.resize, self.size, out)
         slot.flip[i] = False
-        slot.shapes[i] = size
+        slot.shapes[i] = self.size
 
 
 @dataclass(frozen=True)
@@ -101,39 +165,28 @@ class Canvas:
     min_side: int
     max_pixels: int
 
+    def __post_init__(self):
+        if self.min_side <= 0 or self.max_pixels < self.min_side * self.min_side:
+            raise ValueError(f"canvas_max_pixels ({self.max_pixels}) must be at least "
+                             f"canvas_side^2 ({self.min_side * self.min_side})")
+
     @property
     def sample_bytes(self):
         return self.max_pixels * 3
 
     def apply(self, dec, data, key, slot, i):
-        row = slot.pixels[i]
-        if is_jpeg(data):
-            H, W, _, _ = dec.info(data)
-            ch, cw, d = dec.canvas_shape(data, self.min_side)
-            if ch * cw <= self.max_pixels:
-                dec.decode_canvas(data, self.min_side, row)
-                shape, scale = (ch, cw), (float(d), float(d))
-            else:
-                canvas, d = dec.decode_canvas(data, self.min_side)
-                shape, scale = self._fit(dec, canvas, H * W, row)
-                scale = (scale[0] * d, scale[1] * d)
-        else:
-            canvas = _pillow_rgb(data, dec.limits["max_pixels"])
-            H, W = canvas.shape[:2]
-            if H * W <= self.max_pixels:
-                row[:canvas.size] = canvas.reshape(-1)
-                shape, scale = (H, W), (1.0, 1.0)
-            else:
-                shape, scale = self._fit(dec, canvas, H * W, row)
-        slot.shapes[i] = shape
-        slot.source_hw[i] = (H, W)
+        canvas, scale, source = dec.canvas(data, self.min_side, self.max_pixels, slot.pixels[i])
+        slot.shapes[i] = canvas.shape[:2]
+        slot.source_hw[i] = source
         slot.canvas_scale[i] = scale
-        slot.boxes[i] = (0, 0, H, W)
+        slot.boxes[i] = (0, 0) + tuple(source)
         slot.flip[i] = False
 
-    def _fit(self, dec, canvas, source_pixels, row):
-        ch, cw = canvas.shape[:2]
-        t = math.sqrt(self.max_pixels / (ch * cw))
-        h, w = max(1, int(ch * t)), max(1, int(cw * t))
-        dec.resize(canvas, (0, 0, ch, cw), (h, w), False, row[:h * w * 3].reshape(h, w, 3))
-        return (h, w), (ch / h, cw / w)
+
+def canvas_for(crop: RandomResizedCrop, side=None, max_pixels=None):
+    """The :class:`Canvas` that echoing before augmentation keeps for ``crop``: shorter
+    side at least ``side`` (default the crop's larger output side), at most
+    ``max_pixels`` (default 2 x side^2)."""
+    side = int(side or max(crop.size))
+    budget = int(max_pixels or 2 * side * side)
+    return Canvas(min_side=side, max_pixels=budget)

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native import _kernel
-from echo_native.decode import DEFAULT_MAX_PIXELS, DEFAULT_MAX_SCANS
+from echo_native.decode import DecodeLimits, Decoder
 from echo_native.errors import DecodeError
-from echo_native.ring import (CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, OK, REPLACED,
-                              Ring, _pid_alive)
+from echo_native.ring import (CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, NO_SAMPLE, OK,
+                              REASON_DECODE, REASON_NONE, REASON_READ, REPLACED, Failure, Ring,
+                              _pid_alive)
 
 ON_ERROR = ("replace", "skip", "raise")
-_REASON_DECODE, _REASON_READ = 1, 2
 _MAX_REPLACEMENTS = 16
 # How long one wait sleeps before re-checking the world (owner alive, ring
 # closed).  Bounds how late a worker notices its parent died.
@@ -39,14 +39,71 @@ _POLL_S = 0.25
 
 # ---- which samples each ticket holds ------------------------------------------
 @dataclass(frozen=True)
+class Shard:
+    """Which part of the data this process reads, as torch's ``DistributedSampler``.
+
+    Parameters
+    ----------
+    rank, world_size : int, optional
+        This process's index and the number of processes.  Default: torchrun's
+        ``RANK`` and ``WORLD_SIZE`` environment variables, else a single process.
+    pad : bool, optional
+        True: every rank reads the same number of samples, the last ones wrapping
+        around to the start of the epoch's order (``DistributedSampler``'s
+        padding: a few samples are read twice per epoch, and every rank takes the
+        same number of steps).  False: each sample exactly once across ranks;
+        ranks then differ by at most one sample, so by at most one batch.
+        Default: pad when shuffling (training), not otherwise (evaluation).
+    """
+
+    rank: int = None
+    world_size: int = None
+    pad: bool = None
+
+    def __post_init__(self):
+        for name in ("rank", "world_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool)):
+                raise TypeError(f"Shard: {name} must be an integer, got {v!r}")
+        if self.pad is not None and not isinstance(self.pad, bool):
+            raise TypeError(f"Shard: pad must be True, False or None, got {self.pad!r}")
+        if self.world_size is not None or self.rank is not None:
+            distributed_rank(self.rank, self.world_size)  # range checks, naming the values
+
+    def resolve(self, shuffle):
+        """``(rank, world_size, pad)`` with the defaults filled in."""
+        rank, world_size = distributed_rank(self.rank, self.world_size)
+        return rank, world_size, bool(shuffle) if self.pad is None else self.pad
+
+
+def distributed_rank(rank=None, world_size=None):
+    """(rank, world_size): given explicitly, else from torchrun's RANK/WORLD_SIZE, else (0, 1)."""
+    try:
+        if world_size is None:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if rank is None:
+            rank = int(os.environ.get("RANK", "0")) if world_size > 1 else 0
+        rank, world_size = int(rank), int(world_size)
+    except ValueError:
+        raise ValueError(f"RANK/WORLD_SIZE must be integers, got RANK="
+                         f"{os.environ.get('RANK')!r}, WORLD_SIZE="
+                         f"{os.environ.get('WORLD_SIZE')!r}") from None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, "
+                         f"world_size={world_size}")
+    return rank, world_size
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything a worker needs to fill any ticket, identically in every process.
 
     Sharding follows torch's ``DistributedSampler``: every rank draws the same
-    global order for (seed, epoch), pads it by wrapping around to a multiple of
-    ``world_size`` (or, with ``drop_last``, truncates it), and takes every
-    ``world_size``-th sample from position ``rank``.  So ranks are disjoint
-    (apart from the padding) and all yield the same number of batches.
+    global order for (seed, epoch) and takes every ``world_size``-th sample from
+    position ``rank``.  With ``pad`` the order is first padded by wrapping
+    around to a multiple of ``world_size`` (or, with ``drop_last``, truncated),
+    so all ranks yield the same number of batches; without it each sample goes
+    to exactly one rank and the ranks differ by at most one sample.
     """
 
     total_samples: int
@@ -56,20 +113,22 @@ class Plan:
     shuffle: bool = True
     drop_last: bool = False
     on_error: str = "replace"
-    strict: bool = True
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    max_scans: int = DEFAULT_MAX_SCANS
+    decode: DecodeLimits = DecodeLimits()
     rank: int = 0
     world_size: int = 1
+    pad: bool = True
 
     @property
     def num_samples(self):
         """Samples this rank reads per epoch."""
-        if self.world_size == 1:
-            return self.total_samples
+        n, world = self.total_samples, self.world_size
+        if world == 1:
+            return n
         if self.drop_last:
-            return self.total_samples // self.world_size
-        return math.ceil(self.total_samples / self.world_size)
+            return n // world
+        if self.pad:
+            return math.ceil(n / world)
+        return len(range(self.rank, n, world))
 
     @property
     def batches_per_epoch(self):
@@ -92,6 +151,8 @@ class Plan:
         order = self.global_order(epoch, source)
         if self.world_size == 1:
             return order
+        if not self.pad and not self.drop_last:
+            return order[self.rank::self.world_size]
         need = self.num_samples * self.world_size
         if need > len(order):
             order = np.resize(order, need)  # wraps around, as DistributedSampler pads
@@ -120,7 +181,7 @@ class _EpochCache:
 class _Filler:
     def __init__(self, ring: Ring, plan: Plan, source):
         self.ring, self.plan, self.source = ring, plan, source
-        self.dec = _kernel.Decoder(plan.max_pixels, plan.max_scans, plan.strict)
+        self.dec = Decoder(plan.decode)
         self.epochs = _EpochCache(plan, source)
         self.labels = np.asarray(source.labels, dtype=np.int64)
 
@@ -129,18 +190,18 @@ class _Filler:
         try:
             data = self.source.read(sid)
         except OSError as e:
-            raise _SampleFailure(_REASON_READ, self.source.describe(sid),
+            raise _SampleFailure(REASON_READ, self.source.describe(sid),
                                  f"cannot read: {e.strerror or e}") from None
         try:
             self.plan.transform.apply(self.dec, data, (self.plan.seed, epoch, sid, 0), slot, i)
         except (DecodeError, ValueError) as e:
-            raise _SampleFailure(_REASON_DECODE, self.source.describe(sid), str(e)) from None
+            raise _SampleFailure(REASON_DECODE, self.source.describe(sid), str(e)) from None
 
     def fill(self, ticket):
         t0 = time.perf_counter()
         plan, slot = self.plan, self.ring.slots[ticket % self.ring.layout.nslots]
         epoch, ids = self.epochs.ticket(ticket)
-        count, failures, report = 0, 0, []
+        count, failures, records = 0, 0, []
         for sid in ids:
             sid = int(sid)
             try:
@@ -149,11 +210,9 @@ class _Filler:
             except _SampleFailure as f:
                 failures += 1
                 slot.reason[count] = f.reason
-                message = " ".join(f.message.split())  # one line per failure
-                report.append(f"{sid}\t{f.reason}\t{f.path}\t{message}")
+                records.append(Failure(sid, f.reason, f.path, f.message))
                 if plan.on_error == "raise":
-                    self.ring.write_meta(ticket, count, ERR_DECODE, failures,
-                                         "\n".join(report).encode())
+                    self.ring.write_meta(ticket, count, ERR_DECODE, failures, records)
                     return
                 if plan.on_error == "skip":
                     continue
@@ -167,7 +226,7 @@ class _Filler:
             if status == OK:
                 slot.reason[count] = 0
             count += 1
-        self.ring.write_meta(ticket, count, ERR_NONE, failures, "\n".join(report).encode(),
+        self.ring.write_meta(ticket, count, ERR_NONE, failures, records,
                              time.perf_counter() - t0)
 
     def _replace(self, epoch, sid, slot, i):
@@ -219,9 +278,10 @@ def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None):
         try:
             filler.fill(ticket)
         except Exception:
-            ring.write_meta(ticket, 0, ERR_WORKER, 0,
-                            f"worker {index} (pid {os.getpid()}):\n{traceback.format_exc()}"
-                            .encode())
+            # No sample's failure: one record with no sample id, carrying the traceback.
+            ring.write_meta(ticket, 0, ERR_WORKER, 0, [Failure(
+                NO_SAMPLE, REASON_NONE, "",
+                f"worker {index} (pid {os.getpid()}):\n{traceback.format_exc()}")])
         ring.publish(ticket)
         ring.set_claim(index, 0)
 

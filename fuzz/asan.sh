@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The kernel, ring, hostile-input and bad-API tests under AddressSanitizer + UBSan.
+# The kernel, ring, loader, backend, pipeline, hostile-input and bad-API tests under ASan + UBSan.
 #
 #   fuzz/asan.sh [pytest args...]     # default: the test files below, -x -q
 #
@@ -40,9 +40,11 @@ for so in "$tree"/echo_native/_kernel*.so "$tree"/echo_native/_ring*.so \
 done
 
 if [ $# -eq 0 ]; then
-  set -- tests/test_decode.py tests/test_hostile.py tests/test_fuzz.py tests/test_ring.py \
-         tests/test_bad_api.py tests/test_device.py \
-         tests/test_hostile_corpus.py -x -q -p no:cacheprovider
+  set -- tests/test_decode.py tests/test_ring.py tests/test_loader.py tests/test_workers.py \
+         tests/test_backends.py tests/test_output.py tests/test_pipeline.py \
+         tests/robustness/test_hostile.py tests/robustness/test_fuzz.py \
+         tests/robustness/test_bad_api.py tests/robustness/test_hostile_corpus.py \
+         -x -q -p no:cacheprovider
 fi
 
 export PYTHONPATH="$tree"

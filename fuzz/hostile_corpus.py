@@ -9,7 +9,7 @@ out on every machine with the same Pillow/libjpeg.
 
 Every file must make every public entry point raise ``DecodeError`` (or
 ``ValueError``/``TypeError``) or return a correct image, quickly, with bounded
-memory (``tests/test_hostile_corpus.py`` checks that).  Categories:
+memory (``tests/robustness/test_hostile_corpus.py`` checks that).  Categories:
 
   trunc-*       truncated at every segment boundary (and inside segments / scans)
   flip-*        single-bit flips in SOF, DQT, DHT, SOS, DRI and APP14 segments

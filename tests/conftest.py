@@ -4,12 +4,14 @@ Every JPEG here is encoded from one of scikit-image's bundled photographs
 (never noise or flat colour), either by Pillow or, for the variants Pillow
 cannot write (4:4:0 and 4:1:1 sampling, YCCK, CMYK without an Adobe marker,
 arithmetic coding, custom progressive scan scripts), by a 90-line libjpeg
-writer compiled once per session against the system libjpeg -- the same
-compiler and headers the package itself is built with, so it is available
-wherever the package builds.  Nothing is skipped for lack of a tool.
+writer (``tests/c/jpegtool.c``) compiled once per session against the system
+libjpeg -- the same compiler and headers the package itself is built with, so
+it is available wherever the package builds.  Nothing is skipped for lack of a
+tool.
 
 Fixtures:
   ``images``      session factory: photos, encoders, Pillow references, byte surgery
+  ``corpus_root`` an ImageFolder tree of 48 real-photo JPEGs (per test module)
   ``jpeg_kind``   parametrised over every JPEG input kind in :data:`KINDS`
   ``other_format``  parametrised over the non-JPEG formats in :data:`OTHER_FORMATS`
 """
@@ -22,6 +24,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -31,27 +34,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
+# The helper modules (ring_helpers, echo_helpers, sources_helpers) live in this folder;
+# make them importable from test files in subfolders too (and, through sys.path, in
+# forkserver workers).
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
 # ---------------------------------------------------------------------------
 # photographs
 
 
-@functools.lru_cache(maxsize=None)
-def photo(name: str) -> np.ndarray:
-    """A scikit-image photograph as a read-only uint8 array (RGB, or 2-D for gray ones)."""
-    import skimage.data
-
-    arr = np.ascontiguousarray(getattr(skimage.data, name)())
-    assert arr.dtype == np.uint8, name
-    if arr.ndim == 3:
-        arr = np.ascontiguousarray(arr[..., :3])
-    arr.setflags(write=False)
-    return arr
-
-
-def fit(arr: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Resample a photograph to exactly height x width (real content, any aspect)."""
-    im = Image.fromarray(arr).resize((width, height), Image.LANCZOS)
-    return np.asarray(im)
+from photos import fit, photo  # noqa: E402  (re-exported for fuzz/hostile_corpus.py)
 
 
 def rgb_to_ink(rgb: np.ndarray) -> np.ndarray:
@@ -91,98 +85,8 @@ def pil_jpeg(arr: np.ndarray, quality: int = 90, **opts) -> bytes:
     return pil_encode(arr, "JPEG", quality=quality, **opts)
 
 
-_JPEGTOOL_C = r"""
-/* Test-only JPEG writer over the system libjpeg: the variants Pillow cannot write.
- * usage: IN OUT W H NCOMP INCS JPEGCS QUALITY SAMPLING PROG ARITH RESTART_ROWS ADOBE */
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <jpeglib.h>
-
-static J_COLOR_SPACE cs(const char *s) {
-    if (!strcmp(s, "gray")) return JCS_GRAYSCALE;
-    if (!strcmp(s, "rgb")) return JCS_RGB;
-    if (!strcmp(s, "ycc")) return JCS_YCbCr;
-    if (!strcmp(s, "cmyk")) return JCS_CMYK;
-    if (!strcmp(s, "ycck")) return JCS_YCCK;
-    fprintf(stderr, "unknown colour space %s\n", s);
-    exit(2);
-}
-
-int main(int argc, char **argv) {
-    if (argc != 14) { fprintf(stderr, "bad usage\n"); return 2; }
-    int w = atoi(argv[3]), h = atoi(argv[4]), nc = atoi(argv[5]);
-    int prog = atoi(argv[10]), arith = atoi(argv[11]), restart = atoi(argv[12]);
-    int adobe = atoi(argv[13]);
-    size_t n = (size_t)w * h * nc;
-    unsigned char *px = malloc(n);
-    FILE *f = fopen(argv[1], "rb");
-    if (!px || !f || fread(px, 1, n, f) != n) { fprintf(stderr, "short input\n"); return 1; }
-    fclose(f);
-    FILE *out = fopen(argv[2], "wb");
-    if (!out) return 1;
-    struct jpeg_compress_struct c;
-    struct jpeg_error_mgr jerr;
-    c.err = jpeg_std_error(&jerr);
-    jpeg_create_compress(&c);
-    jpeg_stdio_dest(&c, out);
-    c.image_width = w;
-    c.image_height = h;
-    c.input_components = nc;
-    c.in_color_space = cs(argv[6]);
-    jpeg_set_defaults(&c);
-    jpeg_set_colorspace(&c, cs(argv[7]));
-    if (adobe >= 0) c.write_Adobe_marker = adobe;
-    jpeg_set_quality(&c, atoi(argv[8]), TRUE);
-    if (strcmp(argv[9], "-")) {               /* "h0xv0,h1xv1,..." */
-        const char *p = argv[9];
-        for (int ci = 0; ci < c.num_components && *p; ci++) {
-            int hs, vs, used;
-            if (sscanf(p, "%dx%d%n", &hs, &vs, &used) != 2) return 2;
-            c.comp_info[ci].h_samp_factor = hs;
-            c.comp_info[ci].v_samp_factor = vs;
-            p += used;
-            if (*p == ',') p++;
-        }
-    }
-    c.arith_code = arith ? TRUE : FALSE;
-    c.restart_in_rows = restart;
-    c.dct_method = JDCT_ISLOW;
-    if (prog == 1) {
-        jpeg_simple_progression(&c);
-    } else if (prog >= 2) {
-        /* Many valid scans: one interleaved DC scan, then every AC coefficient of
-         * every component in a scan of its own, refined bit by bit from
-         * Al = prog - 2 down to 0: 1 + 63 * ncomp * (prog - 1) scans. */
-        int al = prog - 2, ncomp = c.num_components;
-        int nscans = 1 + 63 * ncomp * (al + 1);
-        jpeg_scan_info *s = calloc(nscans, sizeof *s), *q = s;
-        q->comps_in_scan = ncomp;
-        for (int ci = 0; ci < ncomp; ci++) q->component_index[ci] = ci;
-        q++;
-        for (int ci = 0; ci < ncomp; ci++)
-            for (int k = 1; k < 64; k++)
-                for (int bit = al; bit >= 0; bit--, q++) {
-                    q->comps_in_scan = 1;
-                    q->component_index[0] = ci;
-                    q->Ss = q->Se = k;
-                    q->Ah = bit == al ? 0 : bit + 1;
-                    q->Al = bit;
-                }
-        c.scan_info = s;
-        c.num_scans = nscans;
-    }
-    jpeg_start_compress(&c, TRUE);
-    while (c.next_scanline < c.image_height) {
-        JSAMPROW row = px + (size_t)c.next_scanline * w * nc;
-        jpeg_write_scanlines(&c, &row, 1);
-    }
-    jpeg_finish_compress(&c);
-    jpeg_destroy_compress(&c);
-    fclose(out);
-    return 0;
-}
-"""
+# The writer's source: tests/c/jpegtool.c (compiled on first use).
+JPEGTOOL_C = os.path.join(TESTS, "c", "jpegtool.c")
 
 
 class LibjpegWriter:
@@ -195,12 +99,9 @@ class LibjpegWriter:
     def _build(self):
         self._dir = tempfile.mkdtemp(prefix="en-jpegtool-")
         atexit.register(shutil.rmtree, self._dir, True)
-        src = os.path.join(self._dir, "jpegtool.c")
         exe = os.path.join(self._dir, "jpegtool")
-        with open(src, "w") as f:
-            f.write(_JPEGTOOL_C)
         cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
-        proc = subprocess.run([*cc, "-O1", "-o", exe, src, "-ljpeg"], capture_output=True,
+        proc = subprocess.run([*cc, "-O1", "-o", exe, JPEGTOOL_C, "-ljpeg"], capture_output=True,
                               text=True)
         if proc.returncode != 0:
             raise RuntimeError(
@@ -649,6 +550,16 @@ class Images:
 def images() -> Images:
     """Photographs, encoders, Pillow references and JPEG byte surgery."""
     return Images()
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory):
+    """An ImageFolder tree of 48 JPEGs cut from real photographs, 3 classes (the ring,
+    loader, worker and fault tests' corpus; ``ring_helpers.make_corpus``)."""
+    import ring_helpers as rh
+
+    return rh.make_corpus(tmp_path_factory.getbasetemp() / "ring_corpus_48", 48, seed=1,
+                          classes=3)
 
 
 @pytest.fixture

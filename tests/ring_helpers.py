@@ -138,7 +138,13 @@ def fill_slot(ring, ticket):
         slot.pixels[j] = row
         slot.labels[j] = checksum(row)
         slot.sample_ids[j] = ticket * B + j
-    ring.write_meta(ticket, B, 0, 0, f"ticket {ticket}".encode())
+    ring.write_meta(ticket, B, 0, 0, [_marker(ticket)])
+
+
+def _marker(ticket):
+    """A failure record naming the ticket: the consumer checks the slot's meta is its own."""
+    from echo_native.ring import Failure
+    return Failure(ticket, 0, f"ticket {ticket}", "")
 
 
 def verify_slot(ring, ticket):
@@ -147,7 +153,7 @@ def verify_slot(ring, ticket):
     B = ring.layout.batch_size
     problems = []
     count, error, failures, report = ring.read_meta(ticket)
-    if (count, error, failures, report) != (B, 0, 0, f"ticket {ticket}"):
+    if (count, error, failures, report) != (B, 0, 0, [_marker(ticket)]):
         problems.append(f"ticket {ticket}: meta {(count, error, failures, report)!r}")
     for j in range(B):
         if int(slot.sample_ids[j]) != ticket * B + j:

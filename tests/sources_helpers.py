@@ -1,7 +1,7 @@
 """Helpers for the source / sharding / resume tests (importable by workers).
 
 Workers start with ``forkserver``, so anything a worker runs must live in an
-importable module, not in a test file.  ``tests/test_sources.py`` and
+importable module, not in a test file.  ``tests/test_source.py`` and
 ``tests/test_distributed.py`` put this folder on ``sys.path`` and
 ``import sources_helpers``.
 

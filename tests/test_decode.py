@@ -438,3 +438,41 @@ def test_threads_match_serial_results(images):
         parallel = list(pool.map(lambda job: en.decode_crop(*job), jobs))
     for a, b in zip(serial, parallel):
         np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------
+# decode_random_crop: RandomResizedCrop's parameters fused with the decode
+
+
+@pytest.mark.parametrize("name", ["baseline-4:2:0", "progressive-4:4:4", "gray", "cmyk-adobe",
+                                  "tall-2000x3", "tiny-1x1", "arithmetic"])
+def test_decode_random_crop_equals_decode_crop(images, name):
+    """decode_random_crop returns the params' box/flip and exactly decode_crop's pixels for them."""
+    sample = images.sample(name)
+    h, w = sample.expected.shape[:2]
+    for sample_id in range(6):
+        for echo in (0, 1):
+            img, box, flip = en.decode_random_crop(sample.data, (56, 72), 77, 3, sample_id, echo)
+            assert (box, flip) == en.random_resized_crop_params(77, 3, sample_id, echo, h, w)
+            np.testing.assert_array_equal(img, en.decode_crop(sample.data, box, (56, 72),
+                                                              flip=flip))
+
+
+def test_decode_random_crop_custom_ranges_and_out(images):
+    """Custom scale/ratio/flip_p pass through to the box; `out` is filled in place."""
+    data = images.sample("baseline-4:2:2").data
+    h, w = images.sample("baseline-4:2:2").expected.shape[:2]
+    out = np.zeros((40, 40, 3), np.uint8)
+    img, box, flip = en.decode_random_crop(data, (40, 40), 5, 6, 7, 8, scale=(0.5, 0.6),
+                                           ratio=(1.0, 1.5), flip_p=1.0, out=out)
+    assert img is out and flip is True
+    assert (box, flip) == en.random_resized_crop_params(5, 6, 7, 8, h, w, (0.5, 0.6), (1.0, 1.5),
+                                                        1.0)
+    np.testing.assert_array_equal(out, en.decode_crop(data, box, (40, 40), flip=True))
+
+
+def test_echoes_of_a_sample_get_different_crops(images):
+    """Echo indices 0..7 of one sample re-augment it: distinct crops of the same image."""
+    data = images.sample("progressive-4:2:0").data
+    boxes = {en.decode_random_crop(data, (32, 32), 1, 0, 42, e)[1] for e in range(8)}
+    assert len(boxes) == 8

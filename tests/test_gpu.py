@@ -1,5 +1,6 @@
 """CUDA backend (echo_native/cuda.py).  These run only where CuPy finds a GPU; without
-one they are skipped, and tests/test_device.py covers the same logic on NumPy."""
+one they are skipped, and tests/test_backends.py and tests/test_pipeline.py cover the same
+logic on NumPy."""
 
 import echo_helpers
 import numpy as np

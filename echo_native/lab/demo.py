@@ -9,18 +9,19 @@ factor and placement, over several seeds, the demo measures the **fresh examples
 and the **wall time** (training only: evaluation pauses both the clock and the
 upstream) needed to reach a fixed accuracy on the full 10,000-image test set.
 
-Run it with ``echo-native demo`` (see ``echo-native demo --help``).
+Run it with ``echo-native-lab demo`` (see ``echo-native-lab demo --help``).
 """
 from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from echo_native.profile import measure_upstream
 
 __all__ = ["ThrottledSource", "DemoConfig", "run_demo", "train_one", "measure_step",
            "markdown_table", "summarize"]
@@ -374,33 +375,3 @@ def run_demo(cfg: DemoConfig, log=None):
         json.dump(report, f, indent=2, default=str)
     report["chart"] = cfg.out_chart if chart(rows, runs, cfg.out_chart, cfg.target) else None
     return report
-
-
-def measure_upstream(source, batch_size, image_size, workers, seconds=2.0, min_batches=8,
-                     placement="after_augment"):
-    """Fresh images/s of the pipeline with a null consumer (echo=1), after warm-up."""
-    import echo_native as en
-
-    ring = en.EchoRing(source, batch_size=batch_size, image_size=image_size, echo=1,
-                       placement=placement, workers=workers, seed=0)
-    skip = ring.loader.slots  # batches prepared before the clock starts
-    n = k = seen = 0
-    t0 = None
-    with ring:
-        while True:
-            for batch in ring:
-                seen += 1
-                if seen == skip:
-                    t0 = time.perf_counter()
-                    continue
-                if t0 is None:
-                    continue
-                n += len(batch)
-                k += 1
-                if k >= min_batches and time.perf_counter() - t0 >= seconds:
-                    return n / (time.perf_counter() - t0)
-
-if __name__ == "__main__":  # pragma: no cover
-    from echo_native.cli import main
-
-    sys.exit(main(["demo"] + sys.argv[1:]))

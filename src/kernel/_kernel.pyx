@@ -4,7 +4,7 @@ Every byte-level call runs with the GIL released; the GIL is taken again only
 to turn a failure status into an exception.  Argument checks live here, the
 pixels never leave C.
 """
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport uint8_t, uint64_t, UINT64_MAX
 cimport numpy as cnp
 import numpy as np
 
@@ -46,14 +46,23 @@ cdef extern from "en_kernel.h" nogil:
     int en_pick_scale(en_box box, int out_h, int out_w)
     int en_jpeg_decode_crop(en_decoder *d, const uint8_t *data, size_t length, en_box box,
                             int out_h, int out_w, int flip, uint8_t *out, size_t stride)
+    ctypedef struct en_canvas:
+        int denom, reduced_height, reduced_width, height, width
+        double scale_y, scale_x
+        int source_height, source_width
+    void en_canvas_plan(int height, int width, int min_side, uint64_t max_pixels, en_canvas *c)
     int en_jpeg_decode_canvas(en_decoder *d, const uint8_t *data, size_t length, int min_side,
-                              uint8_t *out, size_t out_cap, int *out_h, int *out_w, int *scale)
+                              uint64_t max_pixels, uint8_t *out, size_t out_cap,
+                              en_canvas *canvas)
     int en_resize_rgb(en_decoder *d, const uint8_t *src, int h, int w, size_t src_stride,
                       en_box box, int out_h, int out_w, int flip, uint8_t *out, size_t stride)
     void en_philox4x64(const uint64_t *ctr, const uint64_t *key, uint64_t *out)
     void en_random_resized_crop(en_key key, int height, int width, en_rrc_spec spec,
                                 en_box *box, int *flip)
-    en_box en_center_crop_box(int height, int width, int resize_side, int out_side)
+    en_box en_center_crop_box(int height, int width, int resize_side, int out_h, int out_w)
+    int en_jpeg_decode_center_crop(en_decoder *d, const uint8_t *data, size_t length,
+                                   int resize_side, int out_h, int out_w, uint8_t *out,
+                                   size_t stride, en_box *box)
     int en_jpeg_decode_random_crop(en_decoder *d, const uint8_t *data, size_t length,
                                    en_key key, en_rrc_spec spec, int out_h, int out_w,
                                    uint8_t *out, size_t stride, en_box *box, int *flip)
@@ -225,53 +234,69 @@ cdef class Decoder:
             _raise(self._d, st)
         return (int(b.top), int(b.left), int(b.height), int(b.width)), bool(f)
 
-    def canvas_shape(self, const uint8_t[::1] data not None, int min_side):
-        """(height, width, scale) of the canvas :meth:`decode_canvas` would produce."""
-        cdef int h = 0, w = 0, s = 0, st
-        if min_side <= 0:
-            raise ValueError(f"min_side must be positive, got {min_side}")
+    def decode_center_crop(self, const uint8_t[::1] data not None, int resize_side, size,
+                           out=None):
+        """Resize(resize_side) + CenterCrop(size) fused with the decode, one header parse.
+
+        Returns the box of the original that was resampled."""
+        oh, ow = check_size(size)
+        if resize_side <= 0:
+            raise ValueError(f"resize_side must be positive, got {resize_side}")
+        cdef cnp.ndarray o = _output(out, oh, ow)
+        cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(o)
+        cdef size_t stride = o.strides[0]
+        cdef en_box b
+        cdef int st, h = oh, w = ow
         cdef const uint8_t *src = _bytes_ptr(data)
         with nogil:
-            st = en_jpeg_decode_canvas(self._d, src, data.shape[0], min_side, NULL,
-                                       0, &h, &w, &s)
+            st = en_jpeg_decode_center_crop(self._d, src, data.shape[0], resize_side, h, w, p,
+                                            stride, &b)
         if st:
             _raise(self._d, st)
-        return h, w, s
+        return b.top, b.left, b.height, b.width
 
-    def decode_canvas(self, const uint8_t[::1] data not None, int min_side, out=None):
-        """Whole image at the coarsest DCT scale keeping its shorter side >= min_side.
+    def decode_canvas(self, const uint8_t[::1] data not None, int min_side,
+                      uint64_t max_pixels=UINT64_MAX, out=None):
+        """The whole image at the coarsest DCT scale keeping its shorter side >= min_side,
+        shrunk uniformly if it holds more than max_pixels; one header parse.
 
-        `out` may be any writable uint8 buffer large enough (a slot of the echo
-        buffer); the canvas fills its first h*w*3 bytes.  Returns (canvas, scale)
-        where canvas is an (h, w, 3) view.
+        `out` may be any writable contiguous uint8 buffer large enough (a ring slot's
+        row); the canvas fills its first h*w*3 bytes.  Returns (canvas, (scale_y,
+        scale_x), (source_height, source_width)): canvas is an (h, w, 3) view, and
+        canvas pixel (y, x) starts at original pixel (y * scale_y, x * scale_x).
         """
         if min_side <= 0:
             raise ValueError(f"min_side must be positive, got {min_side}")
-        cdef int h = 0, w = 0, s = 0, st
+        if max_pixels == 0:
+            raise ValueError("max_pixels must be positive")
+        cdef en_canvas c
+        cdef int st
         cdef uint8_t[::1] buf
+        cdef const uint8_t *src = _bytes_ptr(data)
         if out is None:
-            h, w, s = self.canvas_shape(data, min_side)
-            out = np.empty(h * w * 3, dtype=np.uint8)
+            with nogil:
+                st = en_jpeg_decode_canvas(self._d, src, data.shape[0], min_side, max_pixels,
+                                           NULL, 0, &c)
+            if st:
+                _raise(self._d, st)
+            out = np.empty(<size_t>c.height * c.width * 3, dtype=np.uint8)
+        arr = np.asarray(out)
         # reshape(-1) of a non-contiguous array is a copy: the canvas would be
         # written there and `out` left untouched.  Refuse it instead.
-        if not np.asarray(out).flags.c_contiguous:
-            raise ValueError("out must be a writable contiguous uint8 buffer, got a "
-                             "non-contiguous array")
-        try:
-            buf = np.asarray(out).reshape(-1)
-        except ValueError:
-            raise ValueError("out must be a writable contiguous uint8 buffer") from None
-        if np.asarray(out).dtype != np.uint8:
-            raise ValueError(f"out must be uint8, got {np.asarray(out).dtype}")
+        if arr.dtype != np.uint8 or not arr.flags.c_contiguous or not arr.flags.writeable:
+            raise ValueError(f"out must be a writable contiguous uint8 buffer, got {arr.dtype} "
+                             f"contiguous={arr.flags.c_contiguous} "
+                             f"writeable={arr.flags.writeable}")
+        buf = arr.reshape(-1)
         cdef uint8_t *p = &buf[0] if buf.shape[0] else _EMPTY
         cdef size_t cap = buf.shape[0]
-        cdef const uint8_t *src = _bytes_ptr(data)
         with nogil:
-            st = en_jpeg_decode_canvas(self._d, src, data.shape[0], min_side, p,
-                                       cap, &h, &w, &s)
+            st = en_jpeg_decode_canvas(self._d, src, data.shape[0], min_side, max_pixels, p,
+                                       cap, &c)
         if st:
             _raise(self._d, st)
-        return np.asarray(buf)[: h * w * 3].reshape(h, w, 3), s
+        canvas = np.asarray(buf)[: c.height * c.width * 3].reshape(c.height, c.width, 3)
+        return canvas, (c.scale_y, c.scale_x), (c.source_height, c.source_width)
 
     def resize(self, image, box, size, flip=False, out=None):
         """Crop `box` of an (H, W, 3) uint8 image and resize it, like decode_crop."""
@@ -328,12 +353,27 @@ def random_resized_crop_params(uint64_t seed, uint64_t epoch, uint64_t sample_id
     return (int(b.top), int(b.left), int(b.height), int(b.width)), bool(f)
 
 
-def center_crop_box(int height, int width, int resize_side, int out_side):
-    """Box of the original that Resize(resize_side) + CenterCrop(out_side) keeps."""
-    if min(height, width, resize_side, out_side) <= 0:
+def center_crop_box(int height, int width, int resize_side, size):
+    """Box of the original that Resize(resize_side) + CenterCrop(size) keeps; ``size`` is
+    an int (square) or (height, width)."""
+    oh, ow = check_size((size, size) if isinstance(size, int) else size)
+    if min(height, width, resize_side) <= 0:
         raise ValueError("sizes must be positive")
-    cdef en_box b = en_center_crop_box(height, width, resize_side, out_side)
+    cdef en_box b = en_center_crop_box(height, width, resize_side, oh, ow)
     return b.top, b.left, b.height, b.width
+
+
+def canvas_plan(int height, int width, int min_side, uint64_t max_pixels=UINT64_MAX):
+    """The canvas of a ``height`` x ``width`` image, by the rule every format follows:
+    a dict with ``denom`` (reduction factor 1, 2, 4 or 8), ``reduced`` (h, w) at
+    that factor, ``shape`` (h, w) of the canvas after fitting ``max_pixels``,
+    ``scale`` (original pixels per canvas pixel, y and x)."""
+    if min(height, width, min_side) <= 0 or max_pixels == 0:
+        raise ValueError("sizes must be positive")
+    cdef en_canvas c
+    en_canvas_plan(height, width, min_side, max_pixels, &c)
+    return {"denom": c.denom, "reduced": (c.reduced_height, c.reduced_width),
+            "shape": (c.height, c.width), "scale": (c.scale_y, c.scale_x)}
 
 
 def pick_scale(box, size):

@@ -115,7 +115,7 @@ void en_random_resized_crop(en_key key, int height, int width, en_rrc_spec spec,
     *flip = uniform(&f) < spec.flip_p;
 }
 
-en_box en_center_crop_box(int height, int width, int resize_side, int out_side) {
+en_box en_center_crop_box(int height, int width, int resize_side, int out_h, int out_w) {
     /* torchvision Resize(resize_side): the shorter side becomes resize_side and
      * the longer one int(resize_side * long / short); CenterCrop rounds the offset. */
     int rh, rw;
@@ -127,7 +127,7 @@ en_box en_center_crop_box(int height, int width, int resize_side, int out_side) 
         rw = (int)((double)resize_side * width / height);
     }
     double sy = (double)rh / height, sx = (double)rw / width;
-    double ch = out_side < rh ? out_side : rh, cw = out_side < rw ? out_side : rw;
+    double ch = out_h < rh ? out_h : rh, cw = out_w < rw ? out_w : rw;
     double top = nearbyint((rh - ch) / 2.0), left = nearbyint((rw - cw) / 2.0);
     en_box b = {top / sy, left / sx, ch / sy, cw / sx};
     return b;

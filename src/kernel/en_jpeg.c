@@ -350,29 +350,70 @@ int en_jpeg_decode_random_crop(en_decoder *d, const uint8_t *data, size_t len, e
     return EN_OK;
 }
 
+void en_canvas_plan(int height, int width, int min_side, uint64_t max_pixels, en_canvas *c) {
+    int denom = 8;
+    while (denom > 1 && (ceil_div(width, denom) < min_side || ceil_div(height, denom) < min_side))
+        denom /= 2;
+    const int rh = ceil_div(height, denom), rw = ceil_div(width, denom);
+    c->denom = denom;
+    c->source_height = height;
+    c->source_width = width;
+    c->reduced_height = c->height = rh;
+    c->reduced_width = c->width = rw;
+    if ((uint64_t)rh * (uint64_t)rw > max_pixels) {
+        /* Over budget (very large or elongated images): shrink uniformly, by
+         * the square root of the excess, so the bytes per sample are fixed. */
+        const double t = sqrt((double)max_pixels / ((double)rh * (double)rw));
+        c->height = (int)(rh * t) > 1 ? (int)(rh * t) : 1;
+        c->width = (int)(rw * t) > 1 ? (int)(rw * t) : 1;
+    }
+    c->scale_y = ((double)rh / c->height) * denom;
+    c->scale_x = ((double)rw / c->width) * denom;
+}
+
+int en_jpeg_decode_center_crop(en_decoder *d, const uint8_t *data, size_t len, int resize_side,
+                               int out_h, int out_w, uint8_t *out, size_t stride, en_box *box) {
+    EN_GUARD(d);
+    begin(d, data, len);
+    *box = en_center_crop_box((int)d->cinfo.image_height, (int)d->cinfo.image_width,
+                              resize_side, out_h, out_w);
+    crop_resize(d, *box, out_h, out_w, 0, out, stride);
+    return EN_OK;
+}
+
 int en_jpeg_decode_canvas(en_decoder *d, const uint8_t *data, size_t len, int min_side,
-                          uint8_t *out, size_t out_cap, int *out_h, int *out_w, int *scale) {
+                          uint64_t max_pixels, uint8_t *out, size_t out_cap, en_canvas *canvas) {
     EN_GUARD(d);
     begin(d, data, len);
     j_decompress_ptr ci = &d->cinfo;
-    const int w = (int)ci->image_width, h = (int)ci->image_height;
-    int denom = 8;
-    while (denom > 1 && (ceil_div(w, denom) < min_side || ceil_div(h, denom) < min_side)) denom /= 2;
-    *scale = denom;
-    *out_w = ceil_div(w, denom);
-    *out_h = ceil_div(h, denom);
+    en_canvas_plan((int)ci->image_height, (int)ci->image_width, min_side, max_pixels, canvas);
+    const int rh = canvas->reduced_height, rw = canvas->reduced_width;
+    const size_t need = (size_t)canvas->height * canvas->width * 3;
     if (!out) {
         jpeg_abort_decompress(ci);
         return EN_OK;
     }
-    if (out_cap < (size_t)*out_h * *out_w * 3)
+    if (out_cap < need)
         fail(d, EN_ERR_ARG, "canvas buffer holds %zu bytes, a %dx%d canvas needs %zu", out_cap,
-             *out_h, *out_w, (size_t)*out_h * *out_w * 3);
-    ci->scale_denom = (unsigned)denom;
-    d->last_scale = denom;
+             canvas->height, canvas->width, need);
+    ci->scale_denom = (unsigned)canvas->denom;
+    d->last_scale = canvas->denom;
     jpeg_start_decompress(ci);
-    read_rows(d, out, (size_t)*out_w * 3, *out_h);
+    if (canvas->height == rh && canvas->width == rw) {
+        read_rows(d, out, (size_t)rw * 3, rh);
+        jpeg_finish_decompress(ci);
+        return EN_OK;
+    }
+    if (en_buf_reserve(&d->region, (size_t)rh * rw * 3 + 16))
+        fail(d, EN_ERR_NOMEM, "out of memory for a %dx%d canvas", rh, rw);
+    read_rows(d, d->region.p, (size_t)rw * 3, rh);
     jpeg_finish_decompress(ci);
+    en_axis ax, ay;
+    if (en_plan_axis(&d->rs, 1, 0.0, rw, rw, canvas->width, &ax) ||
+        en_plan_axis(&d->rs, 0, 0.0, rh, rh, canvas->height, &ay) ||
+        en_resample(&d->rs, d->region.p, (size_t)rw * 3, 0, 0, &ax, &ay, 0, 1, out,
+                    (size_t)canvas->width * 3))
+        fail(d, EN_ERR_NOMEM, "out of memory shrinking a %dx%d canvas", rh, rw);
     return EN_OK;
 }
 

@@ -71,11 +71,24 @@ int en_pick_scale(en_box box, int out_h, int out_w);
 int en_jpeg_decode_crop(en_decoder *d, const uint8_t *data, size_t len, en_box box,
                         int out_h, int out_w, int flip, uint8_t *out, size_t stride);
 
-/* Canvas for echoing before augmentation: the whole image at the largest DCT
- * denominator whose shorter side stays >= min_side.  Pass out=NULL to learn the
- * shape only.  Returns the chosen denominator through *scale. */
+/* A canvas for echoing before augmentation: the whole image at the largest
+ * DCT denominator d in (8, 4, 2, 1) that keeps both sides, rounded up, at
+ * least min_side; shrunk uniformly (same resampler as every crop) when that
+ * holds more than max_pixels.  Canvas pixel (y, x) starts at original pixel
+ * (y * scale_y, x * scale_x).  The rule for every format lives here. */
+typedef struct en_canvas {
+    int denom;                         /* DCT denominator (or Pillow reduce factor) */
+    int reduced_height, reduced_width; /* the image at 1/denom, before any shrinking */
+    int height, width;                 /* the canvas */
+    double scale_y, scale_x;           /* original pixels per canvas pixel */
+    int source_height, source_width;   /* the original */
+} en_canvas;
+
+void en_canvas_plan(int height, int width, int min_side, uint64_t max_pixels, en_canvas *c);
+
+/* One header parse.  out=NULL learns the canvas shape only. */
 int en_jpeg_decode_canvas(en_decoder *d, const uint8_t *data, size_t len, int min_side,
-                          uint8_t *out, size_t out_cap, int *out_h, int *out_w, int *scale);
+                          uint64_t max_pixels, uint8_t *out, size_t out_cap, en_canvas *canvas);
 
 /* Resample an RGB image (h x w x 3, row stride in bytes) the same way. */
 int en_resize_rgb(en_decoder *d, const uint8_t *src, int h, int w, size_t src_stride,
@@ -103,8 +116,12 @@ void en_random_resized_crop(en_key key, int height, int width, en_rrc_spec spec,
                             en_box *box, int *flip);
 
 /* The fused evaluation transform: resize the shorter side to resize_side, then
- * take the centre out_side x out_side, as one resampling of a box of the original. */
-en_box en_center_crop_box(int height, int width, int resize_side, int out_side);
+ * take the centre out_h x out_w, as one resampling of a box of the original. */
+en_box en_center_crop_box(int height, int width, int resize_side, int out_h, int out_w);
+
+/* Centre crop + decode in one header parse; *box receives the box used. */
+int en_jpeg_decode_center_crop(en_decoder *d, const uint8_t *data, size_t len, int resize_side,
+                               int out_h, int out_w, uint8_t *out, size_t stride, en_box *box);
 
 /* Random crop + decode in one header parse. */
 int en_jpeg_decode_random_crop(en_decoder *d, const uint8_t *data, size_t len, en_key key,

@@ -1,11 +1,11 @@
 """Thin bindings over src/ring/en_ring.c: a shared-memory segment that exports
-the buffer protocol, and the atomic words of the slot protocol addressed by
-byte offset inside it.  Layout (which offset means what) is the business of
-echo_native.ring; this module only guarantees that offsets are in bounds and
-aligned, and that waits release the GIL.
+the buffer protocol, the atomic words of the slot protocol addressed by byte
+offset inside it, and the segment layout as C defines it (en_ring.h), so
+that echo_native.ring restates no offset of its own.  This module guarantees
+that offsets are in bounds and aligned, and that waits release the GIL.
 """
 from cpython.buffer cimport PyBUF_WRITABLE
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, UINT32_MAX, UINT64_MAX
 from libc.string cimport memset
 
 cdef extern from "en_ring.h" nogil:
@@ -23,9 +23,118 @@ cdef extern from "en_ring.h" nogil:
                     double timeout_s)
     int EN_WAIT_OK, EN_WAIT_TIMEOUT, EN_WAIT_CLOSED
 
+    uint64_t EN_RING_MAGIC
+    unsigned EN_RING_VERSION, EN_RING_PAGE, EN_RING_HEADER_BYTES, EN_RING_MAX_WORKERS
+    unsigned EN_RING_REPORT_BYTES, EN_RING_FAILURE_ALIGN, EN_RING_FAILURE_CLIPPED
+    uint64_t EN_RING_CLAIM_PENDING, EN_RING_NO_SAMPLE
+    int EN_RING_ERR_NONE, EN_RING_ERR_WORKER, EN_RING_ERR_DECODE
+    int EN_RING_OK, EN_RING_REPLACED, EN_RING_SKIPPED
+    int EN_RING_REASON_NONE, EN_RING_REASON_DECODE, EN_RING_REASON_READ, EN_RING_REASON_LIMIT
+    int EN_RING_CHECK_OK, EN_RING_NOT_A_RING, EN_RING_BAD_VERSION, EN_RING_BAD_GEOMETRY
+
+    ctypedef struct en_ring_header:
+        uint32_t version
+    ctypedef struct en_ring_slot:
+        pass
+    ctypedef struct en_ring_failure:
+        pass
+    ctypedef struct en_ring_layout:
+        uint32_t nslots
+        uint32_t batch
+        uint64_t sample_bytes
+        size_t labels, sample_ids, status, reason, flip
+        size_t boxes, shapes, source_hw, canvas_scale
+        size_t pixels, slot_bytes, total_bytes
+    ctypedef struct en_ring_field:
+        const char *name
+        size_t offset, size, width
+    const en_ring_field en_ring_header_fields[]
+    const en_ring_field en_ring_slot_fields[]
+    const en_ring_field en_ring_failure_fields[]
+
+    int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
+                               en_ring_layout *out)
+    int en_ring_init(void *mem, size_t size, const en_ring_layout *layout,
+                     uint64_t first_ticket, uint32_t owner_pid)
+    int en_ring_check(const void *mem, size_t size, en_ring_layout *out)
+    uint64_t *en_ring_claim(en_ring_header *header, uint64_t worker)
+    uint32_t en_ring_seq_free(uint64_t ticket)
+    uint32_t en_ring_seq_filled(uint64_t ticket)
+
 WAIT_OK = EN_WAIT_OK
 WAIT_TIMEOUT = EN_WAIT_TIMEOUT
 WAIT_CLOSED = EN_WAIT_CLOSED
+
+MAGIC = EN_RING_MAGIC
+VERSION = EN_RING_VERSION
+PAGE = EN_RING_PAGE
+HEADER_BYTES = EN_RING_HEADER_BYTES
+MAX_WORKERS = EN_RING_MAX_WORKERS
+REPORT_BYTES = EN_RING_REPORT_BYTES
+CLAIM_PENDING = EN_RING_CLAIM_PENDING
+NO_SAMPLE = EN_RING_NO_SAMPLE
+FAILURE_ALIGN = EN_RING_FAILURE_ALIGN
+FAILURE_CLIPPED = EN_RING_FAILURE_CLIPPED
+ERR_NONE, ERR_WORKER, ERR_DECODE = EN_RING_ERR_NONE, EN_RING_ERR_WORKER, EN_RING_ERR_DECODE
+STATUS_OK, STATUS_REPLACED, STATUS_SKIPPED = EN_RING_OK, EN_RING_REPLACED, EN_RING_SKIPPED
+REASON_NONE, REASON_DECODE = EN_RING_REASON_NONE, EN_RING_REASON_DECODE
+REASON_READ, REASON_LIMIT = EN_RING_REASON_READ, EN_RING_REASON_LIMIT
+HEADER_STRUCT_BYTES = sizeof(en_ring_header)
+SLOT_HEADER_BYTES = sizeof(en_ring_slot)
+FAILURE_HEADER_BYTES = sizeof(en_ring_failure)
+
+
+cdef dict _fields(const en_ring_field *f):
+    out = {}
+    while f.name != NULL:
+        out[f.name.decode()] = (f.offset, f.size, f.width)
+        f += 1
+    return out
+
+
+#: name -> (offset, size, element width) of each field of en_ring_header,
+#: en_ring_slot and en_ring_failure (padding left out).
+HEADER_FIELDS = _fields(en_ring_header_fields)
+SLOT_FIELDS = _fields(en_ring_slot_fields)
+FAILURE_FIELDS = _fields(en_ring_failure_fields)
+
+
+cdef dict _layout_dict(const en_ring_layout *l):
+    return {"nslots": l.nslots, "batch": l.batch, "sample_bytes": l.sample_bytes,
+            "labels": l.labels, "sample_ids": l.sample_ids, "status": l.status,
+            "reason": l.reason, "flip": l.flip, "boxes": l.boxes, "shapes": l.shapes,
+            "source_hw": l.source_hw, "canvas_scale": l.canvas_scale, "pixels": l.pixels,
+            "slot_bytes": l.slot_bytes, "total_bytes": l.total_bytes}
+
+
+cdef en_ring_layout _compute(object nslots, object batch, object sample_bytes) except *:
+    cdef en_ring_layout l
+    nslots, batch, sample_bytes = int(nslots), int(batch), int(sample_bytes)
+    # Values no C field can hold are as impossible as those C refuses.
+    if (not 0 <= nslots <= UINT32_MAX or not 0 <= batch <= UINT32_MAX
+            or not 0 <= sample_bytes <= UINT64_MAX
+            or en_ring_compute_layout(nslots, batch, sample_bytes, &l) != 0):
+        raise ValueError(f"impossible ring geometry: {nslots} slots of {batch} samples of "
+                         f"{sample_bytes} bytes")
+    return l
+
+
+def seq_free(uint64_t ticket):
+    """The sequence word that frees ticket's slot for it (wraps modulo 2**32)."""
+    return en_ring_seq_free(ticket)
+
+
+def seq_filled(uint64_t ticket):
+    """The sequence word that publishes ticket in its slot."""
+    return en_ring_seq_filled(ticket)
+
+
+def layout(nslots, batch, sample_bytes):
+    """Offsets (from a slot's start) of the per-sample arrays, slot_bytes and
+    total_bytes, as en_ring_compute_layout places them; ValueError for a
+    geometry it refuses."""
+    cdef en_ring_layout l = _compute(nslots, batch, sample_bytes)
+    return _layout_dict(&l)
 
 
 def unlink(str name):
@@ -98,6 +207,48 @@ cdef class Segment:
 
     def __releasebuffer__(self, Py_buffer *view):
         pass
+
+    def ring_init(self, nslots, batch, sample_bytes, uint64_t first_ticket, uint32_t owner_pid):
+        """Write a new ring's header into this (fresh) segment; returns the layout dict."""
+        cdef en_ring_layout l = _compute(nslots, batch, sample_bytes)
+        if en_ring_init(self._addr, self._size, &l, first_ticket, owner_pid) != 0:
+            raise ValueError(f"a {self._size}-byte segment cannot hold a "
+                             f"{l.total_bytes}-byte ring")
+        return _layout_dict(&l)
+
+    def ring_check(self):
+        """The layout dict of the ring in this segment; ValueError saying why it is not one."""
+        cdef en_ring_layout l
+        cdef int rc = en_ring_check(self._addr, self._size, &l)
+        if rc == EN_RING_NOT_A_RING:
+            raise ValueError("no ring header (wrong magic or too small)")
+        if rc == EN_RING_BAD_VERSION:
+            raise ValueError(f"ring layout version "
+                             f"{(<en_ring_header *>self._addr).version}, this build reads "
+                             f"version {EN_RING_VERSION}")
+        if rc != EN_RING_CHECK_OK:
+            raise ValueError("its geometry is impossible or larger than the segment")
+        return _layout_dict(&l)
+
+    cdef uint64_t *_claim(self, worker) except NULL:
+        worker = int(worker)
+        if self._size < sizeof(en_ring_header):
+            raise ValueError(f"the {self._size}-byte segment has no ring header")
+        # Anything that is not a uint64 maps to an index C refuses too.
+        cdef uint64_t w = worker if 0 <= worker <= UINT64_MAX else UINT64_MAX
+        cdef uint64_t *word = en_ring_claim(<en_ring_header *>self._addr, w)
+        if word == NULL:
+            raise ValueError(f"worker index {worker} is out of range: a ring has claim words "
+                             f"for {EN_RING_MAX_WORKERS} workers (0 to "
+                             f"{EN_RING_MAX_WORKERS - 1})")
+        return word
+
+    def claim_load(self, worker):
+        """The claim word of a worker (ValueError for an index the header has no word for)."""
+        return en_load64(self._claim(worker))
+
+    def claim_store(self, worker, uint64_t value):
+        en_store64(self._claim(worker), value)
 
     cdef inline void *_word(self, size_t offset, size_t width) except NULL:
         if offset % width or offset + width > self._size:

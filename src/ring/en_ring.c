@@ -1,4 +1,4 @@
-/* See en_ring.h for the protocol. */
+/* See en_ring.h for the protocol and the layout. */
 #define _GNU_SOURCE
 #include "en_ring.h"
 
@@ -18,6 +18,123 @@
  * milliseconds for a decode; spinning longer than a context switch would only
  * steal the core a worker needs (2-core machines). */
 #define EN_SPINS 64
+
+/* ---- layout ------------------------------------------------------------------------- */
+
+#define FIELD(type, name, width) {#name, offsetof(type, name), sizeof(((type *)0)->name), width}
+
+const en_ring_field en_ring_header_fields[] = {
+    FIELD(en_ring_header, magic, 8),
+    FIELD(en_ring_header, version, 4),
+    FIELD(en_ring_header, owner_pid, 4),
+    FIELD(en_ring_header, nslots, 4),
+    FIELD(en_ring_header, batch, 4),
+    FIELD(en_ring_header, sample_bytes, 8),
+    FIELD(en_ring_header, slot_bytes, 8),
+    FIELD(en_ring_header, closed, 4),
+    FIELD(en_ring_header, next_ticket, 8),
+    FIELD(en_ring_header, claims, 8),
+    {NULL, 0, 0, 0},
+};
+
+const en_ring_field en_ring_slot_fields[] = {
+    FIELD(en_ring_slot, seq, 4),
+    FIELD(en_ring_slot, count, 4),
+    FIELD(en_ring_slot, ticket, 8),
+    FIELD(en_ring_slot, error, 4),
+    FIELD(en_ring_slot, failures, 4),
+    FIELD(en_ring_slot, report_len, 4),
+    FIELD(en_ring_slot, fill_us, 4),
+    FIELD(en_ring_slot, report, 1),
+    {NULL, 0, 0, 0},
+};
+
+const en_ring_field en_ring_failure_fields[] = {
+    FIELD(en_ring_failure, sample_id, 8),
+    FIELD(en_ring_failure, path_len, 4),
+    FIELD(en_ring_failure, message_len, 4),
+    FIELD(en_ring_failure, reason, 1),
+    FIELD(en_ring_failure, flags, 1),
+    {NULL, 0, 0, 0},
+};
+
+/* *at = align(*at, a) + n * width, refusing overflow; returns the aligned start. */
+static int place(size_t *at, size_t align, size_t n, size_t width, size_t *start) {
+    size_t s, bytes;
+    if (__builtin_add_overflow(*at, align - 1, &s)) return -1;
+    s -= s % align;
+    if (__builtin_mul_overflow(n, width, &bytes) || __builtin_add_overflow(s, bytes, at))
+        return -1;
+    *start = s;
+    return 0;
+}
+
+int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
+                           en_ring_layout *out) {
+    if (nslots == 0 || batch == 0 || sample_bytes > SIZE_MAX) return -1;
+    en_ring_layout l = {.nslots = nslots, .batch = batch, .sample_bytes = sample_bytes};
+    size_t at = sizeof(en_ring_slot), end;
+    /* Each array on its element's natural alignment (boxes on 16, for SIMD
+     * loads of a whole box), pixels on a page so that they can be pinned or
+     * mapped for a device on their own. */
+    if (place(&at, 8, batch, 8, &l.labels) || place(&at, 8, batch, 8, &l.sample_ids) ||
+        place(&at, 1, batch, 1, &l.status) || place(&at, 1, batch, 1, &l.reason) ||
+        place(&at, 1, batch, 1, &l.flip) || place(&at, 16, batch, 16, &l.boxes) ||
+        place(&at, 2, batch, 4, &l.shapes) || place(&at, 8, batch, 8, &l.source_hw) ||
+        place(&at, 8, batch, 8, &l.canvas_scale) ||
+        place(&at, EN_RING_PAGE, batch, (size_t)sample_bytes, &l.pixels) ||
+        place(&at, EN_RING_PAGE, 0, 0, &end))
+        return -1;
+    l.slot_bytes = end;
+    size_t slots;
+    if (__builtin_mul_overflow((size_t)nslots, l.slot_bytes, &slots) ||
+        __builtin_add_overflow(slots, (size_t)EN_RING_HEADER_BYTES, &l.total_bytes) ||
+        l.total_bytes > (size_t)INT64_MAX) /* ftruncate takes an off_t */
+        return -1;
+    *out = l;
+    return 0;
+}
+
+int en_ring_init(void *mem, size_t size, const en_ring_layout *layout, uint64_t first_ticket,
+                 uint32_t owner_pid) {
+    if (size < layout->total_bytes) return -1;
+    en_ring_header *h = (en_ring_header *)mem;
+    h->version = EN_RING_VERSION;
+    h->owner_pid = owner_pid;
+    h->nslots = layout->nslots;
+    h->batch = layout->batch;
+    h->sample_bytes = layout->sample_bytes;
+    h->slot_bytes = layout->slot_bytes;
+    __atomic_store_n(&h->closed, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&h->next_ticket, first_ticket, __ATOMIC_RELAXED);
+    for (uint32_t w = 0; w < EN_RING_MAX_WORKERS; w++)
+        __atomic_store_n(&h->claims[w], 0, __ATOMIC_RELAXED);
+    for (uint32_t i = 0; i < layout->nslots; i++)
+        __atomic_store_n(&en_ring_slot_of(mem, layout, first_ticket + i)->seq,
+                         en_ring_seq_free(first_ticket + i), __ATOMIC_RELAXED);
+    /* Release: whoever acquires the magic sees the geometry and the free slots. */
+    __atomic_store_n(&h->magic, EN_RING_MAGIC, __ATOMIC_RELEASE);
+    return 0;
+}
+
+int en_ring_check(const void *mem, size_t size, en_ring_layout *out) {
+    const en_ring_header *h = (const en_ring_header *)mem;
+    if (size < EN_RING_HEADER_BYTES || __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != EN_RING_MAGIC)
+        return EN_RING_NOT_A_RING;
+    if (h->version != EN_RING_VERSION) return EN_RING_BAD_VERSION;
+    en_ring_layout l;
+    if (en_ring_compute_layout(h->nslots, h->batch, h->sample_bytes, &l) != 0 ||
+        l.slot_bytes != h->slot_bytes || l.total_bytes > size)
+        return EN_RING_BAD_GEOMETRY;
+    *out = l;
+    return EN_RING_CHECK_OK;
+}
+
+uint64_t *en_ring_claim(en_ring_header *header, uint64_t worker) {
+    return worker < EN_RING_MAX_WORKERS ? &header->claims[worker] : NULL;
+}
+
+/* ---- shared memory ---------------------------------------------------------------------- */
 
 static void describe(char *err, size_t errlen, const char *what, const char *name) {
     if (err && errlen) snprintf(err, errlen, "%s %s: %s", what, name, strerror(errno));

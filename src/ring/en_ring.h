@@ -1,6 +1,7 @@
 /*
- * echo_native ring: POSIX shared memory and the ticket/sequence protocol that
- * hands batch slots from producers (workers) to the consumer without locks.
+ * echo_native ring: POSIX shared memory, the byte layout of a ring segment,
+ * and the ticket/sequence protocol that hands batch slots from producers
+ * (workers) to the consumer without locks.
  *
  * Protocol (one 32-bit sequence word per slot, ticket t lives in slot t % n):
  *   seq == 2t      slot is free for ticket t       (producer may fill it)
@@ -12,6 +13,19 @@
  * whatever the timing.  Words wrap modulo 2^32, which is harmless: waits
  * compare for equality and never more than n tickets are in flight.
  *
+ * Segment layout.  This header is the single definition: the Python side
+ * (echo_native/ring.py) reads every offset from the compiled module, so a C
+ * program that includes only this file sees the same bytes.
+ *
+ *   [0, EN_RING_HEADER_BYTES)  en_ring_header, zero-padded to a page
+ *   then nslots slots of en_ring_layout.slot_bytes each (page multiples):
+ *     en_ring_slot (sequence word, metadata, failure records)
+ *     per-sample arrays at the en_ring_layout offsets: labels i64[B],
+ *     sample ids i64[B], status u8[B], reason u8[B], flip u8[B],
+ *     boxes f32[B][4], shapes u16[B][2], source shape i32[B][2],
+ *     canvas scale f32[B][2], then (page-aligned) pixels u8[B][S]
+ *
+ * All fields are native-endian: a segment never leaves the machine.
  * Pure C, no Python.h.
  */
 #ifndef EN_RING_H
@@ -21,8 +35,162 @@
 #include <stdint.h>
 
 #ifdef __cplusplus
+#define _Static_assert static_assert /* C++ spells C11's keyword this way */
 extern "C" {
 #endif
+
+#define EN_RING_MAGIC UINT64_C(0x31474E4952484345) /* "ECHRING1" as little-endian bytes */
+/* Bumped whenever a byte moves, so that a process built from other sources
+ * refuses a segment instead of misreading it. */
+#define EN_RING_VERSION 2u
+#define EN_RING_PAGE 4096u
+#define EN_RING_HEADER_BYTES EN_RING_PAGE
+/* Claim words in the header; worker indexes run 0 .. EN_RING_MAX_WORKERS-1. */
+#define EN_RING_MAX_WORKERS 64u
+/* Failure-record area of a slot: one PATH_MAX path plus its message fits,
+ * and a few dozen ordinary records. */
+#define EN_RING_REPORT_BYTES 8192u
+/* Claim word value while a worker is between taking a ticket and recording
+ * it (0 means "holds nothing", t + 1 means "holds ticket t"). */
+#define EN_RING_CLAIM_PENDING UINT64_MAX
+
+/* en_ring_slot.error */
+enum { EN_RING_ERR_NONE = 0, EN_RING_ERR_WORKER = 1, EN_RING_ERR_DECODE = 2 };
+/* per-sample status[] */
+enum { EN_RING_OK = 0, EN_RING_REPLACED = 1, EN_RING_SKIPPED = 2 };
+/* per-sample reason[] and en_ring_failure.reason */
+enum { EN_RING_REASON_NONE = 0, EN_RING_REASON_DECODE = 1, EN_RING_REASON_READ = 2,
+       EN_RING_REASON_LIMIT = 3 };
+
+/* The first page of a segment. */
+typedef struct en_ring_header {
+    uint64_t magic;        /* stored last (release) by en_ring_init */
+    uint32_t version;
+    uint32_t owner_pid;    /* the consumer; workers exit when it is gone */
+    uint32_t nslots;
+    uint32_t batch;
+    uint64_t sample_bytes; /* pixel bytes reserved per sample */
+    uint64_t slot_bytes;
+    uint32_t closed;       /* futex word: non-zero once the consumer closes */
+    uint32_t reserved0;
+    uint64_t next_ticket;  /* fetch-add counter */
+    uint64_t reserved1;
+    /* claims[w]: what worker w holds (0, t + 1, or EN_RING_CLAIM_PENDING), so
+     * the consumer can tell which tickets a dead worker lost. */
+    uint64_t claims[EN_RING_MAX_WORKERS];
+} en_ring_header;
+
+_Static_assert(sizeof(en_ring_header) <= EN_RING_HEADER_BYTES,
+               "the ring header must fit its page: lower EN_RING_MAX_WORKERS");
+_Static_assert(sizeof(en_ring_header) == 64 + 8 * EN_RING_MAX_WORKERS,
+               "unexpected padding in en_ring_header");
+/* Futex words are 32-bit and 4-aligned; 64-bit atomics must be 8-aligned
+ * (a split word is not atomic, and the page start is the only alignment a
+ * mapping guarantees). */
+_Static_assert(offsetof(en_ring_header, closed) % 4 == 0, "closed must be a futex word");
+_Static_assert(offsetof(en_ring_header, next_ticket) % 8 == 0, "next_ticket must be 8-aligned");
+_Static_assert(offsetof(en_ring_header, claims) % 8 == 0, "claims must be 8-aligned");
+_Static_assert(offsetof(en_ring_header, claims) == 64, "claims start on their own cache line");
+
+/* The start of every slot (slots start on page boundaries). */
+typedef struct en_ring_slot {
+    uint32_t seq;          /* futex word of the protocol above */
+    uint32_t count;        /* samples in the batch */
+    uint64_t ticket;
+    uint32_t error;        /* EN_RING_ERR_* */
+    uint32_t failures;     /* samples that failed, whether or not report[] names them */
+    uint32_t report_len;   /* bytes of report[] in use */
+    uint32_t fill_us;      /* microseconds the worker spent filling the slot */
+    uint64_t reserved[4];
+    /* A sequence of en_ring_failure records (see below), in the order the
+     * samples failed.  ERR_DECODE: the last record is the sample to raise
+     * for.  ERR_WORKER: one record, sample_id EN_RING_NO_SAMPLE, empty path,
+     * the worker's traceback as message. */
+    uint8_t report[EN_RING_REPORT_BYTES];
+} en_ring_slot;
+
+_Static_assert(offsetof(en_ring_slot, seq) == 0, "seq opens the slot (page-aligned)");
+_Static_assert(offsetof(en_ring_slot, ticket) % 8 == 0, "ticket must be 8-aligned");
+_Static_assert(offsetof(en_ring_slot, report) == 64, "report starts on a cache line");
+_Static_assert(sizeof(en_ring_slot) == 64 + EN_RING_REPORT_BYTES, "unexpected padding in en_ring_slot");
+_Static_assert(sizeof(en_ring_slot) % 16 == 0, "the per-sample arrays that follow need 16-alignment");
+
+/* One failure record in en_ring_slot.report: this header, then path_len
+ * bytes of path (raw file-system bytes, any value allowed), then message_len
+ * bytes of UTF-8 message, then zero padding to EN_RING_FAILURE_ALIGN, so
+ * that the next header can be read in place.  Lengths, not separators, so no
+ * byte of a path or message can end or forge a record. */
+typedef struct en_ring_failure {
+    uint64_t sample_id;    /* EN_RING_NO_SAMPLE when the failure is not a sample's */
+    uint32_t path_len;
+    uint32_t message_len;
+    uint8_t reason;        /* EN_RING_REASON_* */
+    uint8_t flags;         /* EN_RING_FAILURE_CLIPPED */
+    uint8_t reserved[6];
+} en_ring_failure;
+
+#define EN_RING_FAILURE_ALIGN 8u
+#define EN_RING_NO_SAMPLE UINT64_MAX
+/* The path or message was shortened to fit (the cut carries a "[...]" mark). */
+#define EN_RING_FAILURE_CLIPPED 1u
+
+_Static_assert(sizeof(en_ring_failure) == 24, "unexpected padding in en_ring_failure");
+_Static_assert(sizeof(en_ring_failure) % EN_RING_FAILURE_ALIGN == 0, "records stay aligned");
+_Static_assert(EN_RING_REPORT_BYTES % EN_RING_FAILURE_ALIGN == 0, "records stay aligned");
+
+/* Where the per-sample arrays of a slot lie, for one geometry.  Offsets are
+ * from the start of a slot. */
+typedef struct en_ring_layout {
+    uint32_t nslots;
+    uint32_t batch;
+    uint64_t sample_bytes;
+    size_t labels, sample_ids, status, reason, flip;
+    size_t boxes, shapes, source_hw, canvas_scale;
+    size_t pixels;         /* page-aligned */
+    size_t slot_bytes;     /* a page multiple */
+    size_t total_bytes;    /* header page + every slot */
+} en_ring_layout;
+
+/* Fill *out for a geometry; 0 on success, -1 (out untouched) for one that
+ * cannot exist: no slots, an empty batch, or sizes that overflow. */
+int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
+                           en_ring_layout *out);
+
+/* Write the header of a new, zero-filled segment of at least
+ * layout->total_bytes and free slot t % nslots for ticket t, for the nslots
+ * tickets from first_ticket.  -1 if the segment is too small. */
+int en_ring_init(void *mem, size_t size, const en_ring_layout *layout, uint64_t first_ticket,
+                 uint32_t owner_pid);
+
+enum { EN_RING_CHECK_OK = 0, EN_RING_NOT_A_RING = 1, EN_RING_BAD_VERSION = 2,
+       EN_RING_BAD_GEOMETRY = 3 };
+/* Validate a mapped segment made by en_ring_init and recompute its layout. */
+int en_ring_check(const void *mem, size_t size, en_ring_layout *out);
+
+/* The claim word of a worker, or NULL when worker >= EN_RING_MAX_WORKERS
+ * (it would address the slots that follow the header). */
+uint64_t *en_ring_claim(en_ring_header *header, uint64_t worker);
+
+static inline en_ring_slot *en_ring_slot_of(void *mem, const en_ring_layout *layout,
+                                            uint64_t ticket) {
+    return (en_ring_slot *)((uint8_t *)mem + EN_RING_HEADER_BYTES +
+                            (size_t)(ticket % layout->nslots) * layout->slot_bytes);
+}
+static inline uint32_t en_ring_seq_free(uint64_t ticket) { return (uint32_t)(2 * ticket); }
+static inline uint32_t en_ring_seq_filled(uint64_t ticket) { return (uint32_t)(2 * ticket + 1); }
+
+/* Name, offset and size of the meaningful fields of the structs above (no
+ * padding), terminated by a NULL name: how bindings learn the layout
+ * without restating it. */
+typedef struct en_ring_field {
+    const char *name;
+    size_t offset;
+    size_t size;   /* whole field */
+    size_t width;  /* one element (size / width elements) */
+} en_ring_field;
+extern const en_ring_field en_ring_header_fields[];
+extern const en_ring_field en_ring_slot_fields[];
+extern const en_ring_field en_ring_failure_fields[];
 
 /* Create a new segment (fails if the name exists), sized and zero-filled. */
 int en_shm_create(const char *name, size_t size, void **addr, char *err, size_t errlen);

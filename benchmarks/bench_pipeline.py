@@ -1,6 +1,6 @@
 """Ring + worker pipeline throughput vs a torch DataLoader, on the same files in one run.
 
-    python -m pytest benchmarks/test_pipeline.py -s --benchmark-json=/tmp/pipeline.json
+    python -m pytest benchmarks/bench_pipeline.py -s --benchmark-json=/tmp/pipeline.json
 
 Every benchmark reads the same JPEG files from disk (page cache) and makes
 224x224 RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) + random horizontal
@@ -61,7 +61,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from bench_env import env_int
+from benchenv import env_int
 
 torch = pytest.importorskip("torch")
 

@@ -22,31 +22,22 @@ import pytest
 import echo_native as en
 from echo_native import _ring
 from echo_native.ring import Ring, remove_stale_segments
-from echo_native.workers import Plan, WorkerPool
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+TESTS = Path(__file__).resolve().parent.parent      # ring_helpers.py lives there
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
 import ring_helpers as rh  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def corpus_root(tmp_path_factory):
-    return rh.make_corpus(tmp_path_factory.getbasetemp() / "ring_corpus_48", 48, seed=1,
-                          classes=3)
 
 
 def _own_segments():
     return set(rh.segments(os.getpid()))
 
 
-def _gone(ring_name, pids, within=5.0):
-    """True once the segment is unlinked and every pid has exited (polls up to ``within`` s)."""
-    deadline = time.monotonic() + within
-    while True:
-        ok = ring_name[1:] not in _own_segments() and not any(rh.alive(p) for p in pids)
-        if ok or time.monotonic() > deadline:
-            return ok
+def _gone(ring_name, pids):
+    """Assert the segment is unlinked (close() removes it before it returns), then wait
+    until every pid has exited; the calling test's timeout marker bounds the wait."""
+    assert ring_name[1:] not in _own_segments(), f"{ring_name} is still in /dev/shm"
+    while any(rh.alive(p) for p in pids):
         time.sleep(0.05)
 
 
@@ -67,8 +58,13 @@ def _reference(src, **kw):
 
 
 # ---- a worker killed mid-epoch --------------------------------------------------------------
+@pytest.mark.timing
 def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
-    """SIGKILLed workers mid-batch are replaced; the epoch has every id once, same pixels."""
+    """SIGKILLed workers mid-batch are replaced; the epoch has every id once, same pixels.
+
+    Timing is the behaviour: a dead worker is noticed and its batch redone promptly (the
+    epoch takes ~1.2 s here; bound 15 s), not when the consumer's 30 s timeout expires.
+    """
     src = en.ImageFolder(corpus_root)
     kw = dict(batch_size=4, image_size=32, seed=9, slots=3)
     ref = _reference(src, **kw)
@@ -97,6 +93,7 @@ def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
     assert took < 15
 
 
+@pytest.mark.timeout(120)   # hang guard (the wait for both workers to block, the epoch)
 def test_sigkill_all_workers_while_ring_is_full(corpus_root):
     """Killing every worker while each waits on a full ring: their tickets are redone."""
     src = en.ImageFolder(corpus_root)
@@ -106,12 +103,10 @@ def test_sigkill_all_workers_while_ring_is_full(corpus_root):
         with en.Loader(src, workers=2, worker_mode="process", timeout=30, **kw) as L:
             it = iter(L)
             got = [next(it).copy()]
-            deadline = time.monotonic() + 5
             # slot 1 filled, slot 0 held by the consumer: both workers hold later
             # tickets (2 and 3) and sleep waiting for a free slot
             while not (L._ring.is_published(1)
                        and all(2 < L._ring.claim(i) < 2**63 for i in range(2))):
-                assert time.monotonic() < deadline
                 time.sleep(0.01)
             time.sleep(0.05)
             held = sorted(L._ring.claim(i) - 1 for i in range(2))
@@ -121,48 +116,6 @@ def test_sigkill_all_workers_while_ring_is_full(corpus_root):
             assert L.stats()["worker_restarts"] >= 2
     assert held == [2, 3]                        # they were past the ring, waiting
     assert _same(got, ref)
-
-
-class _RacyRing:
-    """A ring through which a live worker takes (and records) a new ticket at the worst
-    moment for the supervisor: after it has read the claims, before it reads the counter."""
-
-    def __init__(self, ring, live_worker):
-        self._ring, self._live = ring, live_worker
-        self.claims_read, self.raced = False, None
-
-    def __getattr__(self, name):
-        return getattr(self._ring, name)
-
-    def claim(self, worker):
-        self.claims_read = True
-        return self._ring.claim(worker)
-
-    @property
-    def next_ticket(self):
-        if self.claims_read and self.raced is None:
-            self.raced = self._ring.take_ticket()
-            self._ring.set_claim(self._live, self.raced + 1)
-        return self._ring.next_ticket
-
-
-def test_lost_tickets_exclude_tickets_taken_after_the_claims_were_read():
-    """Redo accounting: a ticket a live worker takes mid-check is not 'lost' (no double fill)."""
-    ring = Ring.create(4, 1, 8)
-    try:
-        for t in range(3):
-            assert ring.take_ticket() == t
-        rh.fill_slot(ring, 0)
-        ring.publish(0)               # ticket 0 done; worker 0 died holding ticket 1
-        ring.set_claim(1, 2 + 1)      # worker 1 (alive) holds ticket 2
-        racy = _RacyRing(ring, live_worker=1)
-        pool = WorkerPool(racy, Plan(10, 1, en.RandomResizedCrop((8, 8))), None, 2,
-                          mode="thread")
-        lost = pool._lost_tickets(0)
-        assert lost == [1], f"tickets {lost} would be filled again"
-        assert racy.raced in (None, 3)
-    finally:
-        ring.unlink()
 
 
 # ---- exceptions and hangs inside workers ----------------------------------------------------
@@ -190,8 +143,15 @@ def test_unexpected_exception_in_worker_reaches_consumer_with_traceback(corpus_r
 
 
 @pytest.mark.slow
+@pytest.mark.timing
+@pytest.mark.timeout(120)   # hang guard: waiting for the killed workers to exit
 def test_hung_worker_trips_the_timeout(corpus_root):
-    """Workers hung in read(): the consumer gets TimeoutError naming the wait within ~timeout."""
+    """Workers hung in read(): the consumer gets TimeoutError naming the wait within ~timeout.
+
+    Timing is the behaviour: the error comes when the 2 s timeout expires (2.00 s here:
+    not before, and within 2 s more), and close() kills the hung workers after its 5 s
+    grace instead of waiting for them forever (5.0 s here; bound 20 s).
+    """
     src = en.ImageFolder(corpus_root)
     L = en.Loader(rh.HangingSource(src, range(len(src))), batch_size=4, image_size=16,
                   workers=2, worker_mode="process", timeout=2)
@@ -204,25 +164,24 @@ def test_hung_worker_trips_the_timeout(corpus_root):
         t_close = time.perf_counter()
     closing = time.perf_counter() - t_close
     msg = str(ei.value)
-    assert 2.0 <= waited < 3.5
+    assert 2.0 <= waited < 4.0
     assert "waited 2 s for batch 0" in msg and "timeout" in msg
     assert "worker" in msg
-    assert closing < 8.0                       # hung workers are killed, not waited for forever
-    assert _gone(name, pids)
+    assert closing < 20.0                      # hung workers are killed, not waited for forever
+    _gone(name, pids)
 
 
 # ---- the parent dies -----------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.timeout(120)   # hang guard: the child's start, the workers' exit
 def test_parent_sigkilled_workers_exit_and_segment_removed(corpus_root, tmp_path):
     """kill -9 of the process owning a Loader: its workers exit and its segment is unlinked."""
     out = tmp_path / "parent.json"
-    p = subprocess.Popen([sys.executable, str(HERE / "ring_helpers.py"), "parent",
+    p = subprocess.Popen([sys.executable, str(TESTS / "ring_helpers.py"), "parent",
                           str(corpus_root), str(out)], stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
         while not out.exists():
             assert p.poll() is None, p.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the parent never started its Loader"
             time.sleep(0.05)
         info = json.loads(out.read_text())
         pid, workers = info["pid"], info["workers"]
@@ -230,9 +189,7 @@ def test_parent_sigkilled_workers_exit_and_segment_removed(corpus_root, tmp_path
         assert all(rh.alive(w) for w in workers)
         os.kill(pid, signal.SIGKILL)
         # Not reaped yet: the parent is a zombie, which must count as dead.
-        t0 = time.monotonic()
-        while (any(rh.alive(w) for w in workers) or rh.segments(pid)) \
-                and time.monotonic() - t0 < 5:
+        while any(rh.alive(w) for w in workers) or rh.segments(pid):
             time.sleep(0.05)
         assert rh.proc_state(pid) == "Z"
         assert not [w for w in workers if rh.alive(w)], "workers outlived their parent"
@@ -246,19 +203,18 @@ def test_parent_sigkilled_workers_exit_and_segment_removed(corpus_root, tmp_path
 
 
 def _dead_pid():
-    out = subprocess.run([sys.executable, str(HERE / "ring_helpers.py"), "exit"],
+    out = subprocess.run([sys.executable, str(TESTS / "ring_helpers.py"), "exit"],
                          capture_output=True, text=True, check=True)
     return int(out.stdout.strip())
 
 
+@pytest.mark.timeout(60)   # hang guard: waiting for the child to become a zombie
 def test_remove_stale_segments_of_dead_and_zombie_owners():
     """Segments of exited or zombie owners are unlinked; a live owner's segment is kept."""
     dead = _dead_pid()
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
-        deadline = time.monotonic() + 10
         while rh.proc_state(zombie.pid) != "Z":
-            assert time.monotonic() < deadline
             time.sleep(0.01)
         names = {"dead": f"/echo_native-{dead}-abc123def456",
                  "zombie": f"/echo_native-{zombie.pid}-00ff00ff00ff",
@@ -293,6 +249,7 @@ def test_ring_create_cleans_stale_segments():
 
 
 # ---- every exit path removes the segment -----------------------------------------------------
+@pytest.mark.timeout(60)   # hang guard: waiting for the workers to exit
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, ValueError])
 def test_exception_inside_with_removes_segment(corpus_root, exc):
     """KeyboardInterrupt or an error inside `with Loader` stops workers and unlinks the ring."""
@@ -303,12 +260,19 @@ def test_exception_inside_with_removes_segment(corpus_root, exc):
             assert name[1:] in _own_segments() and len(pids) == 2
             L.next_batch()
             raise exc()
-    assert _gone(name, pids, within=0.5)
+    _gone(name, pids)
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_ctrl_c_while_waiting_for_a_batch_removes_segment(corpus_root):
-    """A real SIGINT while blocked in next_batch raises KeyboardInterrupt and cleans up."""
+    """A real SIGINT while blocked in next_batch raises KeyboardInterrupt and cleans up.
+
+    Timing is the behaviour, and the only way to see it: after the interrupt the workers
+    finish the batch in hand (2.0 s of reads here) and take no new ticket from the closed
+    ring.  A new ticket would add 2 s more (then the 5 s kill), so the bound (3.5 s) has
+    to sit below 4 s.
+    """
     src = rh.SlowSource(en.ImageFolder(corpus_root), 0.5)
     timer = threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT))
     with pytest.raises(KeyboardInterrupt):
@@ -319,12 +283,13 @@ def test_ctrl_c_while_waiting_for_a_batch_removes_segment(corpus_root):
             L.next_batch()                     # needs 2 s; interrupted at 0.4 s
     took = time.perf_counter() - t0
     timer.join()
-    assert _gone(name, pids, within=0.5)
+    _gone(name, pids)
     # Workers finish the batch in hand (<= 2 s of reads) and take no new ticket
     # from the closed ring (a new one would add 2 s, then the 5 s kill).
-    assert took < 3.2, f"interrupt + close took {took:.1f} s"
+    assert took < 3.5, f"interrupt + close took {took:.1f} s"
 
 
+@pytest.mark.timeout(60)   # hang guard: waiting for the workers to exit
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_garbage_collected_loader_removes_segment(corpus_root, mode):
     """An un-closed Loader in a reference cycle, collected by gc, stops workers and unlinks."""
@@ -337,7 +302,7 @@ def test_garbage_collected_loader_removes_segment(corpus_root, mode):
     assert name[1:] in _own_segments()
     del L, it, batch
     gc.collect()
-    assert _gone(name, pids, within=0.5)
+    _gone(name, pids)
 
 
 def test_close_is_idempotent_and_reopens(corpus_root):

@@ -4,7 +4,7 @@ All benchmarks share one corpus (preloaded bytes) and the same boxes and flips,
 and each timed round is one pass over the whole corpus, so every benchmark
 processes exactly the same images.  Compare them as ratios::
 
-    python -m pytest benchmarks/test_kernel.py --benchmark-json=/tmp/kernel.json -q
+    python -m pytest benchmarks/bench_kernel.py --benchmark-json=/tmp/kernel.json -q
     python benchmarks/report.py /tmp/kernel.json
 
 Roles (stored in ``extra_info["role"]``, read by ``report.py``):

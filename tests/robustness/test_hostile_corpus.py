@@ -5,8 +5,8 @@ interpreter (fuzz/check_corpus.py) decodes every file through every public
 entry point, so a crash kills only the child and is reported with its exit
 status and faulthandler trace.  Each file must raise DecodeError/ValueError/
 TypeError or return a correct image (identical to Pillow's within 1 level when
-Pillow decodes it), meet its manifest expectation, take well under the hang
-guard per call, and the child's peak RSS must stay bounded.
+Pillow decodes it), meet its manifest expectation, return within a time bound
+per call, and the child's peak RSS must stay bounded.
 """
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "fuzz"))
 
 import hostile_corpus  # noqa: E402
 
-HANG_GUARD_S = 2.0      # per call; a generous hang guard on 2 cores, not a perf assertion
+# Per call: about 9x the slowest call measured on a 2-core machine (0.12 s, the lenient
+# decode of a truncated 4000 x 4000 progressive file).
+CALL_BOUND_S = 1.0
 RSS_GROWTH_MB = 500     # peak RSS growth of the child over its warmed-up baseline
 
 
@@ -85,10 +87,15 @@ def test_every_file_decodes_or_raises(report):
         f"  {n}: {p}" for n, p in sorted(bad.items())[:40])
 
 
+@pytest.mark.timing
 def test_every_call_is_bounded_in_time(report):
-    """Each call on each file returns within the hang guard."""
+    """Each call on each file returns within CALL_BOUND_S.
+
+    Timing is the behaviour: a hostile file must fail (or decode) quickly, so that a
+    dataset salted with them cannot stall a training job; the child measures each call.
+    """
     slow = [(t, n, c) for n, r in report["files"].items()
-            for c, (_, t) in r["calls"].items() if t > HANG_GUARD_S]
+            for c, (_, t) in r["calls"].items() if t > CALL_BOUND_S]
     assert not slow, sorted(slow, reverse=True)[:20]
 
 

@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 import echo_native as en  # noqa: E402
 from echo_native.lab import datasets  # noqa: E402
-from echo_native.cli import main  # noqa: E402
+from echo_native.lab.cli import main  # noqa: E402
 from echo_native.lab.demo import ThrottledSource, markdown_table, summarize  # noqa: E402
 
 RUN_KEYS = {"echo", "placement", "seed", "reached", "fresh_to_target", "wall_to_target_s",
@@ -63,7 +63,6 @@ def tiny(tmp_path_factory):
 def test_demo_end_to_end(tiny, tmp_path, capsys):
     data, kind = tiny
     js, png = tmp_path / "demo.json", tmp_path / "demo.png"
-    t0 = time.perf_counter()
     rc = main(["demo", "--data", str(data), "--seeds", "2", "--echo", "1,2",
                "--batch-size", "32", "--max-fresh", "640", "--eval-every", "160",
                "--target", "0.15", "--R", "3", "--upstream-seconds", "0.3", "--quiet",
@@ -97,7 +96,6 @@ def test_demo_end_to_end(tiny, tmp_path, capsys):
         assert png.stat().st_size > 1000
     except ImportError:
         assert "no chart" in out
-    assert time.perf_counter() - t0 < 300
 
 
 def test_demo_data_errors(tiny, tmp_path, capsys):
@@ -106,7 +104,9 @@ def test_demo_data_errors(tiny, tmp_path, capsys):
     assert "no such folder" in capsys.readouterr().err
     (tmp_path / "only" / "train").mkdir(parents=True)
     assert main(["demo", "--data", str(tmp_path / "only")]) == 2
-    assert "no test/ folder" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no test/ folder" in err and "echo-native-lab make-dataset fashion-mnist" in err
+    assert err.startswith("echo-native-lab: error: ")
     assert main(["demo", "--data", str(data), "--batch-size", "1000"]) == 2
     assert "fewer than --batch-size 1000" in capsys.readouterr().err
     assert main(["demo", "--data", str(data), "--target", "1.5"]) == 2

@@ -4,8 +4,8 @@ offending argument, never a crash, a leaked segment or a write into a refused bu
 Only what ``test_hostile.py`` (data types of decode/decode_crop, boxes outside
 the image, box/size types of decode_crop, bad ``out`` for decode_crop /
 resize_crop, canvas buffers, resize_crop images, augmentation parameters) and
-``test_echo.py`` (EchoRing: echo, placement, batch_size > samples, image_size,
-shuffle_buffer 15, normalize, layout, max_echo) already cover is left out.
+``tests/test_pipeline.py`` (EchoRing: echo, placement, batch_size > samples,
+image_size, shuffle_buffer 15, normalize, layout, max_echo) already cover is left out.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_size_out_of_range_resize_crop(size):
         en.resize_crop(np.zeros((50, 50, 3), np.uint8), (0, 0, 50, 50), size)
 
 
-@pytest.mark.parametrize("bad,exc", [((8, 8), TypeError), (None, TypeError), ("ab", TypeError),
+@pytest.mark.parametrize("bad,exc", [((8, 8, 8), TypeError), (None, TypeError), ("ab", TypeError),
                                      (0, ValueError), (-1, ValueError), (70000, ValueError),
                                      (10**12, ValueError)])
 def test_center_crop_size_and_canvas_min_side_named(jpeg, png, bad, exc):

@@ -21,7 +21,7 @@ ratios are taken between those best-epoch rates.
 
 Run::
 
-    python -m pytest benchmarks/test_echo.py --benchmark-only -q \\
+    python -m pytest benchmarks/bench_echo.py --benchmark-only -q \\
         --benchmark-json=benchmarks/results/echo-bench.json
 
 Results, ratios and the settings go to ``benchmarks/results/echo.json`` (written at
@@ -50,7 +50,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from bench_env import env_int
+from benchenv import env_int
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PLACEMENTS = ("before_augment", "after_augment", "batch")

@@ -7,7 +7,7 @@ any re-listing).  Compared with torchvision's listing algorithm (``find_classes`
 ``make_dataset``: a list of ``(path, label)`` tuples), re-implemented here because
 torchvision is not a dependency::
 
-    python -m pytest benchmarks/test_listing.py --benchmark-only -s \\
+    python -m pytest benchmarks/bench_listing.py --benchmark-only -s \\
         --benchmark-json=/tmp/listing.json
 
 Environment:
@@ -30,7 +30,7 @@ import tracemalloc
 
 import pytest
 
-from bench_env import env_int
+from benchenv import env_int
 from echo_native.source import IMG_EXTENSIONS, ImageFolder
 
 N_FILES = env_int("ECHO_NATIVE_LISTING_N", 200000)

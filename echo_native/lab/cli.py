@@ -1,0 +1,366 @@
+"""``echo-native-lab`` command line (also ``python -m echo_native.lab``): the lab's tools.
+
+``echo-native-lab bench [DIR]`` measures the whole pipeline on a folder (default:
+an ImageNet-like corpus cut from real photographs, built once and cached):
+fresh and delivered images/s for each echo setting, consumer stall, ring
+occupancy and failures, with the torch DataLoader peer side by side when
+torch is installed.
+
+``echo-native-lab make-dataset fashion-mnist|imagenet-like OUT`` writes a JPEG
+ImageFolder; ``echo-native-lab demo`` runs the echo training demo
+(:mod:`echo_native.lab.demo`).  Errors a user can hit print one line and exit 2.
+
+The library's own command, ``echo-native profile``, is :mod:`echo_native.cli`;
+this module borrows its small helpers (the lab imports the library, never the
+reverse).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from echo_native.cli import UsageError, check_device, echo_list, open_folder, run
+
+# Demo defaults: small enough to finish in a few minutes on 2 cores.
+DEMO_TARGET = 0.72
+DEMO_MAX_FRESH = 30000
+DEMO_EVAL_EVERY = 1500
+DEMO_LR = 2e-3
+
+
+def _progress(total, desc):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="img", leave=False, file=sys.stderr,
+                disable=not sys.stderr.isatty())
+
+
+def _run_ring(folder, args, echo, placement):
+    import echo_native as en
+
+    ring = en.EchoRing(folder, batch_size=args.batch_size, image_size=args.image_size,
+                       echo=echo, placement=placement, workers=args.workers, seed=args.seed,
+                       device=args.device)
+    step = args.step_ms / 1000.0
+    bar = _progress(len(ring) * args.batch_size, f"{placement} e={echo}")
+    with ring:
+        t0 = time.perf_counter()
+        delivered = 0
+        for batch in ring:
+            delivered += len(batch)
+            if step:
+                time.sleep(step)  # stands in for the accelerator's step
+            if bar is not None:
+                bar.update(len(batch))
+        wall = time.perf_counter() - t0
+        st = ring.stats()
+    if bar is not None:
+        bar.close()
+    return {
+        "pipeline": "echo_native", "placement": placement, "echo": echo,
+        "workers": ring.loader.workers, "wall_s": wall,
+        "fresh_per_s": st["fresh"] / wall, "delivered_per_s": delivered / wall,
+        "effective_echo": st["effective_echo"], "stall_s": st["stall_s"],
+        "ring_occupancy": st["ring_occupancy"], "failures": sum(st["failures"].values()),
+    }
+
+
+def _run_torch(folder, args):
+    from echo_native.lab.peers import torch_loader
+
+    loader = torch_loader(folder, args.batch_size, args.workers, args.image_size, args.seed)
+    step = args.step_ms / 1000.0
+    t0 = time.perf_counter()
+    n = stall = 0.0
+    t_wait = time.perf_counter()
+    for images, _ in loader:
+        stall += time.perf_counter() - t_wait
+        n += len(images)
+        if step:
+            time.sleep(step)
+        t_wait = time.perf_counter()
+    wall = time.perf_counter() - t0
+    return {"pipeline": "torch DataLoader + torchvision-style Pillow", "placement": "-",
+            "echo": 1, "workers": args.workers, "wall_s": wall, "fresh_per_s": n / wall,
+            "delivered_per_s": n / wall, "effective_echo": 1.0, "stall_s": stall,
+            "ring_occupancy": float("nan"), "failures": 0}
+
+
+def _table(rows, baseline):
+    head = ("pipeline", "placement", "echo", "fresh img/s", "delivered img/s", "x torch",
+            "stall s", "ring occ.", "failures")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ratio = f"{r['delivered_per_s'] / baseline:.2f}" if baseline else "-"
+        lines.append(f"| {r['pipeline']} | {r['placement']} | {r['echo']} | "
+                     f"{r['fresh_per_s']:,.0f} | {r['delivered_per_s']:,.0f} | {ratio} | "
+                     f"{r['stall_s']:.2f} | {r['ring_occupancy']:.2f} | {r['failures']} |")
+    return "\n".join(lines)
+
+
+def _chart(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{r['placement']}\ne={r['echo']}" if r["pipeline"] == "echo_native" else "torch"
+              for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+    ax.bar(labels, [r["delivered_per_s"] for r in rows], label="delivered")
+    ax.bar(labels, [r["fresh_per_s"] for r in rows], label="fresh")
+    ax.set_ylabel("images / s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def cmd_bench(args):
+    if args.dir:
+        root = args.dir
+    else:
+        from echo_native.lab.corpus import default_corpus
+        print(f"building/using the built-in corpus of {args.images} images ...", file=sys.stderr)
+        try:
+            root = default_corpus(n_images=args.images)
+        except ImportError as e:
+            raise UsageError(str(e)) from None
+    folder = open_folder(root, args.batch_size)
+    check_device(args.device)
+    from echo_native.echo import PLACEMENTS
+    bad = [p for p in args.placements if p not in PLACEMENTS]
+    if bad:
+        raise UsageError(f"unknown placement {bad[0]!r}; choose from {', '.join(PLACEMENTS)}")
+    if any(e != "auto" and e < 1 for e in args.echo):
+        raise UsageError(f"echo factors must be >= 1 or 'auto', got {args.echo}")
+    args.workers = args.workers or len(os.sched_getaffinity(0))
+    rows = []
+    if not args.no_peers:
+        try:
+            import torch  # noqa: F401
+            rows.append(_run_torch(folder, args))
+        except ImportError:
+            print("torch not installed: no DataLoader peer in this run", file=sys.stderr)
+    rows.append(_run_ring(folder, args, 1, "after_augment"))
+    for placement in args.placements:
+        for e in args.echo:
+            if e != 1:
+                rows.append(_run_ring(folder, args, e, placement))
+    baseline = rows[0]["delivered_per_s"] if rows[0]["pipeline"] != "echo_native" else None
+    print(f"\n{len(folder)} images from {root}; batch {args.batch_size}, "
+          f"{args.image_size}px, {args.workers} workers, consumer step {args.step_ms} ms\n")
+    print(_table(rows, baseline))
+    with open(args.json, "w") as f:
+        json.dump({"root": str(root), "images": len(folder), "args": vars(args) | {"func": None},
+                   "rows": rows}, f, indent=2, default=str)
+    print(f"\nJSON: {args.json}")
+    if _chart(rows, args.chart):
+        print(f"chart: {args.chart}")
+    return 0
+
+
+# -- make-dataset ---------------------------------------------------------------------
+def cmd_make_dataset(args):
+    t0 = time.perf_counter()
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"{args.out} exists and is not a folder")
+    if args.kind == "fashion-mnist":
+        from echo_native.lab.datasets import DatasetMissing, build_fashion_mnist
+
+        for name in ("limit_train", "limit_test"):
+            v = getattr(args, name)
+            if v is not None and v < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if not 1 <= args.quality <= 100:
+            raise UsageError(f"--quality must be in 1..100, got {args.quality}")
+        try:
+            out = build_fashion_mnist(args.out, quality=args.quality,
+                                      limit_train=args.limit_train, limit_test=args.limit_test)
+        except DatasetMissing as e:
+            raise UsageError(str(e)) from None
+        man = json.loads((out / "echo_native_fashion_mnist.json").read_text())
+        print(f"Fashion-MNIST: {man['train']} train + {man['test']} test JPEGs in "
+              f"{out}/train and {out}/test ({time.perf_counter() - t0:.1f} s)")
+    else:
+        from echo_native.lab.corpus import build_corpus
+
+        if args.images < 1:
+            raise UsageError(f"--images must be >= 1, got {args.images}")
+        try:
+            out = build_corpus(args.out, n_images=args.images, seed=args.seed)
+        except ImportError as e:
+            raise UsageError(str(e)) from None
+        print(f"ImageNet-like corpus: {args.images} JPEGs in {out} "
+              f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+# -- demo -----------------------------------------------------------------------------
+def cmd_demo(args):
+    from echo_native.lab.demo import DemoConfig, run_demo
+
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("the demo trains a PyTorch model: pip install torch") from None
+    if args.device != "cpu":
+        if not (args.device == "cuda" or args.device.startswith("cuda:")):
+            raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: torch sees no CUDA GPU "
+                             f"(torch {torch.__version__})")
+    if any(e == "auto" or e < 1 for e in args.echo):
+        raise UsageError(f"--echo needs numbers >= 1, got {args.echo}")
+    from echo_native.echo import PLACEMENTS
+
+    bad = [p for p in args.placements if p not in PLACEMENTS]
+    if bad:
+        raise UsageError(f"unknown placement {bad[0]!r}; choose from {', '.join(PLACEMENTS)}")
+    for name, lo in (("seeds", 1), ("max_fresh", 1), ("eval_every", 1), ("batch_size", 1),
+                     ("image_size", 8), ("workers", 1)):
+        if getattr(args, name) < lo:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {lo}, got "
+                             f"{getattr(args, name)}")
+    if not 0 < args.target <= 1:
+        raise UsageError(f"--target is a test accuracy in (0, 1], got {args.target}")
+    if args.R <= 0:
+        raise UsageError(f"--R must be positive, got {args.R}")
+    if args.data:
+        data = args.data
+    else:
+        from echo_native.lab.datasets import DatasetMissing, default_fashion_mnist
+
+        print("building/using the Fashion-MNIST JPEG tree in the cache ...", file=sys.stderr)
+        try:
+            data = str(default_fashion_mnist())
+        except DatasetMissing as e:
+            raise UsageError(str(e)) from None
+    if not os.path.isdir(data):
+        raise UsageError(f"{data}: no such folder")
+    for split in ("train", "test"):
+        if not os.path.isdir(os.path.join(data, split)):
+            raise UsageError(f"{data} has no {split}/ folder (make one with: echo-native-lab "
+                             f"make-dataset fashion-mnist {data})")
+    train = open_folder(os.path.join(data, "train"), args.batch_size)
+    open_folder(os.path.join(data, "test"))
+    if args.train_subset is not None and args.train_subset < args.batch_size:
+        raise UsageError(f"--train-subset {args.train_subset} is smaller than --batch-size "
+                         f"{args.batch_size}")
+    cfg = DemoConfig(data=data, echo=tuple(args.echo), placements=tuple(args.placements),
+                     seeds=args.seeds, R=args.R, target=args.target, max_fresh=args.max_fresh,
+                     eval_every=args.eval_every, batch_size=args.batch_size,
+                     image_size=args.image_size, workers=args.workers, lr=args.lr,
+                     train_subset=args.train_subset, test_limit=args.test_limit,
+                     threads=args.threads, device=args.device, out_json=args.json,
+                     upstream_s=args.upstream_seconds,
+                     out_chart=args.chart)
+    log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    n = min(len(train), args.train_subset or len(train))
+    settings = 1 + sum(1 for e in args.echo if e != 1) * len(args.placements)
+    print(f"echo training demo: {n} training JPEGs, {settings} settings x {args.seeds} seeds, "
+          f"target {args.target:.0%} test accuracy, upstream throttled to R = {args.R:g}",
+          file=sys.stderr)
+    report = run_demo(cfg, log=log)
+    print(f"\nFashion-MNIST, small CNN (PyTorch, {args.device}), batch {args.batch_size}, "
+          f"{args.image_size}px RandomResizedCrop(0.35-1) + flip; train step "
+          f"{report['step_ms']:.1f} ms, upstream {report['upstream_img_per_s']:,.0f} img/s, "
+          f"measured R = {report['measured_R']:.2f}; {report['train_images']} training / "
+          f"{report['test_images']} test images; {args.seeds} seeds (mean ± std)\n")
+    print(report["table"])
+    print(f"\nJSON: {args.json}")
+    if report["chart"]:
+        print(f"chart: {report['chart']}")
+    else:
+        print("no chart: matplotlib is not installed (pip install matplotlib)")
+    print(f"total {report['total_s']:.0f} s")
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="echo-native-lab",
+        description="echo_native lab: benchmarks, data sets and the echo training demo.",
+        epilog="Profiling your own data and step time: echo-native profile --help.")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="measure the pipeline (and peers) on a folder")
+    b.add_argument("dir", nargs="?", help="ImageFolder root (default: built-in corpus)")
+    b.add_argument("--images", type=int, default=1000, help="size of the built-in corpus")
+    b.add_argument("--batch-size", type=int, default=64)
+    b.add_argument("--image-size", type=int, default=224)
+    b.add_argument("--workers", type=int, default=0, help="default: available cores")
+    b.add_argument("--echo", type=echo_list, default=[1, 2, 4],
+                   help="comma-separated echo factors (numbers or 'auto')")
+    b.add_argument("--placements", type=lambda s: s.split(","),
+                   default=["before_augment", "after_augment", "batch"])
+    b.add_argument("--step-ms", type=float, default=0.0,
+                   help="consumer step time per batch (models the accelerator)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    b.add_argument("--no-peers", action="store_true", help="skip the torch DataLoader peer")
+    b.add_argument("--json", default="echo_native_bench.json")
+    b.add_argument("--chart", default="echo_native_bench.png")
+    b.set_defaults(func=cmd_bench)
+
+    m = sub.add_parser("make-dataset", help="write a JPEG ImageFolder: Fashion-MNIST (from "
+                                            "Debian's dataset-fashion-mnist) or the "
+                                            "ImageNet-like corpus")
+    m.add_argument("kind", choices=["fashion-mnist", "imagenet-like"])
+    m.add_argument("out", help="output folder")
+    m.add_argument("--images", type=int, default=2000, help="imagenet-like: number of images")
+    m.add_argument("--seed", type=int, default=0, help="imagenet-like: corpus seed")
+    m.add_argument("--quality", type=int, default=90, help="fashion-mnist: JPEG quality")
+    m.add_argument("--limit-train", type=int, default=None,
+                   help="fashion-mnist: keep the first N training images")
+    m.add_argument("--limit-test", type=int, default=None,
+                   help="fashion-mnist: keep the first N test images")
+    m.set_defaults(func=cmd_make_dataset)
+
+    d = sub.add_parser("demo", help="echo training demo: Fashion-MNIST JPEGs through EchoRing, "
+                                    "a small CNN, fresh examples and wall time to a target "
+                                    "accuracy per echo setting")
+    d.add_argument("--data", default=None,
+                   help="folder with train/ and test/ ImageFolders (default: Fashion-MNIST "
+                        "converted once into the cache)")
+    d.add_argument("--echo", type=echo_list, default=[1, 2, 4])
+    d.add_argument("--placements", type=lambda s: s.split(","),
+                   default=["before_augment", "after_augment", "batch"])
+    d.add_argument("--seeds", type=int, default=3)
+    d.add_argument("--R", type=float, default=4.0,
+                   help="upstream time / training step time per batch (throttle)")
+    d.add_argument("--target", type=float, default=DEMO_TARGET,
+                   help="test accuracy to reach (full test set)")
+    d.add_argument("--max-fresh", type=int, default=DEMO_MAX_FRESH,
+                   help="budget of fresh examples per run")
+    d.add_argument("--eval-every", type=int, default=DEMO_EVAL_EVERY,
+                   help="evaluate every N fresh examples")
+    d.add_argument("--batch-size", type=int, default=64)
+    d.add_argument("--image-size", type=int, default=28, help="28 or 32")
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--lr", type=float, default=DEMO_LR)
+    d.add_argument("--train-subset", type=int, default=None,
+                   help="use N training images (default: all 60,000)")
+    d.add_argument("--threads", type=int, default=1, help="torch threads")
+    d.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the model)")
+    d.add_argument("--test-limit", type=int, default=None, help=argparse.SUPPRESS)
+    d.add_argument("--upstream-seconds", type=float, default=2.0, help=argparse.SUPPRESS)
+    d.add_argument("--quiet", action="store_true")
+    d.add_argument("--json", default="echo_native_demo.json")
+    d.add_argument("--chart", default="echo_native_demo.png")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv=None):
+    return run(build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
