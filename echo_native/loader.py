@@ -12,7 +12,6 @@ back to the workers when the next batch is requested (or on
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -26,7 +25,8 @@ from echo_native.decode import DecodeLimits
 from echo_native.errors import DecodeError
 from echo_native.ring import ERR_DECODE, ERR_WORKER, MAX_WORKERS, OK, REASONS, Ring
 from echo_native.transforms import RandomResizedCrop, output_size
-from echo_native.workers import ON_ERROR, Plan, Shard, WorkerPool, distributed_rank  # noqa: F401
+from echo_native.workers import (ON_ERROR, Plan, Shard, WorkerPool,  # noqa: F401
+                                 distributed_rank, ship)
 
 
 class WorkerError(RuntimeError):
@@ -160,8 +160,10 @@ class Loader:
     timeout : float, default 120
         Seconds to wait for one batch before raising ``TimeoutError``.
     worker_mode : {"process", "thread"}, default "process"
-    start_method : str, optional
-        multiprocessing start method of worker processes (default "forkserver").
+        Worker processes are fresh interpreters that never run your ``__main__``
+        (no main guard needed); the source reaches them pickled by value, so a
+        class defined in your script or notebook works.  Threads suit sources
+        whose ``read`` releases the GIL (the decode always does).
 
     Shorthands: ``image_size=``, ``scale=``, ``ratio=``, ``flip_p=`` make the
     ``RandomResizedCrop``; ``strict=`` the ``DecodeLimits``; ``rank=``,
@@ -170,7 +172,7 @@ class Loader:
 
     def __init__(self, source, batch_size, *, augment=None, workers=None, seed=0, shuffle=True,
                  drop_last=False, on_error="replace", shard=None, decode=None, slots=None,
-                 timeout=120.0, worker_mode="process", start_method=None, **shorthands):
+                 timeout=120.0, worker_mode="process", **shorthands):
         augment, decode, shard = fold_shorthands("Loader", augment, decode, shard, shorthands)
         if shorthands:
             raise TypeError(f"Loader got unexpected keyword argument(s) "
@@ -203,9 +205,6 @@ class Loader:
                              f"{workers!r}")
         if slots is not None and (not _is_int(slots) or slots < 2):
             raise ValueError(f"slots must be an integer >= 2, got {slots!r}")
-        if start_method is not None and start_method not in mp.get_all_start_methods():
-            raise ValueError(f"start_method must be one of {mp.get_all_start_methods()}, got "
-                             f"{start_method!r}")
         rank, world_size, pad = shard.resolve(shuffle)
         self.source = source
         self.workers = min(_default_workers(), MAX_WORKERS) if workers is None else int(workers)
@@ -219,7 +218,10 @@ class Loader:
             raise ValueError(f"batch_size {batch_size} is larger than the "
                              f"{self.plan.num_samples} samples of this rank's shard "
                              f"(drop_last=True would yield nothing)")
-        self._worker_mode, self._start_method = worker_mode, start_method
+        self._worker_mode = worker_mode
+        # Pickled once, here: a source that cannot reach worker processes is
+        # refused at construction, not at the first batch.
+        self._job = ship(self.plan, source) if worker_mode == "process" else None
         self._ring = self._pool = None
         self._ticket = 0           # next ticket the consumer takes
         self._held = None          # ticket whose slot the consumer still reads
@@ -236,14 +238,14 @@ class Loader:
         pool, opened = None, []
         try:
             pool = WorkerPool(ring, self.plan, self.source, self.workers, self._worker_mode,
-                              self._start_method)
+                              self._job)
             # Stages that hold on to the ring's memory (a GPU backend pins it)
             # take it before any worker writes; one that refuses stops the start.
             for watcher in self._watchers:
                 watcher[0](ring)
                 opened.append(watcher)
             pool.start()
-        except BaseException:  # an unknown start_method, a refused device: leak nothing
+        except BaseException:  # a worker that cannot start, a refused device: leak nothing
             _shutdown(ring, pool, opened)
             raise
         self._ring, self._pool = ring, pool
@@ -355,7 +357,10 @@ class Loader:
 
     def next_batch(self) -> Batch:
         """The next batch in ticket order (releasing the previous one's slot)."""
-        filled = self.next_filled()
+        return self.batch_of(self.next_filled())
+
+    def batch_of(self, filled) -> Batch:
+        """A :class:`Batch` of views into the slot of ``filled``."""
         slot, count = filled.slot, filled.count
         h, w = _image_shape(self.plan.transform)
         fresh = slot.status[:count] == OK
@@ -364,6 +369,19 @@ class Loader:
                      echo_index=np.zeros(count, dtype=np.int64), boxes=slot.boxes[:count],
                      flips=slot.flip[:count].view(bool), epoch=filled.epoch,
                      _release=functools.partial(self.release, filled.ticket))
+
+    def held(self):
+        """The batch taken last whose slot the consumer still holds (neither released nor
+        handed off), as a :class:`Filled`, or None.
+
+        A stage interrupted between taking a batch and using it (Ctrl-C caught by
+        the training loop) picks it up here on its next iteration instead of
+        losing it."""
+        ticket, ring = self._held, self._ring
+        if ticket is None or ring is None:
+            return None
+        count = ring.read_meta(ticket).count
+        return Filled(ticket, ticket // len(self), ring.slots[ticket % ring.layout.nslots], count)
 
     def next_filled(self) -> "Filled":
         """The next published slot in ticket order, for stages that read slots directly.
@@ -532,7 +550,7 @@ def _shutdown(ring, pool, watchers=()):
     for _, closing in watchers:
         try:
             closing(ring)
-        except Exception as e:
+        except BaseException as e:  # a Ctrl-C here too: the workers must still stop
             error = error or e
     try:
         if pool is not None:

@@ -7,7 +7,10 @@ specs and keeps the books (:meth:`EchoRing.stats`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import time
 
 import numpy as np
@@ -57,7 +60,7 @@ class EchoRing:
         This process's part of the data (default: torchrun's RANK/WORLD_SIZE).
     decode : DecodeLimits, optional
         Strict decoding and decompression-bomb limits.
-    slots, timeout, worker_mode, start_method : see :class:`Loader`.
+    slots, timeout, worker_mode : see :class:`Loader`.
 
     Shorthands (the flat names of the original contract, still supported):
     ``image_size``, ``scale``, ``ratio``, ``flip_p`` build the
@@ -71,7 +74,7 @@ class EchoRing:
     def __init__(self, source, batch_size=256, *, augment=None, echo=2.0, output=None,
                  workers=None, device="cpu", seed=0, shuffle=True, drop_last=False,
                  on_error="replace", shard=None, decode=None, slots=None, timeout=120.0,
-                 worker_mode="process", start_method=None, **shorthands):
+                 worker_mode="process", **shorthands):
         echo = _fold_echo(echo, shorthands)
         output = _fold_output(output, shorthands)
         augment, decode, shard = fold_shorthands("EchoRing", augment, decode, shard, shorthands)
@@ -113,7 +116,7 @@ class EchoRing:
                              slots=slots, seed=seed, shuffle=shuffle,
                              drop_last=self.drop_last and self.passthrough, on_error=on_error,
                              shard=shard, decode=decode, timeout=timeout,
-                             worker_mode=worker_mode, start_method=start_method)
+                             worker_mode=worker_mode)
         self.seed = self.loader.plan.seed
         n, shard_n = len(source), self.loader.plan.num_samples
         if self.batch_size > shard_n:
@@ -126,6 +129,9 @@ class EchoRing:
         self._sent = {}
         self._skip = set()
         self._buffer = None
+        self._window = None        # (epoch, BatchWindow) of batch echo
+        self._unfinished = None    # epoch of an echo iteration left early
+        self._yielded = None       # ticket of the last batch passed straight through
         self._outputs = {}
         self._books = _Books()
         # The device follows the ring through restarts (a seek makes a new one).
@@ -169,7 +175,8 @@ class EchoRing:
     # -- epochs ------------------------------------------------------------------------
     @property
     def epoch(self):
-        return self.loader.epoch
+        """The epoch the next iteration works on (one left early continues)."""
+        return self.loader.epoch if self._unfinished is None else self._unfinished
 
     def __len__(self):
         """Batches in the coming epoch (for echo="auto", the count at the current e;
@@ -211,22 +218,31 @@ class EchoRing:
 
     def _passthrough(self):
         loader = self.loader
+        held = loader.held()
+        if held is not None and held.ticket != self._yielded:
+            # Taken before an interruption (Ctrl-C) but never delivered.
+            yield self._deliver(loader.batch_of(held), held.ticket)
         for _ in range(loader.left_in_epoch):
             t0 = time.perf_counter()
-            b = loader.next_batch()
+            filled = loader.next_filled()
             self._books.wait_s += time.perf_counter() - t0
-            self._books.fresh += int(b.fresh.sum())
-            self._books.fresh_batches += 1
             self._note_fill()
-            if not self.device.host_resident:
-                # The slot goes back once its pixels are copied: keep what else it holds.
-                images = self.device.to_device(b.images, self._output("images", b.images.shape))
-                b = Batch(images, b.labels.copy(), b.sample_ids.copy(), b.fresh.copy(),
-                          b.echo_index, b.boxes.copy(), b.flips.copy(), b.epoch)
-                self.device.release_after_copies(loader.hand_off())
-            # else the batch is the slot itself; it goes back with the next batch.
-            yield self._finish(b.images, b.labels, b.sample_ids, b.fresh, b.echo_index, b.boxes,
-                               b.flips, b.epoch)
+            yield self._deliver(loader.batch_of(filled), filled.ticket)
+
+    def _deliver(self, b, ticket):
+        """A batch straight from the ring, on the device and in the output format."""
+        self._books.fresh += int(b.fresh.sum())
+        self._books.fresh_batches += 1
+        if not self.device.host_resident:
+            # The slot goes back once its pixels are copied: keep what else it holds.
+            images = self.device.to_device(b.images, self._output("images", b.images.shape))
+            b = Batch(images, b.labels.copy(), b.sample_ids.copy(), b.fresh.copy(),
+                      b.echo_index, b.boxes.copy(), b.flips.copy(), b.epoch)
+            self.device.release_after_copies(self.loader.hand_off())
+        # else the batch is the slot itself; it goes back with the next batch.
+        self._yielded = ticket
+        return self._finish(b.images, b.labels, b.sample_ids, b.fresh, b.echo_index, b.boxes,
+                            b.flips, b.epoch)
 
     def _note_fill(self):
         """Add the upstream cost (worker fill time) of the batch just taken."""
@@ -234,18 +250,33 @@ class EchoRing:
         self._books.fill_s += self.loader.ring.fill_seconds(ticket)
 
     # -- example echo (before / after augmentation) -----------------------------------
+    def _open_epoch(self):
+        """The epoch an iteration works on: the loader's, unless an earlier iteration of
+        an echo stage was left early (break, a caught Ctrl-C) and its epoch is not done
+        yet, although all its fresh batches may have been taken from the ring."""
+        if self._unfinished is None:
+            self._unfinished = self.loader.epoch
+        return self._unfinished
+
     def _example_echo(self):
         loader, buf, B = self.loader, self._buffer, self.batch_size
-        epoch = loader.epoch
+        epoch = self._open_epoch()
         counts = None if self.auto else self._example_counts(epoch)
         rng = shuffle_rng(self.seed, epoch)
-        fresh_left = loader.left_in_epoch
+        fresh_left = max(0, (epoch + 1) * len(loader) - loader.position)
         fixed = self.placement == "after_augment"
+        held = loader.held()
+        if held is not None:  # taken before an interruption (Ctrl-C)
+            if held.ticket in self._unsent:
+                self.device.release_after_copies(loader.hand_off())  # stored already
+            else:
+                self._store(buf, held, counts, rng, fixed)
         while True:
             fresh_left -= self._fill(buf, counts, rng, fresh_left, fixed)
             pending = buf.pending
             if pending == 0 and fresh_left == 0:
                 self._skip = set()
+                self._unfinished = None
                 return
             want = min(B, pending)
             if want < B and (fresh_left > 0):
@@ -253,6 +284,7 @@ class EchoRing:
             if want < B and self.drop_last:
                 buf.clear()
                 self._skip = set()
+                self._unfinished = None
                 return
             entries = buf.choose(want, rng)
             yield self._emit(buf, entries, epoch)
@@ -299,12 +331,17 @@ class EchoRing:
             t0 = time.perf_counter()
             filled = self.loader.next_filled()
             self._books.wait_s += time.perf_counter() - t0
-            k = self._auto.counts(rng, filled.count) if self.auto else \
-                counts[filled.slot.sample_ids[:filled.count]]
-            self._add(buf, filled, k, fixed)
-            self.device.release_after_copies(self.loader.hand_off())
+            self._store(buf, filled, counts, rng, fixed)
             moved += 1
         return moved
+
+    def _store(self, buf, filled, counts, rng, fixed):
+        """A fresh batch into the echo buffer, its slot back to the workers."""
+        k = self._auto.counts(rng, filled.count) if self.auto else \
+            counts[filled.slot.sample_ids[:filled.count]]
+        with _deferred_interrupts():
+            self._add(buf, filled, k, fixed)
+            self.device.release_after_copies(self.loader.hand_off())
 
     def _add(self, buf, filled, k, fixed):
         slot, n = filled.slot, filled.count
@@ -338,8 +375,9 @@ class EchoRing:
         n = len(entries)
         sample_ids = buf.sample_id[entries].copy()
         tickets = buf.ticket[entries].copy()
-        echo_index = buf.emit(entries)
-        self._note_sent(tickets[echo_index == 0], sample_ids[echo_index == 0])
+        with _deferred_interrupts():
+            echo_index = buf.emit(entries)
+            self._note_sent(tickets[echo_index == 0], sample_ids[echo_index == 0])
         images = self._output("images", (n, *self.size, 3))
         if self.placement == "after_augment":
             self.device.gather(buf, entries, images)
@@ -396,13 +434,15 @@ class EchoRing:
         self.loader.load_state_dict(state)
         self._skip = set(int(s) for s in state.get("skip", ()))
         self._unsent, self._sent = {}, {}
+        self._window = self._unfinished = None
         if self._buffer is not None:
             self._buffer.clear()
 
     def set_epoch(self, epoch):
         """As ``DistributedSampler.set_epoch``: the next iteration is ``epoch``."""
-        if self.loader.epoch != epoch:
+        if self.epoch != epoch:
             self._skip = set()
+            self._window = self._unfinished = None
             if self._buffer is not None:
                 self._buffer.clear()
         self.loader.set_epoch(epoch)
@@ -443,49 +483,63 @@ class EchoRing:
     # -- batch echo ------------------------------------------------------------------------
     def _batch_echo(self):
         loader = self.loader
-        epoch = loader.epoch
+        epoch = self._open_epoch()
         nb = len(loader)
         counts = echo_counts(self.seed, epoch, nb, self._e())
         rng = shuffle_rng(self.seed, epoch)
-        window = BatchWindow(max(2, self.shuffle_buffer // self.batch_size))
-        taken = nb - loader.left_in_epoch
+        # The window outlives one iteration: leaving the loop early (break, a
+        # caught Ctrl-C) and iterating again goes on with the batches it holds.
+        if self._window is None or self._window[0] != epoch:
+            self._window = (epoch, BatchWindow(max(2, self.shuffle_buffer // self.batch_size)))
+        window = self._window[1]
+        held = loader.held()
+        if held is not None:  # taken before an interruption (Ctrl-C)
+            if held.ticket in self._unsent:
+                self.device.release_after_copies(loader.hand_off())  # in the window already
+            else:
+                self._window_add(window, loader.batch_of(held), held.ticket, counts, rng, nb)
         while True:
-            while taken < nb and self._want_fresh_batch(window):
+            while loader.position < (epoch + 1) * nb and self._want_fresh_batch(window):
                 t0 = time.perf_counter()
                 b = loader.next_batch()
                 self._books.wait_s += time.perf_counter() - t0
-                ticket = loader.position - 1
                 self._note_fill()
-                if self._skip and np.isin(b.sample_ids, list(self._skip)).all():
-                    b.release()  # resumed: this batch was emitted before the save
-                    taken += 1
-                    continue
-                self._books.fresh += int(b.fresh.sum())
-                self._books.fresh_batches += 1
-                batch = b.copy() if self.device.host_resident else \
-                    Batch(self.device.to_device(b.images), b.labels.copy(), b.sample_ids.copy(),
-                          b.fresh.copy(), b.echo_index.copy(), b.boxes.copy(), b.flips.copy(),
-                          b.epoch)  # owns its memory: the slot goes back to the workers below
-                self.device.release_after_copies(loader.hand_off())
-                window.add(batch, self._auto.counts(rng, 1)[0] if self.auto else counts[taken],
-                           ticket)
-                self._unsent[ticket], self._sent[ticket] = 1, []
-                taken += 1
+                self._window_add(window, b, loader.position - 1, counts, rng, nb)
             if not len(window):
                 self._skip = set()
+                self._window = None
+                self._unfinished = None
                 return
-            b, echo, ticket = window.take(rng, fresh_first=self.auto)
-            if echo == 0:
-                self._unsent[ticket] = 0
-                self._sent[ticket] = b.sample_ids.tolist()
-                none = np.empty(0, np.int64)
-                self._note_sent(none, none)  # forget older, fully sent batches
+            with _deferred_interrupts():
+                b, echo, ticket = window.take(rng, fresh_first=self.auto)
+                if echo == 0:
+                    self._unsent[ticket] = 0
+                    self._sent[ticket] = b.sample_ids.tolist()
+                    none = np.empty(0, np.int64)
+                    self._note_sent(none, none)  # forget older, fully sent batches
             if self.drop_last and len(b) < self.batch_size:
                 continue
             images = self.device.copy(b.images, self._output("images", b.images.shape))
             yield self._finish(images, b.labels.copy(), b.sample_ids.copy(),
                                b.fresh & (echo == 0), np.full(len(b), echo, np.int64),
                                b.boxes.copy(), b.flips.copy(), epoch)
+
+    def _window_add(self, window, b, ticket, counts, rng, nb):
+        """A fresh batch (the slot's views) into the batch-echo window, as a copy."""
+        if self._skip and np.isin(b.sample_ids, list(self._skip)).all():
+            b.release()  # resumed: this batch was emitted before the save
+            return
+        self._books.fresh += int(b.fresh.sum())
+        self._books.fresh_batches += 1
+        batch = b.copy() if self.device.host_resident else \
+            Batch(self.device.to_device(b.images), b.labels.copy(), b.sample_ids.copy(),
+                  b.fresh.copy(), b.echo_index.copy(), b.boxes.copy(), b.flips.copy(),
+                  b.epoch)  # owns its memory: the slot goes back to the workers below
+        with _deferred_interrupts():
+            self.device.release_after_copies(self.loader.hand_off())
+            window.add(batch, self._auto.counts(rng, 1)[0] if self.auto else counts[ticket % nb],
+                       ticket)
+            self._unsent[ticket], self._sent[ticket] = 1, []
 
     def _want_fresh_batch(self, window):
         """Batch echo: pull the next fresh batch now?  Fixed e keeps the window full;
@@ -549,6 +603,30 @@ class _Books:
         self.started = 0.0
         self.fresh = self.delivered = self.batches = self.fresh_batches = 0
         self.wait_s = self.consumer_s = self.fill_s = 0.0
+
+
+@contextlib.contextmanager
+def _deferred_interrupts():
+    """Hold a Ctrl-C until the block is done.
+
+    The block moves examples between the ring, the echo buffer and a batch; a
+    KeyboardInterrupt in its middle would lose an example or emit one twice,
+    and a training loop may catch the interrupt and iterate on.  Only the main
+    thread receives KeyboardInterrupt, and only there can the handler be
+    swapped; a handler the user installed is left alone.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if caught:
+            raise KeyboardInterrupt
 
 
 def _fold_echo(echo, shorthands):

@@ -6,15 +6,19 @@ permutation, batch size), and every augmentation is keyed by (seed, epoch,
 sample id, echo index), so any worker can fill any ticket, and a ticket whose
 worker died is simply filled again by another with identical bytes.
 
-Workers are processes by default (started with ``forkserver``, which is safe
-alongside CUDA), or threads: the native kernel releases the GIL for all byte
-work, so threads scale too when the source's reads release it as well.
+Workers are processes by default (fresh interpreters that never run the
+user's ``__main__``, safe alongside CUDA), or threads: the native kernel
+releases the GIL for all byte work, so threads scale too when the source's
+reads release it as well.
 """
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
+import pickle
+import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -295,11 +299,98 @@ def _orphaned(ring):
         pass
 
 
-def _process_main(ring, index, plan, source, redo, owner_pid):
+# ---- worker processes ---------------------------------------------------------------
+# A worker process is a fresh interpreter running worker_main(), never a
+# multiprocessing child: spawn and forkserver children run the user's __main__
+# again (a training script without a main guard would build another ring in
+# every worker), and fork would copy the consumer's threads and CUDA context.
+# Everything a worker needs arrives on its stdin, so nothing depends on what
+# the parent happened to import.
+
+_ENTRY = "import echo_native.workers as w; w.worker_main()"
+
+
+def ship(plan, source) -> bytes:
+    """The plan and the source as bytes a worker process can load.
+
+    By value where needed (cloudpickle): a source class, or a lambda it holds,
+    defined in a script, ``python -c`` or a notebook reaches the workers.
+    Anything that cannot cross a process boundary is refused here, at
+    construction, with what to do about it.
+    """
+    import cloudpickle
+
     try:
-        run_worker(ring, index, plan, source, redo, owner_pid)
-    except KeyboardInterrupt:
-        pass  # Ctrl-C reaches the whole process group; the consumer handles it
+        return cloudpickle.dumps((plan, source), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise TypeError(
+            f"the source {type(source).__name__} cannot be sent to worker processes "
+            f"({type(e).__name__}: {e}). Keep open files, locks, sockets and threads out of "
+            f"its state (open them lazily in read(), as TarShards does), or pass "
+            f"worker_mode='thread'") from None
+
+
+class WorkerProcess:
+    """One worker process, started on :func:`worker_main` and told its job on stdin.
+
+    Same vocabulary as ``multiprocessing.Process`` where the pool needs it:
+    ``pid``, ``exitcode`` (negative: killed by that signal), ``join``, ``kill``.
+    """
+
+    def __init__(self, ring, index, job, redo, owner_pid):
+        # A session of its own: Ctrl-C in a terminal (or Jupyter's interrupt,
+        # which signals the kernel's process group) is the consumer's to
+        # handle, and must not reach a worker still importing, before it can
+        # ignore SIGINT.  A worker notices its owner's death by polling.
+        self._proc = subprocess.Popen([sys.executable, "-c", _ENTRY], stdin=subprocess.PIPE,
+                                      start_new_session=True)
+        self.pid = self._proc.pid
+        # sys.path first, on its own: the job may need it to unpickle.
+        self._message = (pickle.dumps(list(sys.path)),
+                         pickle.dumps((ring, index, list(redo), owner_pid, job)))
+
+    def send(self):
+        """Write the job (blocks until the new interpreter reads it)."""
+        try:
+            for part in self._message:
+                self._proc.stdin.write(part)
+            self._proc.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass  # it died before reading: the supervisor sees its exit code
+        self._message = None
+
+    @property
+    def exitcode(self):
+        return self._proc.poll()
+
+    def is_alive(self):
+        return self._proc.poll() is None
+
+    def join(self, timeout=None):
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self):
+        if self._proc.poll() is None:
+            self._proc.kill()
+
+    def close(self):
+        if self._proc.stdin and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+
+
+def worker_main():
+    """Entry point of a worker process (``python -c``): read the job, fill slots."""
+    # Ctrl-C is the consumer's to handle (a training loop may catch it and go
+    # on); a worker stops when the ring closes or its owner is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stdin = sys.stdin.buffer
+    sys.path[:] = pickle.load(stdin)
+    ring, index, redo, owner_pid, job = pickle.load(stdin)
+    plan, source = pickle.loads(job)
+    run_worker(ring, index, plan, source, redo, owner_pid)
 
 
 # ---- the supervisor ------------------------------------------------------------------
@@ -311,7 +402,7 @@ class WorkerPool:
     ``max_restarts`` deaths within ``restart_window`` seconds, is an error.
     """
 
-    def __init__(self, ring, plan, source, workers, mode="process", start_method=None,
+    def __init__(self, ring, plan, source, workers, mode="process", job=None,
                  max_restarts=8, restart_window=60.0):
         if mode not in ("process", "thread"):
             raise ValueError(f"worker mode must be 'process' or 'thread', got {mode!r}")
@@ -323,21 +414,20 @@ class WorkerPool:
         self._stop = threading.Event()
         self._workers = [None] * workers
         self._thread_errors = []
-        if mode == "process":
-            self._ctx = mp.get_context(start_method or "forkserver")
-            if (start_method or "forkserver") == "forkserver":
-                self._ctx.set_forkserver_preload(["echo_native.workers"])
+        self._job = ship(plan, source) if mode == "process" and job is None else job
 
     def start(self):
-        for i in range(self.count):
-            self._spawn(i, ())
+        # Start every interpreter before feeding any: they boot in parallel.
+        started = [self._spawn(i, (), send=False) for i in range(self.count)]
+        for p in started:
+            if self.mode == "process":
+                p.send()
 
-    def _spawn(self, index, redo):
+    def _spawn(self, index, redo, send=True):
         if self.mode == "process":
-            p = self._ctx.Process(target=_process_main, name=f"echo_native-worker-{index}",
-                                  args=(self.ring, index, self.plan, self.source, list(redo),
-                                        os.getpid()), daemon=True)
-            p.start()
+            p = WorkerProcess(self.ring, index, self._job, redo, os.getpid())
+            if send:
+                p.send()
         else:
             def body():
                 try:
@@ -347,6 +437,7 @@ class WorkerPool:
             p = threading.Thread(target=body, name=f"echo_native-worker-{index}", daemon=True)
             p.start()
         self._workers[index] = p
+        return p
 
     def pids(self):
         return [w.pid for w in self._workers if self.mode == "process" and w is not None]
@@ -406,15 +497,16 @@ class WorkerPool:
         self._stop.set()
         self.ring.close()
         deadline = time.monotonic() + timeout
-        for p in self._workers:
-            if p is None:
-                continue
-            p.join(max(0.0, deadline - time.monotonic()))
-            if self.mode == "process" and p.is_alive():
-                p.kill()
-                p.join(1.0)
-        if self.mode == "process":
+        try:
             for p in self._workers:
                 if p is not None:
+                    p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            # Also when a Ctrl-C lands in the joins above: no worker outlives close().
+            for p in self._workers:
+                if p is not None and self.mode == "process":
+                    if p.is_alive():
+                        p.kill()
+                        p.join(1.0)
                     p.close()
-        self._workers = [None] * self.count
+            self._workers = [None] * self.count

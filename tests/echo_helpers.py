@@ -1,9 +1,9 @@
 """Helpers for the echo-stage tests that must be importable by workers.
 
-Workers start with ``forkserver``, so a custom source they read from must live
+Worker processes are fresh interpreters, so a custom source they read from must live
 in an importable module, not in a test file.  ``tests/test_echo.py`` and
 ``tests/test_pipeline.py`` put this folder on ``sys.path`` and ``import
-echo_helpers``; the forkserver hands ``sys.path`` on to every worker.
+echo_helpers``; every worker gets the consumer's ``sys.path``.
 """
 from __future__ import annotations
 

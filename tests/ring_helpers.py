@@ -1,12 +1,11 @@
 """Helpers for the ring / worker-pool tests that must be importable by workers.
 
-Workers start with ``forkserver``, so anything they run (custom sources, the
+Worker processes are fresh interpreters, so anything they run (custom sources, the
 raw-ring producer) must live in an importable module, not in a test file.
 The test files put this folder on ``sys.path`` and ``import ring_helpers``;
-the forkserver hands ``sys.path`` on to every worker.
+every worker gets the consumer's ``sys.path``.
 
-Run as a script, it is the body of subprocess-based tests (guarded by
-``if __name__ == "__main__"`` as ``forkserver`` requires):
+Run as a script, it is the body of subprocess-based tests :
 
     python ring_helpers.py parent ROOT OUT       start a Loader, report pids, then block
     python ring_helpers.py onecpu ROOT OUT       a full run meant for ``taskset -c 0``

@@ -1,6 +1,6 @@
 """Helpers for the source / sharding / resume tests (importable by workers).
 
-Workers start with ``forkserver``, so anything a worker runs must live in an
+Worker processes are fresh interpreters: anything a worker runs should live in an
 importable module, not in a test file.  ``tests/test_source.py`` and
 ``tests/test_distributed.py`` put this folder on ``sys.path`` and
 ``import sources_helpers``.

@@ -113,7 +113,10 @@ def test_demo_data_errors(tiny, tmp_path, capsys):
     assert "--target" in capsys.readouterr().err
 
 
+@pytest.mark.timing
 def test_throttled_source(tiny):
+    """ThrottledSource keeps the inner source's labels and bytes, pickles, and each read
+    takes at least its delay (the delay is the behaviour: it throttles the upstream)."""
     data, _ = tiny
     inner = en.ImageFolder(os.path.join(data, "train"))
     idx = np.array([5, 2, 9])

@@ -336,7 +336,7 @@ def test_start_stop_cycles_leak_nothing(corpus_root):
             L.next_batch()
             return L.ring_name, L.worker_pids()
 
-    cycle("process")                             # the forkserver exists from here on
+    cycle("process")                             # warm-up: lazily imported modules
     cycle("thread")
     gc.collect()
     fds0, kids0, threads0 = _fds(), rh.descendants(), threading.active_count()
@@ -353,7 +353,7 @@ def test_start_stop_cycles_leak_nothing(corpus_root):
     assert _own_segments() == segs0
     assert not [n for n in names if n[1:] in os.listdir("/dev/shm")]
     assert not [p for p in pids if rh.alive(p)]
-    assert rh.descendants() == kids0             # only the forkserver, as before
+    assert rh.descendants() == kids0             # no worker left behind
     assert threading.active_count() == threads0
     assert _fds() <= fds0, f"open fds grew from {fds0} to {_fds()}"
 
