@@ -52,8 +52,22 @@ def check_crop_args(scale, ratio, flip_p):
     _kernel.random_resized_crop_params(0, 0, 0, 0, 1, 1, scale, ratio, flip_p)
 
 
+class _FixedSize:
+    """A transform whose every sample is ``size`` = (height, width) RGB pixels."""
+
+    size: tuple
+
+    @property
+    def sample_bytes(self):
+        h, w = self.size
+        return h * w * 3
+
+    def _pixels(self, slot, i):
+        return slot.pixels[i].reshape(*self.size, 3)
+
+
 @dataclass(frozen=True)
-class RandomResizedCrop:
+class RandomResizedCrop(_FixedSize):
     """torchvision's ``RandomResizedCrop(size, scale, ratio)`` + ``RandomHorizontalFlip(flip_p)``,
     fused with the decode.
 
@@ -92,13 +106,8 @@ class RandomResizedCrop:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 
-    @property
-    def sample_bytes(self):
-        h, w = self.size
-        return h * w * 3
-
     def apply(self, dec, data, key, slot, i):
-        out = slot.pixels[i].reshape(*self.size, 3)
+        out = self._pixels(slot, i)
         box, flip = dec.random_crop(data, self.size, key, self.scale, self.ratio, self.flip_p,
                                     out)
         slot.boxes[i] = box
@@ -107,7 +116,7 @@ class RandomResizedCrop:
 
 
 @dataclass(frozen=True)
-class CenterCrop:
+class CenterCrop(_FixedSize):
     """Evaluation: torchvision's ``Resize(resize)`` + ``CenterCrop(size)``, fused.
 
     Parameters
@@ -139,13 +148,8 @@ class CenterCrop:
                              f"after resizing), got {self.resize!r}")
         object.__setattr__(self, "resize", int(self.resize))
 
-    @property
-    def sample_bytes(self):
-        h, w = self.size
-        return h * w * 3
-
     def apply(self, dec, data, key, slot, i):
-        out = slot.pixels[i].reshape(*self.size, 3)
+        out = self._pixels(slot, i)
         slot.boxes[i] = dec.center_crop(data, self.resize, self.size, out)
         slot.flip[i] = False
         slot.shapes[i] = self.size

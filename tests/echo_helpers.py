@@ -113,3 +113,27 @@ def rss_bytes():
 def shm_path(ring_name):
     """The /dev/shm file behind a ring segment name (``/echo_native-...``)."""
     return os.path.join("/dev/shm", ring_name.lstrip("/"))
+
+
+def samples_of(data):
+    """(blobs, labels) as an in-memory source."""
+    import echo_native as en
+
+    return en.Samples(*data)
+
+
+def small_ring(data, **kw):
+    """An EchoRing over (blobs, labels) with small test defaults (batch 8, 24 px, 2 workers)."""
+    import echo_native as en
+
+    kw.setdefault("batch_size", 8)
+    kw.setdefault("image_size", 24)
+    kw.setdefault("workers", 2)
+    kw.setdefault("seed", 0)
+    kw.setdefault("timeout", 60)
+    return en.EchoRing(samples_of(data), **kw)
+
+
+def flat(batches, key):
+    """One array of ``key`` over a list of batch dicts."""
+    return np.concatenate([b[key] for b in batches])

@@ -23,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 import sources_helpers as sh  # noqa: E402
+from cli_helpers import cli_error  # noqa: E402
 
 PROFILE_KEYS = {"dir", "images", "batch_size", "image_size", "workers", "upstream_img_per_s",
                 "t_upstream_ms", "t_downstream_ms", "step_time_from", "R", "input_bound",
@@ -38,17 +39,7 @@ def folder(tmp_path_factory):
 
 
 def _error(capsys, argv, *needles):
-    """Runs ``argv``; asserts exit 2 and a single 'echo-native: error:' line with needles."""
-    rc = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2
-    assert len(err) >= 1
-    line = err[-1]
-    assert line.startswith("echo-native: error: "), err
-    assert "Traceback" not in "\n".join(err)
-    for n in needles:
-        assert n in line, line
-    return line
+    return cli_error(main, 'echo-native', capsys, argv, *needles)
 
 
 # ---- profile -------------------------------------------------------------------------

@@ -51,21 +51,7 @@ def large():
     return blobs, np.arange(400) % 7
 
 
-def _src(data):
-    return en.Samples(*data)
-
-
-def _ring(data, **kw):
-    kw.setdefault("batch_size", 8)
-    kw.setdefault("image_size", 24)
-    kw.setdefault("workers", 2)
-    kw.setdefault("seed", 0)
-    kw.setdefault("timeout", 60)
-    return en.EchoRing(_src(data), **kw)
-
-
-def _flat(batches, key):
-    return np.concatenate([b[key] for b in batches])
+_src, _ring, _flat = eh.samples_of, eh.small_ring, eh.flat
 
 
 # ---- echo counts and the example buffer: statistics of the emission stream ----------

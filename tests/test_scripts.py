@@ -12,7 +12,6 @@ lose a sample.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap

@@ -28,6 +28,7 @@ TESTS = Path(__file__).resolve().parent.parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 import sources_helpers as sh  # noqa: E402
+from cli_helpers import cli_error  # noqa: E402
 
 BENCH_ROW_KEYS = {"pipeline", "placement", "echo", "workers", "wall_s", "fresh_per_s",
                   "delivered_per_s", "effective_echo", "stall_s", "ring_occupancy", "failures"}
@@ -41,17 +42,7 @@ def folder(tmp_path_factory):
 
 
 def _error(capsys, argv, *needles):
-    """Runs ``argv``; asserts exit 2 and a single 'echo-native-lab: error:' line with needles."""
-    rc = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2
-    assert len(err) >= 1
-    line = err[-1]
-    assert line.startswith("echo-native-lab: error: "), err
-    assert "Traceback" not in "\n".join(err)
-    for n in needles:
-        assert n in line, line
-    return line
+    return cli_error(main, 'echo-native-lab', capsys, argv, *needles)
 
 
 # ---- bench ---------------------------------------------------------------------------
