@@ -16,3 +16,8 @@ class DecodeError(ValueError):
     def __reduce__(self):
         # Crosses process boundaries from workers intact.
         return (type(self), (self.reason, self.path))
+
+
+class ReadLimitError(OSError):
+    """A sample's file was refused before reading it whole: not a regular file (a
+    FIFO, a device), or larger than ``max_file_bytes``."""

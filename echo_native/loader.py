@@ -408,6 +408,13 @@ class Loader:
             if not records:  # cannot happen: a lone record is clipped to fit, never dropped
                 raise DecodeError(f"{failures} samples of batch {ticket} failed")
             raise DecodeError(records[-1].message, records[-1].path)
+        dropped = self.plan.ticket_size(ticket) - count
+        if dropped:
+            self._stats.dropped += dropped
+            if self.plan.on_error == "replace":
+                warnings.warn(f"{dropped} failed sample(s) of batch {ticket} could not be "
+                              f"replaced either (every stand-in failed too): dropped, the "
+                              f"batch has {count} samples", SampleFailureWarning, stacklevel=3)
         slot = ring.slots[ticket % ring.layout.nslots]
         self._stats.batches += 1
         self._stats.delivered += count
@@ -497,6 +504,7 @@ class Loader:
             "stall_s": s.stall_s,
             "ring_occupancy": occupancy,
             "failures": dict(s.failures),
+            "dropped": s.dropped,
             "worker_restarts": self._pool.restarts if self._pool else 0,
         }
 
@@ -514,7 +522,7 @@ class Filled:
 class _Counters:
     def __init__(self):
         self.started = 0.0
-        self.batches = self.fresh = self.delivered = 0
+        self.batches = self.fresh = self.delivered = self.dropped = 0
         self.stall_s = 0.0
         self.failures = {}
 

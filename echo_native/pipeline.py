@@ -151,14 +151,26 @@ class EchoRing:
                                              self.loader.plan.transform.sample_bytes, self.device)
             except MemoryError:
                 self.close()  # the workers are running already: stop them
-                size = buffer_bytes(self.shuffle_buffer, self.loader.plan.transform.sample_bytes)
-                raise MemoryError(f"echo buffer of {self.shuffle_buffer} examples needs {size} "
-                                  f"on {self.device.name}; try shuffle_buffer="
-                                  f"{max(2 * self.batch_size, self.shuffle_buffer // 2)} or a "
-                                  f"smaller canvas_max_pixels") from None
+                raise MemoryError(self._buffer_too_big()) from None
         if self._books.started == 0.0:
             self._books.started = time.perf_counter()
         return self
+
+    def _buffer_too_big(self):
+        """What the echo buffer needs and the settings that would halve it (each of them
+        a real change: shuffle_buffer never goes below its minimum of 2 x batch_size)."""
+        B, n = self.batch_size, self.shuffle_buffer
+        transform = self.loader.plan.transform
+        halve = []
+        if n >= 4 * B:
+            halve.append(f"shuffle_buffer={n // 2}")
+        if self.placement == "before_augment":
+            halve.append(f"Echo(canvas_max_pixels={transform.max_pixels // 2})")
+        if B >= 2:
+            halve.append(f"batch_size={B // 2} with shuffle_buffer={n // 2}")
+        return (f"the echo buffer of {n} examples needs {buffer_bytes(n, transform.sample_bytes)}"
+                f" on {self.device.name}, which could not be allocated; each of these halves "
+                f"it: {'; '.join(halve)}")
 
     def close(self):
         """Stop workers, free shared memory.  Idempotent; also runs on GC and at exit."""
@@ -360,7 +372,8 @@ class EchoRing:
         buf.box[entries] = slot.boxes[:n]
         buf.flip[entries] = slot.flip[:n].view(bool)
         if self._skip:  # resumed: these already had their fresh emission before the save
-            buf.remaining[entries[np.isin(buf.sample_id[entries], list(self._skip))]] = 0
+            done = np.isin(buf.sample_id[entries], list(self._skip)) & buf.ok[entries]
+            buf.remaining[entries[done]] = 0
         zero = entries[buf.remaining[entries] == 0]
         if len(zero):
             buf.retire(zero)
@@ -377,7 +390,8 @@ class EchoRing:
         tickets = buf.ticket[entries].copy()
         with _deferred_interrupts():
             echo_index = buf.emit(entries)
-            self._note_sent(tickets[echo_index == 0], sample_ids[echo_index == 0])
+            first = echo_index == 0
+            self._note_sent(tickets[first], sample_ids[first], buf.ok[entries][first])
         images = self._output("images", (n, *self.size, 3))
         if self.placement == "after_augment":
             self.device.gather(buf, entries, images)
@@ -397,10 +411,14 @@ class EchoRing:
         return self._finish(images, buf.label[entries].copy(), sample_ids, fresh, echo_index,
                             boxes, flips, epoch)
 
-    def _note_sent(self, tickets, sample_ids):
-        for t, sid in zip(tickets.tolist(), sample_ids.tolist()):
+    def _note_sent(self, tickets, sample_ids, ok):
+        """First emissions of fresh batches ``tickets``; ``ok`` is False for a stand-in
+        (a replacement for a sample that failed), whose id did not get its own fresh
+        emission and must still get it after a resume."""
+        for t, sid, own in zip(tickets.tolist(), sample_ids.tolist(), ok.tolist()):
             self._unsent[t] -= 1
-            self._sent[t].append(sid)
+            if own:
+                self._sent[t].append(sid)
         # Forget batches that are fully sent and older than any partly sent one.
         oldest = min((t for t, left in self._unsent.items() if left), default=None)
         for t in [t for t in self._unsent if oldest is None or t < oldest]:
@@ -514,9 +532,9 @@ class EchoRing:
                 b, echo, ticket = window.take(rng, fresh_first=self.auto)
                 if echo == 0:
                     self._unsent[ticket] = 0
-                    self._sent[ticket] = b.sample_ids.tolist()
+                    self._sent[ticket] = b.sample_ids[b.fresh].tolist()  # not stand-ins
                     none = np.empty(0, np.int64)
-                    self._note_sent(none, none)  # forget older, fully sent batches
+                    self._note_sent(none, none, none)  # forget older, fully sent batches
             if self.drop_last and len(b) < self.batch_size:
                 continue
             images = self.device.copy(b.images, self._output("images", b.images.shape))
@@ -526,7 +544,7 @@ class EchoRing:
 
     def _window_add(self, window, b, ticket, counts, rng, nb):
         """A fresh batch (the slot's views) into the batch-echo window, as a copy."""
-        if self._skip and np.isin(b.sample_ids, list(self._skip)).all():
+        if self._skip and np.isin(b.sample_ids[b.fresh], list(self._skip)).all():
             b.release()  # resumed: this batch was emitted before the save
             return
         self._books.fresh += int(b.fresh.sum())
@@ -593,6 +611,7 @@ class EchoRing:
             "ring_occupancy": low["ring_occupancy"],
             "buffer_fill": (len(self._buffer) / self._buffer.capacity) if self._buffer else 0.0,
             "failures": low["failures"],
+            "dropped": low["dropped"],
             "worker_restarts": low["worker_restarts"],
             "device": self.device.describe(),
         }

@@ -10,12 +10,68 @@ shipping one to a worker stays cheap for millions of files.
 from __future__ import annotations
 
 import os
+import errno
+import stat
 from pathlib import Path
 
 import numpy as np
 
+from echo_native.errors import ReadLimitError
+
 #: Same set as torchvision's ``IMG_EXTENSIONS``.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+#: Largest file a built-in source reads (``max_file_bytes``): ImageNet's largest
+#: training JPEG is about 15 MB; a bigger "image" is a mistake or an attack, and
+#: reading it would take that much memory in a worker.
+DEFAULT_MAX_FILE_BYTES = 64 * 2**20
+
+
+def _check_max_file_bytes(owner, value):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}: max_file_bytes must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def read_file(path, max_file_bytes=DEFAULT_MAX_FILE_BYTES) -> bytes:
+    """The bytes of a regular file of at most ``max_file_bytes``.
+
+    Opened without blocking and checked before reading: a FIFO, a device or a
+    socket named ``x.jpg`` would hang or stream forever, and a huge (or sparse)
+    file would take its size in memory.  Raises :class:`ReadLimitError` (an
+    ``OSError``) for those, ``OSError`` for the rest.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ReadLimitError(errno.EINVAL, f"not a regular file ({_file_kind(st.st_mode)})")
+        if st.st_size > max_file_bytes:
+            raise ReadLimitError(errno.EFBIG, f"{st.st_size} bytes, over the limit "
+                                              f"max_file_bytes={max_file_bytes}")
+        # The file may grow between fstat and read: never take more than the limit.
+        chunks, left = [], max_file_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise ReadLimitError(errno.EFBIG, f"grew past the limit "
+                                              f"max_file_bytes={max_file_bytes} while read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode):
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
 
 
 class _PackedPaths:
@@ -40,6 +96,7 @@ class _Files:
     root: Path
     labels: np.ndarray
     _paths: _PackedPaths
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
     def __len__(self):
         return len(self.labels)
@@ -51,8 +108,35 @@ class _Files:
         return self.path(i)
 
     def read(self, i) -> bytes:
-        with open(self.path(i), "rb") as f:
-            return f.read()
+        return read_file(self.path(i), self.max_file_bytes)
+
+
+def _dir_id(path):
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _walk_acyclic(top, above=()):
+    """``os.walk(top, followlinks=True)`` that does not enter a directory (device,
+    inode) it is already inside: a link back up the tree (``a/loop -> ..``) would
+    otherwise be listed forever.  Otherwise the same directories as ``os.walk``,
+    so the listing matches torchvision's wherever torchvision's terminates.
+    ``above`` are the ids of directories above ``top``."""
+    inside = {os.path.normpath(top): frozenset(above) | {_dir_id(top)}}
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        ancestors = inside.pop(os.path.normpath(dirpath))
+        keep = []
+        for name in dirnames:
+            child = os.path.join(dirpath, name)
+            try:
+                cid = _dir_id(child)
+            except OSError:  # a dangling link, as os.walk would skip it
+                continue
+            if cid not in ancestors:
+                keep.append(name)
+                inside[os.path.normpath(child)] = ancestors | {cid}
+        dirnames[:] = keep
+        yield dirpath, dirnames, filenames
 
 
 class ImageFolder(_Files):
@@ -61,9 +145,15 @@ class ImageFolder(_Files):
     ``root/<class>/**/<file>``: classes are the sorted sub-folder names, files
     are walked in sorted order and kept when their extension (any case) is in
     ``extensions``.  ``classes`` and ``class_to_idx`` match torchvision.
+    Symbolic links are followed as torchvision does, except into a directory
+    the walk is already inside (``a/loop -> ..`` would otherwise list files
+    forever).  ``read`` refuses
+    non-regular files and files over ``max_file_bytes`` (a sample failure
+    naming the file).
     """
 
-    def __init__(self, root, extensions=IMG_EXTENSIONS):
+    def __init__(self, root, extensions=IMG_EXTENSIONS, max_file_bytes=DEFAULT_MAX_FILE_BYTES):
+        self.max_file_bytes = _check_max_file_bytes("ImageFolder", max_file_bytes)
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"ImageFolder root {str(self.root)!r} is not a directory")
@@ -74,10 +164,11 @@ class ImageFolder(_Files):
             raise ValueError(f"ImageFolder root {str(self.root)!r} has no class sub-folders")
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         paths, labels = [], []
+        root_id = _dir_id(self.root)
         for idx, cls in enumerate(self.classes):
             # sorted(os.walk(...)) as torchvision: folders in path-string order
             # ("a/b-c" before "a/b/x"), not depth first.
-            for dirpath, _, filenames in sorted(os.walk(self.root / cls, followlinks=True)):
+            for dirpath, _, filenames in sorted(_walk_acyclic(self.root / cls, [root_id])):
                 rel = os.path.relpath(dirpath, self.root)
                 for name in sorted(filenames):
                     if name.lower().endswith(exts):
@@ -125,10 +216,13 @@ class FileList(_Files):
 
     Relative paths are resolved against ``root`` (default: the list file's
     folder).  Blank lines and lines starting with ``#`` are ignored; a first
-    (non-comment) line ``path,label`` is taken as a header.
+    (non-comment) line ``path,label`` is taken as a header.  Labels are
+    64-bit signed integers.  ``read`` refuses non-regular files and files over
+    ``max_file_bytes``.
     """
 
-    def __init__(self, path_or_rows, root=None):
+    def __init__(self, path_or_rows, root=None, max_file_bytes=DEFAULT_MAX_FILE_BYTES):
+        self.max_file_bytes = _check_max_file_bytes("FileList", max_file_bytes)
         if isinstance(path_or_rows, (str, os.PathLike)):
             list_path = Path(path_or_rows)
             if not list_path.is_file():
@@ -156,10 +250,14 @@ class FileList(_Files):
         labels = []
         for path, label, where in rows:
             try:
-                labels.append(int(label))
+                value = int(label)
             except (TypeError, ValueError):
                 raise ValueError(f"{where}: label {label!r} of {path!r} is not an integer") \
                     from None
+            if not -2**63 <= value < 2**63:
+                raise ValueError(f"{where}: label {label!r} of {path!r} does not fit a 64-bit "
+                                 f"integer")
+            labels.append(value)
         self._paths = _PackedPaths([p for p, _, _ in rows])
         self.labels = np.asarray(labels, dtype=np.int64)
 
@@ -181,9 +279,10 @@ class TarShards:
 
     IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
-    def __init__(self, urls_or_paths, shuffle_buffer=1000):
+    def __init__(self, urls_or_paths, shuffle_buffer=1000, max_file_bytes=DEFAULT_MAX_FILE_BYTES):
         import tarfile
 
+        self.max_file_bytes = _check_max_file_bytes("TarShards", max_file_bytes)
         if isinstance(urls_or_paths, (str, os.PathLike)):
             urls_or_paths = [urls_or_paths]
         self.shards = [str(p) for p in urls_or_paths]
@@ -217,9 +316,11 @@ class TarShards:
                         text = f.read(classes[key][1]).strip()
                         try:
                             label = int(text)
+                            if not -2**63 <= label < 2**63:
+                                raise ValueError
                         except ValueError:
-                            raise ValueError(f"{shard}: {key}.cls holds {text[:20]!r}, not an "
-                                             f"integer label") from None
+                            raise ValueError(f"{shard}: {key}.cls holds {text[:20]!r}, not a "
+                                             f"64-bit integer label") from None
                     shard_of.append(s)
                     offsets.append(off)
                     sizes.append(size)
@@ -264,6 +365,9 @@ class TarShards:
                 os.close(fd)
                 fd = self._files[s]
         size = int(self._size[i])
+        if size > self.max_file_bytes:
+            raise ReadLimitError(errno.EFBIG, f"{size} bytes, over the limit "
+                                              f"max_file_bytes={self.max_file_bytes}")
         data = os.pread(fd, size, int(self._offset[i]))
         if len(data) != size:
             raise OSError(f"short read: {len(data)} of {size} bytes")

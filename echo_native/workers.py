@@ -29,9 +29,10 @@ import numpy as np
 
 from echo_native import _kernel
 from echo_native.decode import DecodeLimits, Decoder
-from echo_native.errors import DecodeError
+from echo_native.errors import DecodeError, ReadLimitError
 from echo_native.ring import (CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, NO_SAMPLE, OK,
-                              REASON_DECODE, REASON_NONE, REASON_READ, REPLACED, Failure, Ring,
+                              REASON_DECODE, REASON_LIMIT, REASON_NONE, REASON_READ, REPLACED,
+                              Failure, Ring,
                               _pid_alive)
 
 ON_ERROR = ("replace", "skip", "raise")
@@ -140,6 +141,11 @@ class Plan:
             return self.num_samples // self.batch_size
         return math.ceil(self.num_samples / self.batch_size)
 
+    def ticket_size(self, ticket):
+        """Samples ticket ``ticket`` asks for (the batch size, less in an epoch's last batch)."""
+        b = ticket % self.batches_per_epoch
+        return min(self.batch_size, self.num_samples - b * self.batch_size)
+
     def global_order(self, epoch, source=None):
         """The epoch's order over all samples: a pure function of (seed, epoch)."""
         if not self.shuffle:
@@ -193,13 +199,22 @@ class _Filler:
         """Read + decode one sample into position i of the slot, or raise _SampleFailure."""
         try:
             data = self.source.read(sid)
+        except ReadLimitError as e:
+            raise _SampleFailure(REASON_LIMIT, self.source.describe(sid),
+                                 f"refused: {e.strerror or e}") from None
         except OSError as e:
             raise _SampleFailure(REASON_READ, self.source.describe(sid),
                                  f"cannot read: {e.strerror or e}") from None
+        except MemoryError:
+            raise _SampleFailure(REASON_LIMIT, self.source.describe(sid),
+                                 "out of memory reading it") from None
         try:
             self.plan.transform.apply(self.dec, data, (self.plan.seed, epoch, sid, 0), slot, i)
         except (DecodeError, ValueError) as e:
             raise _SampleFailure(REASON_DECODE, self.source.describe(sid), str(e)) from None
+        except MemoryError as e:
+            raise _SampleFailure(REASON_LIMIT, self.source.describe(sid),
+                                 f"out of memory decoding it ({e})") from None
 
     def fill(self, ticket):
         t0 = time.perf_counter()

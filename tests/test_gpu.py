@@ -239,7 +239,7 @@ def test_echo_buffer_out_of_memory_says_what_to_do(source):
     huge = int(free // per * 2) + 256
     ring = en.EchoRing(source, batch_size=16, image_size=224, echo=2, workers=1,
                        device="cuda", shuffle_buffer=huge)
-    with pytest.raises(MemoryError, match=r"GiB on cuda; try shuffle_buffer="):
+    with pytest.raises(MemoryError, match=r"GiB on cuda, which could not be allocated; each of these halves it: "):
         ring.start()
     ring.close()
 

@@ -630,7 +630,7 @@ def test_echo_buffer_too_large_stops_the_workers_and_says_what_to_do():
     before = _segments()
     ring = en.EchoRing(src, batch_size=8, image_size=224, echo=2, workers=1,
                        shuffle_buffer=2**40)
-    with pytest.raises(MemoryError, match=r"needs .* GiB on cpu; try shuffle_buffer="):
+    with pytest.raises(MemoryError, match=r"needs .* GiB on cpu, which could not be allocated; each of these halves it: shuffle_buffer="):
         ring.start()
     assert ring.loader.ring is None and _segments() == before
 
