@@ -3,9 +3,11 @@
     bash benchmarks/gpu_check.sh        # GPU tests + this file, JSON in $OUT or /tmp
 
 Every figure is reported next to its reference from the same run (the pinned
-peak, e = 1), as a ratio.  Skipped without CuPy and a CUDA device.
+peak, e = 1, two output buffers), as a ratio.  Skipped without CuPy and a CUDA
+device.
 """
 import io
+import os
 import time
 
 import numpy as np
@@ -203,3 +205,43 @@ def test_delivered_rate(benchmark, photos, placement, echo):
     ratio = f", {rate / base:.2f}x e=1" if base and echo > 1 else ""
     print(f"\n{placement} e={echo}: {rate:,.0f} img/s delivered{ratio}, "
           f"H2D {ring.device.h2d_bytes / 1e9:.1f} GB")
+
+
+_OVERLAP = {}
+
+
+@pytest.mark.parametrize("buffers", [2, 3])
+@pytest.mark.benchmark(group="gpu-overlap")
+def test_delivered_rate_e1_output_buffers(benchmark, photos, buffers):
+    """Delivered images/s at e = 1 with two output buffers (as before issue 20: the copy
+    of batch n + 1 follows step n) and with three (the default: it overlaps step n).
+    The step is a fixed GPU spin (~15 ms, longer than the upstream takes per batch)
+    that the host does not wait for (a training loop that reads its loss now and
+    then), so the GPU sets the pace; the ratio three / two is printed.  The gain is
+    at most the copy-and-normalise time per batch over the step time (a few per
+    cent here).  It can only show on a GPU: the CPU tests check the order of the
+    copies (tests/test_cuda_ordering.py), not their speed."""
+    import cupy
+    from echo_native.backends.cuda import CudaDevice
+    spin = cupy.RawKernel(SPIN, "spin")
+    dev = CudaDevice(0)
+    dev.output_buffers = buffers
+    workers = max(1, min(16, len(os.sched_getaffinity(0))))
+    with en.EchoRing(photos, batch_size=64, image_size=224, echo=1, workers=workers,
+                     device=dev, normalize=True, layout="NCHW", dtype="bfloat16") as ring:
+        def epoch():
+            n = 0
+            for b in ring:
+                spin((1,), (1,), (np.int64(30_000_000),))  # the step, never waited for
+                n += len(b)
+            cupy.cuda.Device().synchronize()
+            return n
+
+        epoch()  # warm-up
+        t = time.perf_counter()
+        n = benchmark.pedantic(epoch, rounds=2)
+        rate = 2 * n / (time.perf_counter() - t)
+    _OVERLAP[buffers] = rate
+    benchmark.extra_info.update(images_per_s=rate, output_buffers=buffers)
+    ratio = f", {rate / _OVERLAP[2]:.3f}x two buffers" if buffers == 3 and 2 in _OVERLAP else ""
+    print(f"\ne=1, {buffers} output buffers: {rate:,.0f} img/s delivered{ratio}")

@@ -1,4 +1,5 @@
-"""Ring + worker pipeline throughput vs a torch DataLoader, on the same files in one run.
+"""Ring + worker pipeline throughput vs a torch DataLoader and NVIDIA DALI's CPU pipeline,
+on the same files in one run.
 
     python -m pytest benchmarks/bench_pipeline.py -s --benchmark-json=/tmp/pipeline.json
 
@@ -15,6 +16,14 @@ torch_w1, torch_w2     torch ``DataLoader`` (fork workers, default collate) over
                        horizontal flip -> PILToTensor (copy, CHW).  torchvision
                        itself does not install beside the CPU torch wheel here,
                        so these are torchvision's Pillow calls, not torchvision.
+dali_w1, dali_w2       NVIDIA DALI's CPU pipeline (``echo_native.lab.peers.dali_pipeline``,
+                       ``pip install nvidia-dali-cuda120``, no GPU needed):
+                       ``readers.file(random_shuffle=True)`` ->
+                       ``decoders.image_random_crop`` (same area and aspect ranges)
+                       -> ``resize`` (linear, antialiased) -> ``flip`` on a coin,
+                       ``num_threads`` = 1 or 2, batches taken as NumPy (a
+                       zero-copy view).  Without DALI installed these rows are
+                       left out and the summary says so.
 kernel                 ``echo_native.decode_random_crop`` in a loop, one thread,
                        bytes preloaded (the per-core ceiling the workers scale)
 
@@ -28,13 +37,13 @@ consumer_torch_b256    ``next(iterator)`` of a torch DataLoader whose worker alr
 assembly_torch_b256    per-batch time of a torch DataLoader whose dataset returns a
                        ready tensor: worker-side collate + IPC, no decoding
 
-Throughput is measured in steady state.  All five pipelines are started once
-and stay alive (an idle one has a full ring or prefetch queue and sleeping
+Throughput is measured in steady state.  All the pipelines (``ROLES``) are started
+once and stay alive (an idle one has a full ring or prefetch queue and sleeping
 workers); before a timed round every other pipeline is left to finish
 refilling, the measured one is drained of what it prefetched while idle
 (untimed), and then a fixed number of full batches (``drop_last``) is timed,
 so no side gets a head start or competes with another's refill.
-``test_paired_rounds`` measures the five round-robin, so each ratio compares
+``test_paired_rounds`` measures them round-robin, so each ratio compares
 rounds a few seconds apart (the machine may be shared); its per-cycle medians
 are the headline ratios.
 
@@ -50,6 +59,7 @@ Environment (besides the corpus settings in ``conftest.py``):
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -62,6 +72,7 @@ import pytest
 
 import echo_native as en
 from benchenv import env_int
+from echo_native.lab import peers
 
 torch = pytest.importorskip("torch")
 
@@ -72,6 +83,17 @@ SEED = 1234
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "pipeline.json"
 TORCH_LABEL = "torch DataLoader + torchvision-style Pillow transforms"
+DALI_LABEL = "NVIDIA DALI CPU pipeline: image_random_crop + resize + flip"
+
+try:                                        # DALI is optional: its rows are left out without it
+    peers.import_dali()
+    DALI_MISSING = None
+except ImportError as e:
+    DALI_MISSING = str(e)
+
+# Design targets of Loader / peer, per worker count (None: reported, no target).
+TARGETS = {"torch": {1: 2.5, 2: 4.0}, "dali": {1: None, 2: 3.0}}
+PEERS = {"torch": "torch DataLoader", "dali": "DALI CPU"}
 
 
 BATCH = env_int("ECHO_NATIVE_BENCH_BATCH", 64)
@@ -294,6 +316,41 @@ class TorchStream:
         del self.it                        # shuts its workers down
 
 
+class DaliStream:
+    """DALI's CPU pipeline, driven by ``schedule_run()`` + ``outputs()`` (what ``run()``
+    does), so that ``settle`` can wait for exactly the batches it prefetches."""
+    label = DALI_LABEL
+
+    def __init__(self, src, workers, batch_size):
+        # no pad_last_batch: the reader streams across epochs, every batch full
+        self.pipe = peers.dali_pipeline(src, batch_size, workers, SIZE, SEED,
+                                        pad_last_batch=False)
+        self.ahead = self.pipe.prefetch_queue_depth   # batches it runs ahead
+        self.ready = collections.deque()
+        self.pipe.schedule_run()           # the first call queues `ahead` runs
+        self.in_flight = self.ahead
+
+    def next(self):
+        if self.ready:
+            out = self.ready.popleft()
+        else:
+            out = self.pipe.outputs()
+            self.in_flight -= 1
+        self.pipe.schedule_run()
+        self.in_flight += 1
+        return len(peers.dali_batch(out)[0])
+
+    def settle(self):
+        """Until the runs it has queued are done (their outputs kept for ``next``)."""
+        while self.in_flight:
+            self.ready.append(self.pipe.outputs())
+            self.in_flight -= 1
+
+    def close(self):
+        self.ready.clear()
+        self.pipe = None                   # the last reference: DALI shuts its threads down
+
+
 class KernelStream:
     """One thread running the fused kernel over the preloaded bytes of the same files."""
     label = "echo_native.decode_random_crop, one thread, bytes preloaded"
@@ -320,9 +377,12 @@ class KernelStream:
 
 ROLES = {  # role -> (kind, workers), in the order of a paired cycle
     "kernel": ("kernel", 1),
-    "loader_w1": ("loader", 1), "torch_w1": ("torch", 1),
-    "loader_w2": ("loader", 2), "torch_w2": ("torch", 2),
+    "loader_w1": ("loader", 1), "torch_w1": ("torch", 1), "dali_w1": ("dali", 1),
+    "loader_w2": ("loader", 2), "torch_w2": ("torch", 2), "dali_w2": ("dali", 2),
 }
+if DALI_MISSING:
+    ROLES = {role: spec for role, spec in ROLES.items() if spec[0] != "dali"}
+STREAMS = {"loader": LoaderStream, "torch": TorchStream, "dali": DaliStream}
 
 
 class Streams:
@@ -339,12 +399,10 @@ class Streams:
     def get(self, role):
         if role not in self.live:
             kind, w = ROLES[role]
-            if kind == "loader":
-                stream = LoaderStream(self.src, w, BATCH)
-            elif kind == "torch":
-                stream = TorchStream(self.src, w, BATCH)
-            else:
+            if kind == "kernel":
                 stream = KernelStream(self.src, BATCH)
+            else:
+                stream = STREAMS[kind](self.src, w, BATCH)
             self.live[role] = stream
             for _ in range(2):                # warm-up: workers started, caches hot
                 for _ in range(stream.ahead + 1):
@@ -422,6 +480,15 @@ def test_torch_dataloader_throughput(benchmark, streams, workers):
 
 
 @pytest.mark.benchmark(group="pipeline")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_dali_cpu_throughput(benchmark, streams, workers):
+    """Images/s of NVIDIA DALI's CPU pipeline with ``workers`` threads, null consumer."""
+    if DALI_MISSING:
+        pytest.skip(DALI_MISSING)
+    _throughput(benchmark, streams, f"dali_w{workers}")
+
+
+@pytest.mark.benchmark(group="pipeline")
 def test_kernel_single_thread(benchmark, streams):
     """Images/s of decode_random_crop in one thread over the same files (bytes preloaded)."""
     _throughput(benchmark, streams, "kernel")
@@ -429,7 +496,7 @@ def test_kernel_single_thread(benchmark, streams):
 
 @pytest.mark.benchmark(group="pipeline-paired")
 def test_paired_rounds(benchmark, streams):
-    """All five pipelines measured round-robin, so each ratio compares adjacent rounds."""
+    """All the pipelines measured round-robin, so each ratio compares adjacent rounds."""
     order = list(ROLES)
     paired = {r: [] for r in order}
 
@@ -449,8 +516,10 @@ def test_paired_rounds(benchmark, streams):
 
     out = {"rounds": n, "rates_median": {r: statistics.median(v) for r, v in rate.items()}}
     for w in (1, 2):
-        out[f"loader_w{w} / torch_w{w}"] = per_round(
-            [rate[f"loader_w{w}"][i] / rate[f"torch_w{w}"][i] for i in range(n)])
+        for peer in PEERS:
+            if f"{peer}_w{w}" in rate:
+                out[f"loader_w{w} / {peer}_w{w}"] = per_round(
+                    [rate[f"loader_w{w}"][i] / rate[f"{peer}_w{w}"][i] for i in range(n)])
         out[f"loader_w{w} / (kernel x {w})"] = per_round(
             [rate[f"loader_w{w}"][i] / (w * rate["kernel"][i]) for i in range(n)])
     _results["paired"] = out
@@ -570,6 +639,12 @@ def _ms(times, batch_size):
 
 
 # ---- the summary ------------------------------------------------------------------------------------
+def _dali_version():
+    import nvidia.dali
+
+    return f"nvidia-dali {nvidia.dali.__version__}, CPU only"
+
+
 def _ratio(num, den, key):
     if num in _results and den in _results:
         return _results[num][key] / _results[den][key]
@@ -578,7 +653,8 @@ def _ratio(num, den, key):
 
 def _finish(res):
     rows, ratios = [], []
-    for role in ("kernel", "loader_w1", "loader_w2", "torch_w1", "torch_w2"):
+    kinds = list(dict.fromkeys(kind for kind, _ in ROLES.values()))
+    for role in sorted(ROLES, key=lambda r: kinds.index(ROLES[r][0])):   # kernel, loader, peers
         if role in res:
             r = res[role]
             rows.append(f"| {role} | {r['label']} | {r['workers']} | {r['best']:,.0f} | "
@@ -596,17 +672,19 @@ def _finish(res):
         ratios.append((label, value_best, value_median, tgt, verdict))
 
     for w in (1, 2):
-        add(f"Loader / torch DataLoader, {w} worker(s)",
-            _ratio(f"loader_w{w}", f"torch_w{w}", "best"),
-            _ratio(f"loader_w{w}", f"torch_w{w}", "median"), 2.5)
+        for peer, name in PEERS.items():
+            add(f"Loader / {name}, {w} worker(s)",
+                _ratio(f"loader_w{w}", f"{peer}_w{w}", "best"),
+                _ratio(f"loader_w{w}", f"{peer}_w{w}", "median"), TARGETS[peer][w])
     for w in (1, 2):
         if f"loader_w{w}" in res and "kernel" in res:
             add(f"scaling efficiency, {w} worker(s): Loader / (kernel x {w})",
                 res[f"loader_w{w}"]["best"] / (w * res["kernel"]["best"]),
                 res[f"loader_w{w}"]["median"] / (w * res["kernel"]["median"]), 0.9)
-    if "torch_w1" in res and "torch_w2" in res:
-        add("torch DataLoader 2 workers / 1 worker", _ratio("torch_w2", "torch_w1", "best"),
-            _ratio("torch_w2", "torch_w1", "median"), None)
+    for peer, name in PEERS.items():
+        if f"{peer}_w1" in res and f"{peer}_w2" in res:
+            add(f"{name} 2 workers / 1 worker", _ratio(f"{peer}_w2", f"{peer}_w1", "best"),
+                _ratio(f"{peer}_w2", f"{peer}_w1", "median"), None)
     for key, label, target in (
             ("consumer_loader_b256", "Loader consumer cost, 256x224x224x3 batch (ms)", 1.0),
             ("consumer_loader_b32", "Loader consumer cost, 32x224x224x3 batch (ms)", 1.0),
@@ -639,6 +717,8 @@ def _finish(res):
              f"{m.get('wall_s', float('nan')):.0f} s run "
              f"({m.get('other_cores_avg', float('nan')):.2f} cores on average: "
              f"well above 0.1 means the numbers are disturbed)",
+             (f"DALI rows left out, DALI is not installed: {DALI_MISSING}" if DALI_MISSING
+              else f"DALI: {_dali_version()}"),
              "", "| role | pipeline | workers | img/s (best round) | img/s (median round) |",
              "|---|---|---:|---:|---:|", *rows,
              "", "| ratio / cost | best | median | target | |", "|---|---:|---:|---:|---|"]
@@ -646,21 +726,31 @@ def _finish(res):
         lines.append(f"| {label} | {b:.3f} | {m:.3f} | {tgt} | {verdict} |")
     paired = res.get("paired")
     if paired:
-        lines += ["", f"Paired rounds ({paired['rounds']} cycles, the five pipelines measured "
-                  "back to back in each): per-cycle ratios",
+        lines += ["", f"Paired rounds ({paired['rounds']} cycles, the "
+                  f"{len(paired['rates_median'])} pipelines measured back to back in each): "
+                  "per-cycle ratios",
                   "", "| ratio | median | min | max | target | |", "|---|---:|---:|---:|---:|---|"]
-        for key, target in (("loader_w1 / torch_w1", 2.5), ("loader_w2 / torch_w2", 2.5),
-                            ("loader_w1 / (kernel x 1)", 0.9),
-                            ("loader_w2 / (kernel x 2)", 0.9)):
+        keys = [(f"loader_w{w} / {peer}_w{w}", TARGETS[peer][w])
+                for w in (1, 2) for peer in PEERS]
+        keys += [(f"loader_w{w} / (kernel x {w})", 0.9) for w in (1, 2)]
+        for key, target in keys:
+            if key not in paired:
+                continue
             v = paired[key]
-            verdict = "met" if v["median"] >= target else "**missed**"
+            if target is None:
+                tgt, verdict = "-", ""
+            else:
+                tgt = f">= {target:g}"
+                verdict = ("met" if v["median"] >= target else "**missed**") + " (median)"
             lines.append(f"| {key} | {v['median']:.3f} | {v['min']:.3f} | {v['max']:.3f} | "
-                         f">= {target:g} | {verdict} (median) |")
+                         f"{tgt} | {verdict} |")
         rates = ", ".join(f"{r} {v:,.0f}" for r, v in paired["rates_median"].items())
         lines += ["", f"Median img/s in the paired cycles: {rates}"]
     print("\n".join(lines))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump({"batch_size": BATCH, "results": res,
+                   "dali": _dali_version() if not DALI_MISSING else None,
+                   "dali_missing": DALI_MISSING,
                    "ratios": [dict(zip(("label", "best", "median", "target", "verdict"), r))
                               for r in ratios]}, f, indent=1)

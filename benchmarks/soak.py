@@ -11,10 +11,11 @@ consumer must notice, replace it and have the batch redone.
 
 Recorded after every epoch: consumer RSS, each worker's RSS (``VmRSS`` of
 ``/proc/<pid>/status``; the pids change after a kill), the consumer's open
-fds, this process's ``/dev/shm`` ring segments, live child processes, fresh
-coverage (every sample delivered fresh exactly once in the epoch) and wall
-time.  After ``close()`` it checks that no segment, no worker process and no
-extra fd remains (the forkserver and resource tracker of ``multiprocessing``
+fds, this process's ring segments (memfd rings held open, named ones in
+``/dev/shm``), live child processes, fresh coverage (every sample delivered
+fresh exactly once in the epoch) and wall time.  After ``close()`` it checks
+that no segment, no process holding the ring's memory (descriptor or
+mapping), no worker process and no extra fd remains (the forkserver and resource tracker of ``multiprocessing``
 are long-lived by design and not counted).
 
 Prints a table, writes JSON (``--json``) and exits 1 when coverage fails,
@@ -198,6 +199,9 @@ def run_soak(root, epochs=20, kill_every=3, kill_at=None, batch_size=16, image_s
                         if issubclass(w.category, RuntimeWarning))
     after = {
         "segments_left": sorted(set(rh.segments(os.getpid())) - segs0),
+        # pids still holding the ring's memory (a descriptor or a mapping), and a named
+        # segment still in /dev/shm (the fallback): either way memory not given back.
+        "ring_memory_held": sorted(rh.ring_memory(os.getpid()).get(ring_name, [])),
         "ring_segment_exists": os.path.exists(os.path.join("/dev/shm", ring_name.lstrip("/"))),
         "workers_alive": sorted(p for p in seen_workers if rh.alive(p)),
         "children_left": sorted(set(leftover_children()) - set(kids0)),
@@ -248,7 +252,9 @@ def problems(result, rss_bound=None, warmup=2):
         out.append(f"worker_restarts {result['worker_restarts']} != kills {kills}")
     a = result["after_close"]
     if a["segments_left"] or a["ring_segment_exists"]:
-        out.append(f"/dev/shm segments left after close: {a['segments_left']}")
+        out.append(f"ring segments left after close: {a['segments_left']}")
+    if a.get("ring_memory_held"):
+        out.append(f"the ring's memory still held after close by pids {a['ring_memory_held']}")
     if a["workers_alive"]:
         out.append(f"worker processes alive after close: {a['workers_alive']}")
     if a["children_left"]:

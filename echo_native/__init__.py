@@ -34,10 +34,11 @@ from echo_native.decode import (
     resize_crop,
 )
 from echo_native.transforms import CenterCrop, RandomResizedCrop
+from echo_native.ring import RingMemoryError
 from echo_native.workers import Shard
 from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError
 from echo_native.echo import Echo
-from echo_native.output import BFloat16Array, Output
+from echo_native.output import BFloat16Array, DeviceArray, Output
 from echo_native.pipeline import EchoRing
 
 __version__ = "0.2.0"
@@ -48,6 +49,7 @@ __all__ = [
     "CenterCrop",
     "DecodeError",
     "DecodeLimits",
+    "DeviceArray",
     "Decoder",
     "Echo",
     "EchoRing",
@@ -56,6 +58,7 @@ __all__ = [
     "Loader",
     "Output",
     "RandomResizedCrop",
+    "RingMemoryError",
     "SampleFailureWarning",
     "Samples",
     "Shard",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import threading
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ from echo_native.errors import DecodeError
 
 DEFAULT_MAX_PIXELS = _kernel.DEFAULT_MAX_PIXELS
 DEFAULT_MAX_SCANS = _kernel.DEFAULT_MAX_SCANS
+DEFAULT_MAX_MEMORY = _kernel.DEFAULT_MAX_MEMORY
 
 
 @dataclass(frozen=True)
@@ -30,31 +32,58 @@ class DecodeLimits:
     Parameters
     ----------
     strict : bool, default True
-        Refuse JPEGs that libjpeg can only partly decode (truncated or corrupt
-        entropy data).  ``False`` accepts them: rows past a truncation come out
-        mid-grey and corrupt segments as libjpeg reconstructs them.
+        Refuse images whose pixels are not all really in the file: a JPEG
+        that is truncated, whose entropy-coded data is corrupt, that has junk
+        inside or at the end of a scan (before a restart marker, between scans
+        or before EOI: surplus bytes are what corrupt entropy data leaves) or
+        whose scans end before the image is complete; any format Pillow cannot
+        fully decode.  Harmless defects are accepted, with exactly the pixels
+        of the clean file: junk between header segments (padding after an EXIF
+        block, stray bytes before a DQT, DHT, SOF, SOS, DRI, APPn or COM),
+        unknown or malformed APPn contents (EXIF, JFIF version, Adobe
+        transform, ICC), PNG metadata chunks with a bad CRC;
+        :attr:`Decoder.harmless_warnings` counts them.  A crop decodes only the
+        rows it needs; below them it still refuses what one pass over the bytes
+        shows a full decode would refuse (a truncated file, a marker that
+        cannot be there, restart markers out of order).  ``False`` accepts data
+        loss too: rows past a truncation come out mid-grey and corrupt segments
+        as libjpeg reconstructs them.
     max_pixels : int, default 89,478,485 (Pillow's ``MAX_IMAGE_PIXELS``)
         Decompression-bomb guard on the declared width x height, any format.
     max_scans : int, default 256
         Progressive JPEG scans allowed before the file is refused (a crafted
         file can otherwise make the decoder loop over thousands of scans).
+    max_memory : int, default 512 MiB
+        Bytes of decoder working memory one image may need, computed from its
+        header before anything is allocated, the same for every entry point:
+        for JPEG the whole-image coefficient buffers of a progressive (or other
+        multi-scan) file, 128 bytes per 8x8 block per component, plus the
+        full-size RGB image (width x height x 3); for other formats Pillow's
+        decoded image (1, 2 or 4 bytes a pixel by mode), its RGB conversion (4)
+        and the array (3, built in chunks then joined: 6).  Both match the
+        measured peak within 1%.  A 24-megapixel JPEG needs 72 MB (baseline)
+        to 216 MB (progressive 4:4:4), a 24-megapixel RGB PNG 336 MB; a 1 MB
+        progressive 4:4:4 file declaring 89 megapixels would need 805 MB and an
+        89-megapixel PNG 1.25 GB: both are refused from the header.
     """
 
     strict: bool = True
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_scans: int = DEFAULT_MAX_SCANS
+    max_memory: int = DEFAULT_MAX_MEMORY
 
     def __post_init__(self):
         if not isinstance(self.strict, (bool, np.bool_)):
             raise TypeError(f"DecodeLimits: strict must be True or False, got {self.strict!r}")
-        for name in ("max_pixels", "max_scans"):
+        for name in ("max_pixels", "max_scans", "max_memory"):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"DecodeLimits: {name} must be a positive integer, got "
                                  f"{value!r}")
-        if self.max_pixels >= 2**63:
-            raise ValueError(f"DecodeLimits: max_pixels must be below 2**63, got "
-                             f"{self.max_pixels}")
+        for name in ("max_pixels", "max_memory"):
+            if getattr(self, name) >= 2**63:
+                raise ValueError(f"DecodeLimits: {name} must be below 2**63, got "
+                                 f"{getattr(self, name)}")
         if self.max_scans >= 2**31:
             raise ValueError(f"DecodeLimits: max_scans must be below 2**31, got "
                              f"{self.max_scans}")
@@ -80,18 +109,36 @@ class Decoder:
     def __init__(self, limits: DecodeLimits = DecodeLimits()):
         self.kernel = _kernel.Decoder()
         self._pillow = _PillowDecoder(self.kernel)
+        self._last = self.kernel
         self.limits = None
         self.set_limits(limits)
 
     def set_limits(self, limits: DecodeLimits):
         if limits != self.limits:
-            self.kernel.set_limits(limits.max_pixels, limits.max_scans, limits.strict)
+            self.kernel.set_limits(limits.max_pixels, limits.max_scans, limits.strict,
+                                   limits.max_memory)
             self._pillow.max_pixels = limits.max_pixels
+            self._pillow.max_memory = limits.max_memory
             self.limits = limits
 
     def _for(self, data):
         # The only place that tells formats apart.
-        return self.kernel if is_jpeg(data) else self._pillow
+        self._last = self.kernel if is_jpeg(data) else self._pillow
+        return self._last
+
+    @property
+    def warnings(self) -> int:
+        """Data-loss warnings of the last call (truncated or corrupt image data): what
+        strict mode refuses, counted when ``strict=False`` decodes on.  Crops count
+        those in the rows they decoded."""
+        return self._last.warnings
+
+    @property
+    def harmless_warnings(self) -> int:
+        """Harmless warnings of the last call, accepted in strict mode: junk between
+        header segments, odd APPn contents, PNG metadata chunks with a bad CRC
+        (dropped before Pillow decodes)."""
+        return self._last.harmless_warnings
 
     def size(self, data):
         """``(height, width)`` from the header, without decoding pixels."""
@@ -132,6 +179,12 @@ class _PillowDecoder:
     def __init__(self, kernel):
         self.kernel = kernel
         self.max_pixels = DEFAULT_MAX_PIXELS
+        self.max_memory = DEFAULT_MAX_MEMORY
+        # Pillow refuses whatever loses data (it raises); warnings it only prints
+        # are not counted (catching them is not thread-safe).  What is counted:
+        # PNG metadata chunks with a bad CRC, dropped so that Pillow decodes.
+        self.warnings = 0
+        self.harmless_warnings = 0
 
     def info(self, data):
         from PIL import Image
@@ -143,7 +196,9 @@ class _PillowDecoder:
             raise _not_an_image(data, e) from None
 
     def decode(self, data):
-        return _pillow_rgb(data, self.max_pixels)
+        self.warnings = self.harmless_warnings = 0
+        image, self.harmless_warnings = _pillow_decode(data, self.max_pixels, self.max_memory)
+        return image
 
     def decode_crop(self, data, box, size, flip, out):
         return self.kernel.resize(self.decode(data), box, size, flip, out)
@@ -203,9 +258,10 @@ def _not_an_image(data, e):
 _local = threading.local()
 
 
-def _decoder(strict=True, max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS):
+def _decoder(strict=True, max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS,
+             max_memory=DEFAULT_MAX_MEMORY):
     """This thread's :class:`Decoder`, set to the given limits."""
-    limits = DecodeLimits(bool(strict), max_pixels, max_scans)
+    limits = DecodeLimits(bool(strict), max_pixels, max_scans, max_memory)
     dec = getattr(_local, "decoder", None)
     if dec is None:
         dec = _local.decoder = Decoder(limits)
@@ -214,7 +270,50 @@ def _decoder(strict=True, max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_S
     return dec
 
 
-def _pillow_rgb(data, max_pixels):
+def _pillow_pixel_bytes(mode):
+    """Bytes a pixel of ``mode`` takes in a Pillow image (its storage, not the file's)."""
+    if mode in ("1", "L", "P"):
+        return 1
+    if mode.startswith("I;16"):
+        return 2
+    return 4   # every multi-band mode (RGB included) and I, F
+
+
+def pillow_memory(width, height, mode):
+    """Working memory (bytes) the Pillow path needs for a ``width`` x ``height`` image of
+    ``mode``: the decoded image, its RGB conversion (4 bytes a pixel in Pillow) and the
+    ``(H, W, 3)`` array, which ``tobytes`` builds from chunks and then joins (3 + 3).
+    Measured peak growth matches within 1%."""
+    return width * height * (_pillow_pixel_bytes(mode) + 4 + 3 + 3)
+
+
+def _pillow_decode(data, max_pixels, max_memory=DEFAULT_MAX_MEMORY):
+    """``(rgb, harmless)``: Pillow's RGB decode, and how many harmless defects were set
+    aside for it (PNG metadata chunks with a bad CRC, which Pillow alone refuses)."""
+    try:
+        return _pillow_rgb(data, max_pixels, max_memory, limits_only=False), 0
+    except _PillowRefused as refused:
+        fixed, dropped = _png_without_broken_metadata(data)
+        if not dropped:
+            raise refused.error from None
+    try:
+        return _pillow_rgb(fixed, max_pixels, max_memory, limits_only=False), dropped
+    except _PillowRefused as refused:
+        raise refused.error from None
+
+
+class _PillowRefused(Exception):
+    """Pillow could not decode the bytes (``error`` is the DecodeError to raise)."""
+
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _pillow_rgb(data, max_pixels, max_memory=DEFAULT_MAX_MEMORY, limits_only=True):
+    """Pillow's RGB decode under the limits.  A refusal by Pillow itself is a
+    DecodeError, or (``limits_only=False``) a _PillowRefused carrying it, so the
+    caller can tell it from a refusal by the limits."""
     from PIL import Image
 
     try:
@@ -224,13 +323,53 @@ def _pillow_rgb(data, max_pixels):
                 raise DecodeError(
                     f"image declares {w}x{h} = {w * h} pixels, over the decompression-bomb "
                     f"limit max_pixels={max_pixels}")
+            need = pillow_memory(w, h, im.mode)
+            if need > max_memory:
+                raise DecodeError(
+                    f"{im.format or 'image'} {w}x{h} ({im.mode}) needs {need} bytes of decoder "
+                    f"memory (Pillow's image, its RGB conversion and the array), over the "
+                    f"limit max_memory={max_memory}")
             return np.asarray(im.convert("RGB"))
     except DecodeError:
         raise
     except Image.DecompressionBombError as e:
         raise DecodeError(f"decompression bomb refused by Pillow: {e}") from None
     except Exception as e:  # Pillow raises many types for bad data
-        raise _not_an_image(data, e) from None
+        if limits_only:
+            raise _not_an_image(data, e) from None
+        raise _PillowRefused(_not_an_image(data, e)) from None
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_without_broken_metadata(data):
+    """``(png, n)``: the PNG without its n ancillary chunks (metadata: tEXt, zTXt, iTXt,
+    eXIf, tIME, gAMA ...; lower-case first letter) whose CRC is wrong, which Pillow
+    refuses the whole file for although no pixel depends on them.  ``(None, 0)`` when
+    there are none, the data is not a PNG, or its chunk structure is broken (then
+    Pillow's refusal stands)."""
+    mv = memoryview(data).cast("B")
+    if bytes(mv[:8]) != _PNG_SIGNATURE:
+        return None, 0
+    keep, dropped, pos = [bytes(mv[:8])], 0, 8
+    while pos + 12 <= len(mv):
+        end = pos + 12 + int.from_bytes(mv[pos:pos + 4], "big")
+        if end > len(mv):
+            return None, 0
+        kind = bytes(mv[pos + 4:pos + 8])
+        if kind[0] & 0x20 and zlib.crc32(mv[pos + 4:end - 4]) != int.from_bytes(
+                mv[end - 4:end], "big"):
+            dropped += 1
+        else:
+            keep.append(bytes(mv[pos:end]))
+        pos = end
+        if kind == b"IEND":
+            break
+    if not dropped:
+        return None, 0
+    keep.append(bytes(mv[pos:]))
+    return b"".join(keep), dropped
 
 
 def _as_bytes(data):
@@ -245,16 +384,18 @@ def _as_bytes(data):
 
 
 def decode(data, *, strict=True, max_pixels=DEFAULT_MAX_PIXELS,
-           max_scans=DEFAULT_MAX_SCANS) -> np.ndarray:
+           max_scans=DEFAULT_MAX_SCANS, max_memory=DEFAULT_MAX_MEMORY) -> np.ndarray:
     """Decode a whole image to an ``(H, W, 3)`` uint8 RGB array.
 
-    ``strict``, ``max_pixels`` and ``max_scans`` are the :class:`DecodeLimits`.
+    ``strict``, ``max_pixels``, ``max_scans`` and ``max_memory`` are the
+    :class:`DecodeLimits`.
     """
-    return _decoder(strict, max_pixels, max_scans).decode(_as_bytes(data))
+    return _decoder(strict, max_pixels, max_scans, max_memory).decode(_as_bytes(data))
 
 
 def decode_crop(data, box, size, flip=False, out=None, *, strict=True,
-                max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS) -> np.ndarray:
+                max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS,
+                max_memory=DEFAULT_MAX_MEMORY) -> np.ndarray:
     """Fused crop + resize (+ horizontal flip).
 
     ``box=(top, left, height, width)`` is in full-resolution pixels (fractions
@@ -265,13 +406,14 @@ def decode_crop(data, box, size, flip=False, out=None, *, strict=True,
     shrinking).  Writes into ``out`` (an ``(h, w, 3)`` uint8 array with
     contiguous rows) when given and returns it.
     """
-    return _decoder(strict, max_pixels, max_scans).crop(_as_bytes(data), _box4(box), size,
-                                                         flip, out)
+    return _decoder(strict, max_pixels, max_scans, max_memory).crop(
+        _as_bytes(data), _box4(box), size, flip, out)
 
 
 def decode_random_crop(data, size, seed, epoch, sample_id, echo_index=0, *,
                        scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip_p=0.5, out=None,
-                       strict=True, max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS):
+                       strict=True, max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS,
+                       max_memory=DEFAULT_MAX_MEMORY):
     """torchvision-style RandomResizedCrop + RandomHorizontalFlip, fused with decoding.
 
     The crop and flip are a pure function of ``(seed, epoch, sample_id,
@@ -279,7 +421,7 @@ def decode_random_crop(data, size, seed, epoch, sample_id, echo_index=0, *,
     Returns ``(image, box, flip)``.
     """
     data = _as_bytes(data)
-    dec = _decoder(strict, max_pixels, max_scans)
+    dec = _decoder(strict, max_pixels, max_scans, max_memory)
     if out is None:
         out = np.empty((*_pair(size), 3), dtype=np.uint8)
     box, flip = dec.random_crop(data, size, (seed, epoch, sample_id, echo_index), scale, ratio,
@@ -288,7 +430,8 @@ def decode_random_crop(data, size, seed, epoch, sample_id, echo_index=0, *,
 
 
 def decode_center_crop(data, size, resize_size=None, out=None, *, strict=True,
-                       max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS):
+                       max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS,
+                       max_memory=DEFAULT_MAX_MEMORY):
     """Evaluation transform: ``Resize(resize_size)`` then ``CenterCrop(size)``, fused.
 
     ``size`` is an int (square) or ``(height, width)``; ``resize_size`` (the
@@ -304,7 +447,8 @@ def decode_center_crop(data, size, resize_size=None, out=None, *, strict=True,
     data = _as_bytes(data)
     if out is None:
         out = np.empty((*size, 3), dtype=np.uint8)
-    _decoder(strict, max_pixels, max_scans).center_crop(data, resize_side, size, out)
+    _decoder(strict, max_pixels, max_scans, max_memory).center_crop(data, resize_side, size,
+                                                                    out)
     return out
 
 
@@ -314,7 +458,7 @@ def default_resize(size):
 
 
 def decode_canvas(data, min_side, out=None, *, strict=True, max_pixels=DEFAULT_MAX_PIXELS,
-                  max_scans=DEFAULT_MAX_SCANS):
+                  max_scans=DEFAULT_MAX_SCANS, max_memory=DEFAULT_MAX_MEMORY):
     """The whole image at the coarsest DCT scale whose shorter side stays >= ``min_side``.
 
     This is what echoing before augmentation stores: a canvas from which every
@@ -325,7 +469,7 @@ def decode_canvas(data, min_side, out=None, *, strict=True, max_pixels=DEFAULT_M
     Non-JPEG images are decoded by Pillow and reduced by the same rule.
     """
     min_side = _positive_int("min_side", min_side)
-    canvas, (scale, _), _ = _decoder(strict, max_pixels, max_scans).canvas(
+    canvas, (scale, _), _ = _decoder(strict, max_pixels, max_scans, max_memory).canvas(
         _as_bytes(data), min_side, out=out)
     return canvas, int(scale)
 
@@ -338,9 +482,11 @@ def resize_crop(image, box, size, flip=False, out=None) -> np.ndarray:
     return _decoder().resize(np.ascontiguousarray(image), _box4(box), size, flip, out)
 
 
-def image_size(data, *, max_pixels=DEFAULT_MAX_PIXELS) -> tuple[int, int]:
-    """``(height, width)`` from the header, without decoding pixels."""
-    return _decoder(max_pixels=max_pixels).size(_as_bytes(data))
+def image_size(data, *, max_pixels=DEFAULT_MAX_PIXELS,
+               max_memory=DEFAULT_MAX_MEMORY) -> tuple[int, int]:
+    """``(height, width)`` from the header, without decoding pixels (a JPEG over
+    ``max_pixels`` or ``max_memory`` is refused from its header here too)."""
+    return _decoder(max_pixels=max_pixels, max_memory=max_memory).size(_as_bytes(data))
 
 
 def _box4(box):

@@ -44,9 +44,14 @@ class Batch:
     Straight from the ring (echo=1 on the CPU), the arrays are views of the
     slot until the next batch is requested or :meth:`release` is called.
     From :class:`EchoRing` otherwise (echoing, normalising, on a GPU), images
-    live in one of two alternating output buffers, valid until the batch after
-    next.  Either way ``copy()`` what you keep longer.  The arrays export
-    DLPack: ``torch.from_dlpack(batch.images)`` shares the memory.
+    live in rotating output buffers (two; three on a GPU, so that the copy of
+    the next batch overlaps the work on this one), valid until the batch after
+    next is requested, and until ``close()``.  Either way ``copy()`` what you
+    keep longer.  The arrays export DLPack: ``torch.from_dlpack(batch.images)``
+    shares the memory.  On a GPU, images are a ``DeviceArray`` (or a
+    ``BFloat16Array``) whose every export orders the stream it is taken on
+    after the batch and the pipeline's reuse of the buffer after that stream
+    (docs/gpu.md).
     """
 
     images: np.ndarray       # (B, H, W, 3) uint8
@@ -233,8 +238,21 @@ class Loader:
     def start(self):
         if self._ring is not None:
             return self
+        from echo_native.ring import RingMemoryError
+
         shape = getattr(self.plan.transform, "sample_bytes")
-        ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket)
+        try:
+            # Every page reserved now, after a check against the memory available:
+            # a ring that does not fit fails here, before any worker starts.
+            ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket)
+        except RingMemoryError as e:
+            t = self.plan.transform
+            per = ", ".join(f"{k}={getattr(t, k)!r}" for k in ("size", "min_side", "max_pixels")
+                            if hasattr(t, k))
+            raise RingMemoryError(f"{e} This loader: batch_size={self.plan.batch_size}, "
+                                  f"slots={self.slots}, {shape:,} bytes per sample "
+                                  f"({type(t).__name__}({per})).", e.needed, e.available,
+                                  e.limit) from None
         pool, opened = None, []
         try:
             pool = WorkerPool(ring, self.plan, self.source, self.workers, self._worker_mode,
@@ -335,6 +353,10 @@ class Loader:
 
     @property
     def ring_name(self):
+        """The ring's name while running, else None: ``/memfd:echo_native-<pid>-<hex>``
+        for the usual memfd ring (no file anywhere: what ``/proc/<pid>/fd`` and
+        ``/proc/<pid>/maps`` show for it), ``/echo_native-...`` for a named segment in
+        ``/dev/shm`` (the fallback)."""
         return None if self._ring is None else self._ring.name
 
     def worker_pids(self):
@@ -551,9 +573,10 @@ def _release_in(loader_ref, ring, ticket):
 
 
 def _shutdown(ring, pool, watchers=()):
-    """Let the watchers go, stop the workers, remove the segment: all of it even if a
-    step fails; the first failure is raised afterwards (not at interpreter exit,
-    where CUDA may already be gone)."""
+    """Let the watchers go, stop the workers, let go of the ring (close a memfd's
+    descriptor, unlink a named segment; the memory goes with the last mapping): all of
+    it even if a step fails; the first failure is raised afterwards (not at interpreter
+    exit, where CUDA may already be gone)."""
     error = None
     for _, closing in watchers:
         try:

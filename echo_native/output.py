@@ -3,7 +3,9 @@
 Batches are uint8 NHWC unless an :class:`Output` asks for normalisation, in
 which case they are float32, float16 or bfloat16 in NHWC or NCHW.  NumPy and
 CuPy have no bfloat16, so such a batch is a :class:`BFloat16Array` whose
-``__dlpack__`` hands torch and JAX a real bfloat16 tensor.  The backends
+``__dlpack__`` hands torch and JAX a real bfloat16 tensor.  On a GPU the other
+dtypes come as a :class:`DeviceArray`: CuPy's array, exported so that the
+pipeline learns every stream a consumer reads it on.  The backends
 (:mod:`echo_native.backends`) compute into these types.
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Output:
 
     ``output=None`` means uint8 NHWC, the same as ``Output(normalize=False)``.
     Normalisation runs once per batch where the batch is (on the GPU for
-    ``device="cuda"``), into one of two alternating buffers.
+    ``device="cuda"``), into rotating output buffers (two; three on a GPU).
     """
 
     normalize: object = True
@@ -116,6 +118,17 @@ def output_dtype(out):
     return "bfloat16" if out.dtype == np.uint16 else out.dtype.name
 
 
+#: DLPack type codes (dlpack.h), by NumPy dtype kind: kDLInt, kDLUInt, kDLFloat.
+_DLPACK_KIND = {"i": 0, "u": 1, "f": 2}
+
+
+def _capsule(array, code, bits, device_id):
+    """A DLPack capsule over a CuPy array (a CUDA pointer), ``code``/``bits`` its type."""
+    return _dlpack.capsule(array, array.data.ptr, array.shape,
+                           [s // array.itemsize for s in array.strides], _dlpack.KDL_CUDA,
+                           device_id, code, bits)
+
+
 def bfloat16_bits(values):
     """float32 -> bfloat16 bits (uint16), rounding to nearest even as torch does.
 
@@ -141,6 +154,7 @@ class BFloat16Array:
         self.bits = bits
         self.device = device
         self.event = None  # set by a GPU backend: the batch is complete after it
+        self.reused = device is not None  # in an output buffer the pipeline will overwrite
 
     @property
     def shape(self):
@@ -182,7 +196,7 @@ class BFloat16Array:
             return BFloat16Array(self.bits.copy())
         bits, event = self.device.copy_out(self.bits, self.event)
         out = BFloat16Array(bits, self.device)
-        out.event = event
+        out.event, out.reused = event, False
         return out
 
     def _on_gpu(self):
@@ -199,13 +213,105 @@ class BFloat16Array:
                               f"not {tuple(dl_device)}")
         source = self.copy() if copy else self
         bits = source.bits
+        kind, index = self.__dlpack_device__()
         if self._on_gpu():
             if self.device is not None:
-                self.device.order_consumer(stream, source.event)
-            ptr = bits.data.ptr
-        else:
-            ptr = bits.ctypes.data
-        kind, index = self.__dlpack_device__()
+                # The consumer's stream waits for the batch, and the pipeline for that
+                # stream before it overwrites the buffer (a copy is the consumer's own).
+                self.device.order_consumer(stream, source.event, remember=source.reused)
+            # Legacy capsule: every consumer accepts it, whatever max_version it offers.
+            return _capsule(bits, _dlpack.KDL_BFLOAT, 16, index)
+        return _dlpack.capsule(bits, bits.ctypes.data, bits.shape, [s // 2 for s in bits.strides],
+                               kind, index, _dlpack.KDL_BFLOAT, 16)
+
+
+class DeviceArray:
+    """A batch's uint8, float32 or float16 images on a GPU.
+
+    ``array`` is the backend's own array (CuPy) in one of the pipeline's
+    rotating output buffers.  What the wrapper adds is that every way out of it
+    tells the pipeline which stream will read the batch: that stream is ordered
+    after the batch, and the pipeline's stream waits for it before it
+    overwrites the buffer.  CuPy's own export would only do the first, so a
+    consumer that reads late on a stream of its own (JAX, torch under
+    ``torch.cuda.stream(s)``) could see the buffer overwritten.
+
+    - ``torch.from_dlpack(x)``, ``jax.dlpack.from_dlpack(x)``,
+      ``cupy.from_dlpack(x)``: ``__dlpack__(stream=s)`` (no copy);
+    - ``cupy.asarray(x)``: ``__cuda_array_interface__``, which names the
+      current CuPy stream of the batch's device (no copy);
+    - ``x.get()``: a NumPy copy; ``x.copy()``: a copy on the GPU that outlives
+      the buffer (made on the current stream).
+
+    NumPy conversion is refused (``np.asarray(x)``), as CuPy refuses it.
+    """
+
+    def __init__(self, array, device, event=None, reused=True):
+        self.array = array
+        self.device = device
+        self.event = event      # the batch is complete after it (None: already)
+        self.reused = reused    # a view of an output buffer the pipeline will overwrite
+
+    @property
+    def shape(self):
+        return self.array.shape
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+    @property
+    def ndim(self):
+        return self.array.ndim
+
+    @property
+    def size(self):
+        return self.array.size
+
+    @property
+    def nbytes(self):
+        return self.array.nbytes
+
+    def __len__(self):
+        return len(self.array)
+
+    def __repr__(self):
+        return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, "
+                f"device=cuda:{self.device.device_id})")
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("a batch on the GPU does not convert to NumPy implicitly: use "
+                        ".get(), or cupy.asnumpy(x)")
+
+    def get(self):
+        """The batch as a NumPy array (waits for it)."""
+        return self.device.to_host(self.array, self.event)
+
+    def copy(self):
+        """A copy on the GPU, made on the current stream after the batch is complete;
+        the pipeline never overwrites it."""
+        array, event = self.device.copy_out(self.array, self.event)
+        return DeviceArray(array, self.device, event, reused=False)
+
+    @property
+    def __cuda_array_interface__(self):
+        # Taking the interface is taking the batch: the stream it names (the current
+        # CuPy stream of the batch's device) is ordered after the batch and remembered.
+        return self.device.array_interface(self.array, self.event, remember=self.reused)
+
+    def __dlpack_device__(self):
+        return (_dlpack.KDL_CUDA, self.device.device_id)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"this batch lives on {self.__dlpack_device__()}, not "
+                              f"{tuple(dl_device)}")
+        source = self.copy() if copy else self
+        array = source.array
+        self.device.order_consumer(stream, source.event, remember=source.reused)
+        try:
+            code = _DLPACK_KIND[array.dtype.kind]
+        except KeyError:
+            raise BufferError(f"no DLPack export for {array.dtype}") from None
         # Legacy capsule: every consumer accepts it, whatever max_version it offers.
-        return _dlpack.capsule(bits, ptr, bits.shape, [s // 2 for s in bits.strides], kind,
-                               index, _dlpack.KDL_BFLOAT, 16)
+        return _capsule(array, code, 8 * array.itemsize, self.device.device_id)

@@ -173,10 +173,17 @@ class EchoRing:
                 f"it: {'; '.join(halve)}")
 
     def close(self):
-        """Stop workers, free shared memory.  Idempotent; also runs on GC and at exit."""
+        """Stop workers, free shared memory.  Idempotent; also runs on GC and at exit.
+        Every batch delivered so far stops being valid (``copy()`` what you keep)."""
         self.loader.close()
-        self._buffer = None
-        self._outputs = {}
+        try:
+            if self._buffer is not None or self._outputs:
+                # Work the consumer queued may still read the last batches: the device
+                # orders its reuse of this memory after it before the memory goes back.
+                self.device.release_buffers()
+        finally:
+            self._buffer = None
+            self._outputs = {}
 
     def __enter__(self):
         return self.start()
@@ -489,13 +496,19 @@ class EchoRing:
         return boxes, flips, canvas_boxes
 
     def _output(self, kind, shape, dtype=np.uint8):
-        """The next of two alternating output buffers of ``kind``, ``shape[0]`` rows:
-        a delivered batch stays valid until the batch after next."""
+        """The next of the device's rotating output buffers of ``kind`` (its
+        ``output_buffers``: two on the host, three on a GPU), ``shape[0]`` rows: a
+        delivered batch stays valid until the batch after next either way."""
         full = (self.batch_size,) + tuple(shape[1:])
+        count = max(2, int(self.device.output_buffers))
         slot = self._outputs.get(kind)
-        if slot is None or slot[0][0].shape != full or slot[0][0].dtype != dtype:
-            slot = self._outputs[kind] = [[self.device.empty(full, dtype) for _ in range(2)], 0]
-        slot[1] ^= 1
+        if slot is None or slot[0][0].shape != full or slot[0][0].dtype != dtype or \
+                len(slot[0]) != count:
+            if slot is not None:
+                self.device.release_buffers()  # the old buffers go back to the device
+            slot = self._outputs[kind] = [[self.device.empty(full, dtype)
+                                           for _ in range(count)], count - 1]
+        slot[1] = (slot[1] + 1) % count
         return self.device.reuse(slot[0][slot[1]][:shape[0]])
 
     # -- batch echo ------------------------------------------------------------------------

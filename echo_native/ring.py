@@ -2,6 +2,18 @@
 
 Workers decode straight into a slot; the consumer reads the same bytes
 through NumPy views, so a batch crosses the process boundary without a copy.
+
+The memory is an anonymous memory file (``memfd_create``): no name in
+``/dev/shm``, nothing to sweep or leak, not bounded by the size of the
+``/dev/shm`` mount.  Worker processes receive it as a file descriptor, and it
+is freed when the last process holding it (descriptor or mapping) is gone,
+however they end.  Every page is reserved when the ring is created, after a
+check against the memory available, so a ring that does not fit fails at
+:meth:`Ring.create` with :class:`RingMemoryError` and never later with SIGBUS.
+Where ``memfd_create`` is unavailable (``ENOSYS``), or when the environment
+says ``ECHO_NATIVE_RING_BACKING=shm``, the ring is a named POSIX
+shared-memory object in ``/dev/shm`` instead (see :func:`remove_stale_segments`).
+
 The hand-off protocol (tickets, one sequence word per slot, futex sleep) and
 the byte layout of the segment are defined once, in C, in
 ``src/ring/en_ring.h``; this module reads every offset from the compiled
@@ -31,10 +43,12 @@ the one codec, so no byte of a file name can split or forge a record.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -50,6 +64,14 @@ MAX_WORKERS = _ring.MAX_WORKERS
 REPORT_BYTES = _ring.REPORT_BYTES
 HEADER_BYTES = _ring.HEADER_BYTES
 PREFIX = "echo_native-"
+#: Ring names that begin so are memfd rings: ``/memfd:echo_native-<pid>-<hex>``, what
+#: ``/proc/<pid>/fd`` and ``/proc/<pid>/maps`` show for them.
+MEMFD_PREFIX = _ring.MEMFD_PREFIX
+#: Environment variable choosing the ring's memory: ``memfd``, ``shm`` (the named
+#: ``/dev/shm`` fallback), or ``auto`` (the default: memfd, shm only where memfd is
+#: unavailable).
+BACKING_ENV = "ECHO_NATIVE_RING_BACKING"
+SHM_DIR = "/dev/shm"
 
 #: Claim word value while a worker is between taking a ticket and recording it.
 CLAIM_PENDING = _ring.CLAIM_PENDING
@@ -298,22 +320,220 @@ def _pid_alive(pid):
     return state not in (b"Z", b"X")
 
 
-def remove_stale_segments(shm_dir="/dev/shm"):
-    """Unlink ring segments whose owning process is gone (e.g. it was SIGKILLed).
+# ---- the named fallback: whose segments may be removed -------------------------------------
+_NAMED = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-([0-9a-f]{32})-[0-9a-f]+")
+_LEGACY = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
 
-    Returns the names removed.  Called whenever a new ring is created.
-    """
-    removed = []
+
+def _read(path):
     try:
-        names = os.listdir(shm_dir)
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _origin():
+    """(pid-namespace inode, boot id) of this process, each None if unknown: a pid
+    means the same process only within both."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = None
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    boot = boot.replace("-", "").lower() if boot else None
+    if boot is not None and not re.fullmatch(r"[0-9a-f]{32}", boot):
+        boot = None
+    return ns, boot
+
+
+def _shm_name():
+    """A new named segment's name: ``/echo_native-<pid>-<pid-ns inode>-<boot id>-<hex>``."""
+    ns, boot = _origin()
+    return f"/{PREFIX}{os.getpid()}-{ns or 0}-{boot or '0' * 32}-{secrets.token_hex(6)}"
+
+
+def remove_stale_segments(shm_dir=SHM_DIR):
+    """Unlink named ring segments (the ``/dev/shm`` fallback) proven left behind.
+
+    A segment is removed only when all of this holds: this user owns it (``os.stat``),
+    its name records this PID namespace and this boot (a pid from another container
+    sharing ``/dev/shm``, or from before a reboot, says nothing here), and that pid is
+    gone (a zombie counts as gone).  Every other segment is kept: a live owner's
+    silently, the rest (another user's, another namespace's or boot's, a name from an
+    older version that records neither, one that cannot be unlinked) with one
+    ``RuntimeWarning`` naming them and why.  Never raises.
+
+    Returns the names removed.  Called before a named ring is created (never for a
+    memfd ring, which has no name to leave behind).
+    """
+    removed, kept = [], []
+    try:
+        names = sorted(os.listdir(shm_dir))
     except OSError:
         return removed
+    ns, boot = _origin()
+    uid = os.geteuid()
     for name in names:
-        m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+", name)
-        if m and not _pid_alive(int(m.group(1))):
+        m, legacy = _NAMED.fullmatch(name), _LEGACY.fullmatch(name)
+        if not (m or legacy):
+            continue
+        try:
+            st = os.stat(os.path.join(shm_dir, name))
+        except OSError:
+            continue  # gone meanwhile
+        if st.st_uid != uid:
+            kept.append(f"{name} (owned by uid {st.st_uid}: only its owner can tell "
+                        f"whether it is in use)")
+            continue
+        if not m:
+            kept.append(f"{name} (from an older echo_native that did not record its PID "
+                        f"namespace: its owner pid may live in another container)")
+            continue
+        pid, seg_ns, seg_boot = int(m.group(1)), int(m.group(2)), m.group(3)
+        if ns is None or boot is None or seg_ns != ns or seg_boot != boot:
+            where = ("another boot" if ns is not None and seg_ns == ns else
+                     "another PID namespace (a container sharing /dev/shm?)")
+            kept.append(f"{name} (made in {where}: pid {pid} cannot be checked from here)")
+            continue
+        if _pid_alive(pid):
+            continue  # a live ring
+        try:
             _ring.unlink("/" + name)
-            removed.append(name)
+        except OSError as e:
+            kept.append(f"{name} (owner pid {pid} is gone but unlinking failed: "
+                        f"{e.strerror or e})")
+            continue
+        removed.append(name)
+    if kept:
+        warnings.warn(
+            f"echo_native kept {len(kept)} ring segment(s) in {shm_dir} that may be in use: "
+            f"{'; '.join(kept)}. Each holds memory until removed; delete one by hand "
+            f"(rm {shm_dir}/NAME) once you know its owner is gone.", RuntimeWarning,
+            stacklevel=2)
     return removed
+
+
+# ---- how much memory a ring may take ------------------------------------------------------
+class RingMemoryError(MemoryError):
+    """The ring does not fit the memory available; raised by :meth:`Ring.create` (so by
+    ``Loader.start()``) before any worker starts.  ``needed`` and ``available`` are
+    bytes, ``limit`` says where ``available`` comes from."""
+
+    def __init__(self, message, needed=None, available=None, limit=None):
+        super().__init__(message)
+        self.needed, self.available, self.limit = needed, available, limit
+
+
+def _gib(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _meminfo_available():
+    text = _read("/proc/meminfo") or ""
+    m = re.search(r"^MemAvailable:\s+(\d+) kB", text, re.MULTILINE)
+    return None if m is None else int(m.group(1)) * 1024
+
+
+def _cgroup_headroom():
+    """(bytes, description) of the tightest memory cgroup limit above this process
+    (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) minus its usage less reclaimable
+    page cache, or None when no limit applies."""
+    best = None
+    for line in (_read("/proc/self/cgroup") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            root, files = "/sys/fs/cgroup", ("memory.max", "memory.current")
+            cache = ("inactive_file", "active_file")
+        elif "memory" in controllers.split(","):
+            root, files = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes",
+                                                    "memory.usage_in_bytes")
+            cache = ("total_inactive_file", "total_active_file")
+        else:
+            continue
+        # The cgroup and each ancestor (a container may see its own as the root).
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(root, *parts[:depth])
+            limit, usage = _read(os.path.join(d, files[0])), _read(os.path.join(d, files[1]))
+            if not limit or not usage or not limit.isdigit() or not usage.isdigit():
+                continue
+            limit, usage = int(limit), int(usage)
+            if limit >= 2**60:
+                continue  # "unlimited"
+            stat = dict(l.split() for l in (_read(os.path.join(d, "memory.stat")) or "")
+                        .splitlines() if len(l.split()) == 2)
+            usage -= sum(int(stat.get(k, 0)) for k in cache)
+            room = max(0, limit - max(0, usage))
+            if best is None or room < best[0]:
+                best = (room, f"memory cgroup limit {limit:,} bytes in {d}")
+    return best
+
+
+def memory_available(backing="memfd", shm_dir=SHM_DIR):
+    """The bytes a new ring may take, and where that figure comes from: the least of
+    ``MemAvailable`` (``/proc/meminfo``), the memory cgroup's headroom, and, for a
+    named ring, the free space of ``shm_dir`` (``os.statvfs``).  (None, "") when
+    nothing can be read."""
+    limits = []
+    mem = _meminfo_available()
+    if mem is not None:
+        limits.append((mem, "MemAvailable in /proc/meminfo"))
+    cg = _cgroup_headroom()
+    if cg is not None:
+        limits.append(cg)
+    if backing == "shm":
+        try:
+            st = os.statvfs(shm_dir)
+            limits.append((st.f_bavail * st.f_frsize, f"free space in {shm_dir} (statvfs)"))
+        except OSError:
+            pass
+    if not limits:
+        return None, ""
+    return min(limits)
+
+
+def _too_big(layout, backing, available, where, cause=None):
+    L = layout
+    what = (f"the ring needs {L.total_bytes:,} bytes ({_gib(L.total_bytes)}: {L.nslots} slots "
+            f"of {L.slot_bytes:,} bytes, each {L.batch_size} samples x {L.sample_bytes:,} "
+            f"bytes)")
+    if available is not None:
+        have = f"only {available:,} bytes ({_gib(available)}) are available ({where})"
+        if L.slot_bytes > available:
+            have += ": not even one slot fits"
+    else:
+        have = "the memory could not be reserved"
+    if cause is not None:
+        have += f"; reserving it failed: {cause}"
+    fix = ("Lower batch_size, slots, or the bytes per sample (image_size; canvas_side or "
+           "canvas_max_pixels when echoing before augmentation)")
+    if backing == "shm":
+        fix += (f"; this ring lives in {SHM_DIR} (the named fallback): make it larger "
+                f"(docker run --shm-size=...), or leave {BACKING_ENV} unset where the kernel "
+                f"has memfd_create")
+    return RingMemoryError(f"{what}, but {have}. {fix}.", L.total_bytes, available, where)
+
+
+def _backing(backing):
+    choice = (backing or os.environ.get(BACKING_ENV) or "auto").strip().lower()
+    if choice not in ("auto", "memfd", "shm"):
+        raise ValueError(f"ring backing must be 'auto', 'memfd' or 'shm' ({BACKING_ENV}), "
+                         f"got {choice!r}")
+    return choice
+
+
+#: errno values that mean "no memfd_create here": an old kernel, or a seccomp filter.
+_NO_MEMFD = (errno.ENOSYS, errno.EPERM)
+#: errno values that mean "the memory cannot be reserved".
+_NO_ROOM = (errno.ENOMEM, errno.ENOSPC, errno.EFBIG)
+
+
+def _memfd_segment(label, size):
+    return _ring.Segment.memfd(label, size)
 
 
 class SlotView:
@@ -340,11 +560,14 @@ class SlotView:
 
 
 class Ring:
-    """A ring of ``nslots`` batch slots in POSIX shared memory.
+    """A ring of ``nslots`` batch slots in shared memory (a memfd; see the module).
 
-    Create it in the consumer with :meth:`create`; it pickles by name only and
-    each worker attaches lazily on unpickling.  Only the creator unlinks the
-    name (:meth:`unlink`); views into it stay valid until they are dropped.
+    Create it in the consumer with :meth:`create`.  Worker processes get it with
+    :meth:`handle` / :meth:`from_handle` (a memfd travels as a descriptor, so
+    ``subprocess.Popen(pass_fds=...)``); a pickled Ring attaches by :attr:`name`
+    (a memfd ring's is found among its creator's descriptors, so only while the
+    creator holds it, by its user).  Only the creator lets go of it
+    (:meth:`unlink`); views into it stay valid until they are dropped.
     """
 
     def __init__(self, segment, layout: Layout):
@@ -355,13 +578,45 @@ class Ring:
 
     # -- life cycle ------------------------------------------------------------
     @classmethod
-    def create(cls, nslots, batch_size, sample_bytes, first_ticket=0):
+    def create(cls, nslots, batch_size, sample_bytes, first_ticket=0, backing=None):
+        """A new ring, every page reserved.
+
+        ``backing``: "memfd", "shm" (a named segment in /dev/shm) or "auto" (memfd
+        where the kernel has it); default: ``$ECHO_NATIVE_RING_BACKING``, else "auto".
+        ValueError for a geometry that cannot exist, :class:`RingMemoryError` (a
+        MemoryError) for one that does not fit the memory available, checked before
+        anything is allocated.
+        """
         if nslots < 2:
             raise ValueError(f"a ring needs at least 2 slots, got {nslots}")
-        remove_stale_segments()
+        choice = _backing(backing)
         layout = Layout(int(nslots), int(batch_size), int(sample_bytes))
-        name = f"/{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        seg = _ring.Segment(name, layout.total_bytes, create=True)
+        seg = None
+        if choice != "shm":
+            available, where = memory_available("memfd")
+            if available is not None and layout.total_bytes > available:
+                raise _too_big(layout, "memfd", available, where)
+            label = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+            try:
+                seg = _memfd_segment(label, layout.total_bytes)
+            except OSError as e:
+                if e.errno in _NO_ROOM:
+                    raise _too_big(layout, "memfd", available, where,
+                                   e.strerror or str(e)) from None
+                if choice == "memfd" or e.errno not in _NO_MEMFD:
+                    raise
+        if seg is None:
+            remove_stale_segments()  # first: what it frees counts as available
+            available, where = memory_available("shm")
+            if available is not None and layout.total_bytes > available:
+                raise _too_big(layout, "shm", available, where)
+            try:
+                seg = _ring.Segment(_shm_name(), layout.total_bytes, create=True)
+            except OSError as e:
+                if e.errno in _NO_ROOM:
+                    raise _too_big(layout, "shm", available, where,
+                                   e.strerror or str(e)) from None
+                raise
         try:
             seg.ring_init(layout.nslots, layout.batch_size, layout.sample_bytes,
                           first_ticket, os.getpid())
@@ -372,7 +627,11 @@ class Ring:
 
     @classmethod
     def attach(cls, name):
-        seg = _ring.Segment(name)
+        """Attach by name: ``/echo_native-...`` (named) or ``/memfd:echo_native-...``."""
+        return cls._checked(_ring.Segment(name), name)
+
+    @classmethod
+    def _checked(cls, seg, name):
         try:
             c = seg.ring_check()
         except ValueError as e:
@@ -380,14 +639,43 @@ class Ring:
                              f"can read: {e}") from None
         return cls(seg, Layout(c["nslots"], c["batch"], c["sample_bytes"]))
 
+    def handle(self):
+        """How a child process reaches this ring: ``("fd", fd, name)`` for a memfd (the
+        child must inherit ``fd``: ``Popen(pass_fds=(fd,))``), ``("name", name)`` for a
+        named segment.  Picklable; give it to :meth:`from_handle` in the child."""
+        if self.backing == "memfd":
+            if self.segment.fd < 0:
+                raise ValueError(f"ring {self.name} has no descriptor to pass: only its "
+                                 f"creator does, until unlink()")
+            return ("fd", self.segment.fd, self.name)
+        return ("name", self.name)
+
+    @classmethod
+    def from_handle(cls, handle):
+        """The ring of a :meth:`handle`, in the process that received it; an inherited
+        descriptor is closed once mapped (the mapping keeps the memory)."""
+        if handle[0] == "fd":
+            _, fd, name = handle
+            return cls._checked(_ring.Segment.from_fd(int(fd), name), name)
+        return cls.attach(handle[1])
+
     def __reduce__(self):
         return (Ring.attach, (self.name,))
 
     @property
     def name(self):
+        """``/memfd:echo_native-<pid>-<hex>`` (memfd: how /proc shows it) or
+        ``/echo_native-<pid>-<pid-ns>-<boot id>-<hex>`` (a file in /dev/shm)."""
         return self.segment.name
 
+    @property
+    def backing(self):
+        """Either "memfd" or "shm"."""
+        return self.segment.backing
+
     def unlink(self):
+        """The creator lets go: a named segment's name is removed, a memfd's descriptor
+        closed.  The memory goes when the last mapping does (views stay valid)."""
         self.segment.unlink()
 
     # -- header words ------------------------------------------------------------

@@ -306,8 +306,12 @@ def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None):
 
 
 def _orphaned(ring):
-    # The consumer died without closing (SIGKILL, OOM): nobody else will
-    # remove the segment, so the first worker to notice does.
+    # The consumer died without closing (SIGKILL, OOM).  A memfd ring has no
+    # name: its memory goes when the last worker holding it exits, which the
+    # caller is about to do.  A named ring (the /dev/shm fallback) would stay:
+    # nobody else will remove it, so the first worker to notice does.
+    if ring.backing != "shm":
+        return
     try:
         ring.unlink()
     except OSError:
@@ -357,12 +361,17 @@ class WorkerProcess:
         # which signals the kernel's process group) is the consumer's to
         # handle, and must not reach a worker still importing, before it can
         # ignore SIGINT.  A worker notices its owner's death by polling.
+        # The ring travels as its handle: a memfd ring's descriptor is inherited
+        # (pass_fds; it is close-on-exec for every other child) and its number
+        # is in the message; a named ring's name.
+        handle = ring.handle()
         self._proc = subprocess.Popen([sys.executable, "-c", _ENTRY], stdin=subprocess.PIPE,
-                                      start_new_session=True)
+                                      start_new_session=True,
+                                      pass_fds=(handle[1],) if handle[0] == "fd" else ())
         self.pid = self._proc.pid
         # sys.path first, on its own: the job may need it to unpickle.
         self._message = (pickle.dumps(list(sys.path)),
-                         pickle.dumps((ring, index, list(redo), owner_pid, job)))
+                         pickle.dumps((handle, index, list(redo), owner_pid, job)))
 
     def send(self):
         """Write the job (blocks until the new interpreter reads it)."""
@@ -403,7 +412,10 @@ def worker_main():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     sys.path[:] = pickle.load(stdin)
-    ring, index, redo, owner_pid, job = pickle.load(stdin)
+    handle, index, redo, owner_pid, job = pickle.load(stdin)
+    # Maps the ring and closes the inherited descriptor: the mapping alone
+    # holds the memory, and goes with this process.
+    ring = Ring.from_handle(handle)
     plan, source = pickle.loads(job)
     run_worker(ring, index, plan, source, redo, owner_pid)
 

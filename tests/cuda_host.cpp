@@ -1,7 +1,8 @@
 // Runs echo_native/backends/kernels.cu on the CPU: the CUDA keywords become plain C++,
 // and each launch walks its grid in loops, one "thread" at a time.  The
 // kernels are written so that this is the same arithmetic as on the device
-// (explicit fmaf, no fast-math), which tests/test_cuda_kernels.py checks
+// (explicit fmaf, no fast-math, no contraction: -ffp-contract=off here, --fmad=false
+// in NVRTC), which tests/test_cuda_kernels.py checks
 // against the NumPy and native paths.
 #include <math.h>
 #include <string.h>
@@ -21,10 +22,18 @@ static inline unsigned __float_as_uint(float f) {
 
 #include "kernels.cu"
 
+// CUDA's limits on a launch (gridDim.x, gridDim.y, threads per block): a launch
+// beyond them fails on the device, so it fails here too (returns nonzero).
+static const unsigned long long MAX_GRID_X = 2147483647ull, MAX_GRID_Y = 65535ull,
+                                MAX_BLOCK = 1024ull;
+
 template <typename Kernel>
-static void launch(unsigned gx, unsigned gy, unsigned bx, Kernel kernel) {
-    gridDim = {gx, gy, 1};
-    blockDim = {bx, 1, 1};
+static int launch(unsigned long long gx, unsigned long long gy, unsigned long long bx,
+                  Kernel kernel) {
+    if (gx < 1 || gx > MAX_GRID_X || gy < 1 || gy > MAX_GRID_Y || bx < 1 || bx > MAX_BLOCK)
+        return 1;  // cudaErrorInvalidValue
+    gridDim = {(unsigned)gx, (unsigned)gy, 1};
+    blockDim = {(unsigned)bx, 1, 1};
     for (unsigned y = 0; y < gy; y++)
         for (unsigned x = 0; x < gx; x++)
             for (unsigned t = 0; t < bx; t++) {
@@ -32,20 +41,22 @@ static void launch(unsigned gx, unsigned gy, unsigned bx, Kernel kernel) {
                 threadIdx = {t, 0, 0};
                 kernel();
             }
+    return 0;
 }
 
-extern "C" void host_crop_resize(unsigned gx, unsigned gy, unsigned bx, const u8* pixels,
-                                 i64 entry_bytes, const i64* entries, const int* shapes,
-                                 const double* boxes, const u8* flips, int out_h, int out_w,
-                                 u8* out) {
-    launch(gx, gy, bx, [&] {
+extern "C" int host_crop_resize(unsigned long long gx, unsigned long long gy,
+                                unsigned long long bx, const u8* pixels, i64 entry_bytes,
+                                const i64* entries, const int* shapes, const double* boxes,
+                                const u8* flips, int out_h, int out_w, u8* out) {
+    return launch(gx, gy, bx, [&] {
         crop_resize(pixels, entry_bytes, entries, shapes, boxes, flips, out_h, out_w, out);
     });
 }
 
-extern "C" void host_normalize(unsigned gx, unsigned bx, const u8* src, i64 pixels, int hw,
-                               int nchw, const float* coef, int kind, void* out) {
-    launch(gx, 1, bx, [&] { normalize(src, pixels, hw, nchw, coef, kind, out); });
+extern "C" int host_normalize(unsigned long long gx, unsigned long long bx, const u8* src,
+                              i64 pixels, int hw, int nchw, const float* coef, int kind,
+                              void* out) {
+    return launch(gx, 1, bx, [&] { normalize(src, pixels, hw, nchw, coef, kind, out); });
 }
 
 extern "C" void host_half_array(const float* in, u16* out, i64 n) {

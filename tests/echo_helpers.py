@@ -110,11 +110,6 @@ def rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def shm_path(ring_name):
-    """The /dev/shm file behind a ring segment name (``/echo_native-...``)."""
-    return os.path.join("/dev/shm", ring_name.lstrip("/"))
-
-
 def samples_of(data):
     """(blobs, labels) as an in-memory source."""
     import echo_native as en

@@ -249,13 +249,83 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _pids():
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def _memfd_label(text, prefix):
+    """The ring label in a /proc link or maps path ``/memfd:<label> (deleted)``, if it
+    starts with ``prefix``."""
+    text = text.strip()
+    if text.endswith(" (deleted)"):
+        text = text[:-len(" (deleted)")]
+    if text.startswith("/memfd:" + prefix):
+        return text[len("/memfd:"):]
+    return None
+
+
+def memfd_holders(prefix="echo_native-", maps=True):
+    """``{label: {pid: {"fd", "map"}}}``: every process (that this user may inspect)
+    holding a memfd ring whose label starts with ``prefix``, by an open descriptor
+    ("fd") and, with ``maps``, by a mapping ("map").  A memfd's memory is freed exactly
+    when it has no holder left."""
+    out = {}
+    for pid in _pids():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                label = _memfd_label(os.readlink(f"/proc/{pid}/fd/{fd}"), prefix)
+            except OSError:
+                continue
+            if label:
+                out.setdefault(label, {}).setdefault(pid, set()).add("fd")
+        if not maps:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split(None, 5)
+            label = _memfd_label(parts[5], prefix) if len(parts) == 6 else None
+            if label:
+                out.setdefault(label, {}).setdefault(pid, set()).add("map")
+    return out
+
+
 def segments(pid):
-    """Names in /dev/shm of ring segments created by ``pid``."""
+    """Ring segments created by ``pid`` that can still be reached, named as a ring's
+    name less its leading "/": named segments in /dev/shm (``echo_native-<pid>-...``,
+    the fallback) and memfd rings (``memfd:echo_native-<pid>-...``) that some process
+    still holds a descriptor of.  (A memfd's memory lasts until its mappings go too:
+    see :func:`ring_memory`.)"""
     prefix = f"echo_native-{pid}-"
     try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+        named = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     except FileNotFoundError:
-        return []
+        named = []
+    held = ["memfd:" + label for label in memfd_holders(prefix, maps=False)]
+    return sorted(named + held)
+
+
+def ring_memory(pid):
+    """``{ring name: sorted pids}`` of the memfd rings created by ``pid`` whose memory is
+    still held, by a descriptor or a mapping, by any process."""
+    return {"/memfd:" + label: sorted(holders)
+            for label, holders in memfd_holders(f"echo_native-{pid}-").items()}
+
+
+def shmem_bytes():
+    """Shmem of /proc/meminfo (memfd and /dev/shm pages of the whole machine), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem line in /proc/meminfo")
 
 
 # ---- subprocess bodies --------------------------------------------------------------------

@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import glob
 import os
+import re
 import shutil
 import subprocess
 
@@ -34,26 +35,30 @@ class HostKernels:
 
     def __init__(self, path):
         lib = ctypes.CDLL(path)
-        p = ctypes.c_void_p
-        lib.host_crop_resize.argtypes = [ctypes.c_uint] * 3 + [p, ctypes.c_int64, p, p, p, p,
-                                                               ctypes.c_int, ctypes.c_int, p]
-        lib.host_normalize.argtypes = [ctypes.c_uint] * 2 + [p, ctypes.c_int64, ctypes.c_int,
-                                                             ctypes.c_int, p, ctypes.c_int, p]
+        p, dim = ctypes.c_void_p, ctypes.c_ulonglong
+        lib.host_crop_resize.argtypes = [dim] * 3 + [p, ctypes.c_int64, p, p, p, p,
+                                                     ctypes.c_int, ctypes.c_int, p]
+        lib.host_normalize.argtypes = [dim] * 2 + [p, ctypes.c_int64, ctypes.c_int,
+                                                   ctypes.c_int, p, ctypes.c_int, p]
+        lib.host_crop_resize.restype = lib.host_normalize.restype = ctypes.c_int
         for name in ("host_half_array", "host_bfloat16_array"):
             getattr(lib, name).argtypes = [p, p, ctypes.c_int64]
         self.lib = lib
 
     def crop_resize(self, buffer, entries, boxes, flips, out):
         n, oh, ow = len(entries), out.shape[1], out.shape[2]
-        (gx, gy), (bx,) = cuda.crop_resize_launch(n, oh, ow)
+        grid, (bx,) = cuda.crop_resize_launch(n, oh, ow)
+        gx, gy = (tuple(grid) + (1,))[:2]
         entries = np.ascontiguousarray(entries, np.int64)
         shapes = np.ascontiguousarray(buffer.shape[entries], np.int32)
         boxes = np.ascontiguousarray(boxes, np.float64)
         flips = np.ascontiguousarray(flips, np.uint8)
         assert out.flags.c_contiguous and buffer.pixels.flags.c_contiguous
-        self.lib.host_crop_resize(gx, gy, bx, buffer.pixels.ctypes.data, buffer.pixels.shape[1],
-                                  entries.ctypes.data, shapes.ctypes.data, boxes.ctypes.data,
-                                  flips.ctypes.data, oh, ow, out.ctypes.data)
+        rc = self.lib.host_crop_resize(gx, gy, bx, buffer.pixels.ctypes.data,
+                                       buffer.pixels.shape[1], entries.ctypes.data,
+                                       shapes.ctypes.data, boxes.ctypes.data, flips.ctypes.data,
+                                       oh, ow, out.ctypes.data)
+        assert rc == 0, f"launch refused: grid {grid}, block {bx} (beyond CUDA's limits)"
 
     def normalize(self, images, mean, std, layout, out):
         n, h, w, _ = images.shape
@@ -61,8 +66,10 @@ class HostKernels:
         coef = cuda.normalize_coefficients(mean, std)
         kind = cuda.NORMALIZE_KIND[output_dtype(out)]
         images = np.ascontiguousarray(images)
-        self.lib.host_normalize(gx, bx, images.ctypes.data, n * h * w, h * w,
-                                int(layout == "NCHW"), coef.ctypes.data, kind, out.ctypes.data)
+        rc = self.lib.host_normalize(gx, bx, images.ctypes.data, n * h * w, h * w,
+                                     int(layout == "NCHW"), coef.ctypes.data, kind,
+                                     out.ctypes.data)
+        assert rc == 0, f"launch refused: grid {gx}, block {bx} (beyond CUDA's limits)"
         return out
 
     def convert(self, name, values):
@@ -153,6 +160,24 @@ def test_crop_resize_kernel_flip_is_an_exact_mirror(host):
     out = np.empty((2, 96, 128, 3), np.uint8)
     host.crop_resize(buf, np.array([0, 0]), boxes, np.array([False, True]), out)
     np.testing.assert_array_equal(out[1], out[0][:, ::-1])
+
+
+def test_crop_resize_kernel_takes_batches_beyond_65535(host):
+    """A batch of 65,537 images (one more than gridDim.y holds) is launched within CUDA's
+    limits and every image is written, the last ones included."""
+    canvases = [_photo(n)[:6, :8] for n in ("astronaut", "coffee", "chelsea")]
+    buf = _buffer(canvases)
+    n = 65_537
+    entries = np.arange(n) % 3
+    boxes = np.array([[0.0, 0.0, 6.0, 8.0], [1.0, 2.0, 4.0, 5.0], [0.5, 0.0, 5.5, 8.0]])
+    boxes = boxes[entries]
+    flips = (np.arange(n) // 3) % 2 == 1
+    out = np.full((n, 1, 2, 3), 7, np.uint8)
+    host.crop_resize(buf, entries, boxes, flips, out)
+    first = np.empty((6, 1, 2, 3), np.uint8)
+    host.crop_resize(buf, entries[:6], boxes[:6], flips[:6], first)
+    np.testing.assert_array_equal(out, np.tile(first, (-(-n // 6), 1, 1, 1))[:n])
+    assert (first != 7).any()
 
 
 def test_crop_resize_kernel_identity_box_is_exact(host):
@@ -280,15 +305,38 @@ def _compile(lib, source, options):
 
 @pytest.mark.parametrize("arch", ["compute_75", "compute_80", "compute_90"])
 def test_kernels_compile_with_nvrtc(arch):
-    """The source CuPy compiles at run time builds, without warnings, for Turing,
-    Ampere and Hopper, and exports both kernels under their C names."""
+    """The source CuPy compiles at run time builds, with the backend's own options and
+    without warnings, for Turing, Ampere and Hopper, and exports both kernels under
+    their C names."""
     lib = _nvrtc()
     ptx, log = _compile(lib, cuda.kernel_source(), [f"--gpu-architecture={arch}",
-                                                    "--std=c++11"])
+                                                    *cuda.NVRTC_OPTIONS])
     assert ptx is not None, log
     assert "warning" not in log.lower(), log
     for name in ("crop_resize", "normalize"):
         assert f".entry {name}(" in ptx
+
+
+def _float_fmas(ptx, entry):
+    """The floating-point fused multiply-adds in the PTX of kernel ``entry``."""
+    body = ptx.split(f".entry {entry}(", 1)[1].split(".entry ", 1)[0]
+    return re.findall(r"\b(?:fma|mad)(?:\.r[nzmp])?(?:\.ftz)?(?:\.sat)?\.f(?:32|64)\b", body)
+
+
+def test_device_arithmetic_is_the_host_builds():
+    """With the backend's options NVRTC fuses no multiply and add of its own
+    (--fmad=false): crop_resize has no floating-point fma at all, normalize only the
+    fmaf its source writes, the arithmetic the host build (-ffp-contract=off) checks.
+    NVRTC's default would fuse in crop_resize."""
+    lib = _nvrtc()
+    ptx, log = _compile(lib, cuda.kernel_source(), ["--gpu-architecture=compute_80",
+                                                    *cuda.NVRTC_OPTIONS])
+    assert ptx is not None, log
+    assert _float_fmas(ptx, "crop_resize") == []
+    assert set(_float_fmas(ptx, "normalize")) == {"fma.rn.f32"}
+    default, log = _compile(lib, cuda.kernel_source(), ["--gpu-architecture=compute_80",
+                                                        "--std=c++11"])
+    assert _float_fmas(default, "crop_resize"), "NVRTC's default no longer fuses: recheck"
 
 
 def test_nvrtc_reports_errors():

@@ -8,6 +8,7 @@ import pytest
 
 import echo_native as en
 from echo_native.backends import cuda_available
+from echo_native.output import DeviceArray
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
@@ -98,7 +99,7 @@ def test_slot_reuse_waits_for_copies_under_slow_consumer(source, register):
             assert dev.registration == "pinned-staging"
         for b in ring:
             spin((1,), (1,), (np.int64(20_000_000),))  # ~10 ms on the consumer's stream
-            sums.append(b.images.astype(cupy.int64).sum())
+            sums.append(cupy.asarray(b.images).astype(cupy.int64).sum())
         sums = [int(s) for s in sums]
     assert sums == [int(a.astype(np.int64).sum()) for a, _, _ in ref]
 
@@ -259,11 +260,17 @@ def test_dlpack_interop_without_copy(source):
     with en.EchoRing(source, batch_size=8, image_size=32, echo=2, workers=1,
                      device="cuda") as ring:
         b = next(iter(ring))
+        assert isinstance(b.images, DeviceArray)
         t = torch.from_dlpack(b.images)
-        assert t.is_cuda and t.data_ptr() == b.images.data.ptr
+        assert t.is_cuda and t.data_ptr() == b.images.array.data.ptr
         c = cupy.from_dlpack(b.images)
-        assert c.data.ptr == b.images.data.ptr
-        assert int(t.sum()) == int(b.images.astype(cupy.int64).sum())
+        assert c.data.ptr == b.images.array.data.ptr
+        a = cupy.asarray(b.images)  # the array interface: no copy either
+        assert a.data.ptr == b.images.array.data.ptr
+        assert int(t.sum()) == int(a.astype(cupy.int64).sum())
+        np.testing.assert_array_equal(b.images.get(), cupy.asnumpy(a))
+        with pytest.raises(TypeError):
+            np.asarray(b.images)
         try:
             import jax
         except ImportError:
@@ -300,3 +307,218 @@ def test_echoes_add_no_host_to_device_traffic(source, placement):
         copied[e] = dev.h2d_bytes
         assert delivered >= (e - 0.5) * len(source)
     assert copied[2] == copied[4] > 0
+
+
+# -- issue 20: stream order on a real GPU ----------------------------------------------------
+def _values(source, device, **kw):
+    """Each batch's images as float32 NumPy arrays (bfloat16 through to_float32)."""
+    import cupy
+    out = []
+    with en.EchoRing(source, device=device, **kw) as ring:
+        for b in ring:
+            x = b.images
+            if device == "cpu":
+                out.append(np.array(x, np.float32))
+            else:
+                x = x.to_float32() if hasattr(x, "to_float32") else cupy.asarray(x)
+                out.append(cupy.asnumpy(x).astype(np.float32))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32", "bfloat16"])
+@pytest.mark.parametrize("echo", [1, 2])
+def test_a_late_reader_on_the_stream_a_batch_went_to_is_waited_for(source, dtype, echo):
+    """(1) A torch consumer takes each batch under ``torch.cuda.stream(side)`` (so
+    ``__dlpack__`` is handed ``side``), leaves that context, asks for the next batch
+    and only then reads the previous one on ``side``, slowly.  The pipeline must not
+    overwrite the buffer before: it learnt ``side`` from the export."""
+    torch = pytest.importorskip("torch")
+    import cupy
+    norm = {} if dtype == "uint8" else dict(normalize=True, dtype=dtype, layout="NCHW")
+    kw = dict(batch_size=8, image_size=48, echo=echo, placement="after_augment", workers=2,
+              seed=3, **norm)
+    ref = _values(source, "cpu", **kw)
+    spin = _spin()
+    side = torch.cuda.Stream()
+    kept, prev = [], None
+    with en.EchoRing(source, device="cuda", **kw) as ring:
+        for b in ring:
+            with torch.cuda.stream(side):
+                t = torch.from_dlpack(b.images)
+            if prev is not None:
+                with torch.cuda.stream(side), cupy.cuda.ExternalStream(side.cuda_stream):
+                    spin((1,), (1,), (np.int64(10_000_000),))  # the late reader is slow
+                    kept.append(prev.float().clone())
+            prev = t
+        with torch.cuda.stream(side):
+            kept.append(prev.float().clone())
+    side.synchronize()
+    assert len(kept) == len(ref)
+    rtol = 2**-7 if dtype == "bfloat16" else 1e-6
+    for got, want in zip(kept, ref):
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=rtol, atol=1e-6)
+
+
+def test_crop_resize_launches_batches_beyond_65535():
+    """(2) 65,537 crops in one launch (one more than gridDim.y holds): no launch failure,
+    every image written, the last ones as the first."""
+    import cupy
+    from echo_native.backends.cuda import CudaDevice
+    from echo_native.echo import ExampleBuffer
+    dev = CudaDevice(0)
+    rng = np.random.default_rng(0)
+    buf = ExampleBuffer(3, 6 * 8 * 3, dev)
+    buf.pixels[...] = cupy.asarray(rng.integers(0, 256, (3, 6 * 8 * 3), dtype=np.uint8))
+    buf.shape[:] = (6, 8)
+    cupy.cuda.Device().synchronize()
+    n = 65_537
+    entries = np.arange(n) % 3
+    boxes = np.array([[0.0, 0.0, 6.0, 8.0], [1.0, 2.0, 4.0, 5.0], [0.5, 0.0, 5.5, 8.0]])[entries]
+    flips = (np.arange(n) // 3) % 2 == 1
+    out = dev.empty((n, 1, 2, 3), np.uint8)
+    out[...] = 7
+    dev.crop_resize(buf, entries, boxes, flips, out)
+    dev.stream.synchronize()
+    got = out.get()
+    np.testing.assert_array_equal(got, np.tile(got[:6], (-(-n // 6), 1, 1, 1))[:n])
+    assert (got[:6] != 7).any()
+
+
+def test_gpu_kernels_equal_the_host_build_bit_for_bit(tmp_path):
+    """(3) With --fmad=false the GPU's crop/resize and normalisation equal the host build
+    of kernels.cu (-ffp-contract=off) bit for bit."""
+    import shutil
+    import subprocess
+    import cupy
+    import test_cuda_kernels as tk
+    from echo_native.backends.cuda import CudaDevice
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a host C++ compiler")
+    lib = str(tmp_path / "cuda_host.so")
+    subprocess.run([cxx, "-std=c++14", "-O2", "-ffp-contract=off", "-shared", "-fPIC",
+                    f"-I{tk.PACKAGE}", f"{tk.HERE}/cuda_host.cpp", "-o", lib], check=True)
+    host = tk.HostKernels(lib)
+    rng = np.random.default_rng(1)
+    canvases = [tk._photo(n) for n in ("astronaut", "coffee", "chelsea", "rocket")]
+    buf = tk._buffer(canvases)
+    entries = np.array([0, 1, 2, 3] * 4)
+    boxes = tk._boxes(rng, [buf.shape[e] for e in entries])
+    flips = np.arange(len(entries)) % 2 == 1
+    want = np.empty((len(entries), 96, 80, 3), np.uint8)
+    host.crop_resize(buf, entries, boxes, flips, want)
+    dev = CudaDevice(0)
+    from echo_native.echo import ExampleBuffer
+    gbuf = ExampleBuffer(buf.capacity, buf.pixels.shape[1], dev)
+    gbuf.pixels[...] = cupy.asarray(buf.pixels)
+    gbuf.shape[...] = buf.shape
+    cupy.cuda.Device().synchronize()
+    got = dev.empty(want.shape, np.uint8)
+    dev.crop_resize(gbuf, entries, boxes, flips, got)
+    dev.stream.synchronize()
+    np.testing.assert_array_equal(got.get(), want)
+    x = rng.integers(0, 256, (4, 9, 7, 3), dtype=np.uint8)
+    for dtype in ("float32", "float16", "bfloat16"):
+        for layout in ("NHWC", "NCHW"):
+            shape = x.shape if layout == "NHWC" else (4, 3, 9, 7)
+            storage = np.uint16 if dtype == "bfloat16" else dtype
+            h = host.normalize(x, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), layout,
+                               np.empty(shape, storage))
+            g = dev.empty(shape, storage)
+            dev.normalize(cupy.asarray(x), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225),
+                          layout, g)
+            dev.stream.synchronize()
+            np.testing.assert_array_equal(g.get().view(np.uint8), h.view(np.uint8))
+
+
+def test_a_second_ring_on_the_device_waits_for_the_last_step(source):
+    """(4) The last step of one ring is still running (slow) when the ring closes and a
+    second ring on the same device starts, in the memory CuPy's pool got back: the
+    step still reads the batch it was given."""
+    torch = pytest.importorskip("torch")
+    from echo_native.backends.cuda import CudaDevice
+    kw = dict(batch_size=8, image_size=48, workers=2, seed=3, worker_mode="thread")
+    want = _values(source, "cpu", echo=1, **kw)[-1]
+    dev = CudaDevice(0)
+    spin = _spin()
+    with en.EchoRing(source, device=dev, echo=1, **kw) as ring:
+        for b in ring:
+            pass
+        spin((1,), (1,), (np.int64(2_000_000_000),))  # ~1 s: the last step is slow ...
+        t = torch.from_dlpack(b.images)
+        kept = t.clone()                              # ... and reads the last batch
+        del t, b
+    with en.EchoRing(source, device=dev, echo=2, placement="batch", **kw) as ring:
+        for _ in ring:
+            pass
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(kept.cpu().numpy().astype(np.float32), want)
+
+
+def test_an_exception_between_store_and_release_closes_cleanly(source):
+    """(5) A failure after a copy out of the ring was queued and before its slot went back:
+    close() waits for the copy, unpins the ring, and the device serves a new ring."""
+    from echo_native.backends.cuda import CudaDevice
+
+    class Failing(CudaDevice):
+        stores = 0
+
+        def store(self, *args):
+            super().store(*args)
+            Failing.stores += 1
+            if Failing.stores == 2:
+                raise RuntimeError("between a store and its release")
+
+    kw = dict(batch_size=8, image_size=32, echo=2, placement="after_augment", workers=2,
+              seed=4)
+    dev = Failing(0)
+    with pytest.raises(RuntimeError, match="between a store"):
+        _run(source, dev, **kw)
+    assert dev._registered is None
+    ref = _run(source, "cpu", **kw)
+    for (a, ia, _), (b, ib, _) in zip(ref, _run(source, dev, **kw), strict=True):
+        np.testing.assert_array_equal(ia, ib)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_second_gpu_with_device_zero_current(source):
+    """(6) cuda:1 while device 0 is current: byte-exact batches, exported as device 1's,
+    read by torch on device 1."""
+    import cupy
+    torch = pytest.importorskip("torch")
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    kw = dict(batch_size=8, image_size=32, echo=2, placement="after_augment", workers=2,
+              seed=6)
+    ref = _run(source, "cpu", **kw)
+    got = []
+    with en.EchoRing(source, device="cuda:1", **kw) as ring:
+        assert cupy.cuda.Device().id == 0
+        for b in ring:
+            assert b.images.__dlpack_device__() == (2, 1)
+            t = torch.from_dlpack(b.images)
+            assert t.device.index == 1
+            got.append(t.cpu().numpy())
+    for (a, _, _), g in zip(ref, got, strict=True):
+        np.testing.assert_array_equal(a, g)
+
+
+def test_the_copy_of_the_next_batch_overlaps_the_current_step(source):
+    """(7) echo=1 with a slow step the host does not wait for: the next batch is complete
+    (its host-to-device copy done) while the step on the previous one still runs.
+    With two output buffers it could only follow that step."""
+    import cupy
+    spin = _spin()
+    kw = dict(batch_size=8, image_size=48, echo=1, workers=2, seed=3)
+    overlapped = []
+    with en.EchoRing(source, device="cuda", **kw) as ring:
+        step_end = None
+        for b in ring:
+            if step_end is not None:
+                b.images.event.synchronize()  # this batch is complete ...
+                overlapped.append(not step_end.done)  # ... the previous step still runs
+            spin((1,), (1,), (np.int64(200_000_000),))  # ~100 ms step on this batch
+            step_end = cupy.cuda.get_current_stream().record()
+        cupy.cuda.Device().synchronize()
+    assert len(overlapped) >= 4
+    assert all(overlapped[1:]), overlapped

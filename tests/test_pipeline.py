@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 import echo_helpers as eh  # noqa: E402
+import ring_helpers as rh  # noqa: E402
 
 EXAMPLE_PLACEMENTS = ("before_augment", "after_augment")
 PLACEMENTS = EXAMPLE_PLACEMENTS + ("batch",)
@@ -369,12 +370,11 @@ BAD_ARGS = [
                                                         enumerate(BAD_ARGS)])
 def test_bad_arguments_raise_value_error(small, kwargs, name):
     """Wrong arguments raise ValueError at construction naming the argument, leaving no segment."""
-    before = set(os.listdir("/dev/shm"))
+    before = set(rh.segments(os.getpid()))
     kw = {"batch_size": 8, "image_size": 16, **kwargs}
     with pytest.raises(ValueError, match=name):
         en.EchoRing(_src(small), **kw)
-    assert not {f for f in set(os.listdir("/dev/shm")) - before
-                if f.startswith(f"echo_native-{os.getpid()}-")}
+    assert set(rh.segments(os.getpid())) == before
 
 
 def test_cuda_without_cuda_is_a_one_line_runtime_error(small):
@@ -402,11 +402,12 @@ def test_auto_device_falls_back_to_cpu(small):
 
 # ---- memory and cleanup -------------------------------------------------------------------------
 def test_memory_flat_over_epochs_and_segment_removed(small):
-    """Six epochs: consumer RSS flat (< 8 MiB) after epoch 2; the /dev/shm segment goes on close."""
+    """Six epochs: consumer RSS flat (< 8 MiB) after epoch 2; the ring's memory is given
+    back on close (no process holds its memfd, by descriptor or mapping)."""
     ring = _ring(small, echo=2, placement="before_augment", image_size=160, batch_size=16)
     with ring:
-        path = eh.shm_path(ring.loader.ring_name)
-        assert os.path.exists(path)
+        name = ring.loader.ring_name
+        assert name[1:] in rh.segments(os.getpid()) and name in rh.ring_memory(os.getpid())
         rss, delivered = [], []
         for _ in range(6):
             delivered.append(0)
@@ -414,7 +415,8 @@ def test_memory_flat_over_epochs_and_segment_removed(small):
                 b.images.sum(dtype=np.int64)
                 delivered[-1] += b.images.nbytes
             rss.append(eh.rss_bytes())
-    assert not os.path.exists(path), "ring segment left in /dev/shm"
+    assert name[1:] not in rh.segments(os.getpid()), "ring segment left behind"
+    assert name not in rh.ring_memory(os.getpid()), "the ring's memory is still held"
     growth = rss[-1] - rss[1]
     assert growth < 8 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over epochs 3-6: {rss}"
     # The bound has power: each epoch pushed more pixels through than it allows.
@@ -425,11 +427,12 @@ def test_segment_removed_when_the_consumer_raises(small):
     """An exception in the with-block stops the workers and removes the shared-memory segment."""
     with pytest.raises(KeyError):
         with _ring(small, echo=2, placement="before_augment") as ring:
-            path = eh.shm_path(ring.loader.ring_name)
+            name = ring.loader.ring_name
             for i, _ in enumerate(ring):
                 if i == 2:
                     raise KeyError("consumer failed")
-    assert not os.path.exists(path)
+    assert name[1:] not in rh.segments(os.getpid())
+    assert name not in rh.ring_memory(os.getpid())
     assert ring.loader.worker_pids() == []
 
 
@@ -578,7 +581,8 @@ def test_a_ring_dropped_without_close_still_detaches_the_device():
     gc.collect()
     assert dev.rings == [("attach", name), ("detach", name)]
     assert len(dev.returns) == 0
-    assert not any(name.lstrip("/") in f for f in os.listdir("/dev/shm"))
+    assert name[1:] not in rh.segments(os.getpid())
+    assert name not in rh.ring_memory(os.getpid())
 
 
 class OneRingDevice(LateCopyDevice):
@@ -599,7 +603,8 @@ class OneRingDevice(LateCopyDevice):
 
 
 def _segments():
-    return {f for f in os.listdir("/dev/shm") if f.startswith("echo_native-")}
+    """This process's ring segments: memfd rings held open, named ones in /dev/shm."""
+    return set(rh.segments(os.getpid()))
 
 
 def test_a_refused_start_leaks_nothing_and_leaves_the_other_ring_alone():

@@ -46,9 +46,13 @@ def _own_segments():
 
 # ---- the slot protocol, by hand ---------------------------------------------------------------
 def test_create_layout_and_initial_sequence(ring):
-    """A new ring names itself /echo_native-<pid>-<hex>, exists in /dev/shm and starts free."""
-    assert ring.name.startswith(f"/echo_native-{os.getpid()}-")
+    """A new ring is a memfd named /memfd:echo_native-<pid>-<hex> (what /proc shows for
+    it), held open by this process, with no file in /dev/shm, and starts free."""
+    assert ring.name.startswith(f"/memfd:echo_native-{os.getpid()}-")
+    assert ring.backing == "memfd"
     assert ring.name[1:] in _own_segments()
+    assert os.readlink(f"/proc/self/fd/{ring.segment.fd}") == ring.name + " (deleted)"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"echo_native-{os.getpid()}-")]
     assert ring.layout.nslots == 3 and ring.layout.batch_size == 2
     assert ring.next_ticket == 0 and not ring.closed
     for t in range(3):                       # slot t is free for ticket t, nothing published
@@ -169,7 +173,8 @@ def test_close_wakes_waiters_with_wait_closed(ring):
 
 
 def test_pickle_attaches_by_name(ring):
-    """A pickled Ring is just its name; unpickling attaches to the same memory and layout."""
+    """A pickled Ring is just its name; unpickling attaches to the same memory and layout
+    (a memfd ring's name is found among this process's descriptors)."""
     data = pickle.dumps(ring)
     assert len(data) < 300                   # the name, never the slot memory
     other = pickle.loads(data)
@@ -204,15 +209,46 @@ def test_attach_of_a_non_ring_segment_fails_clearly():
 
 
 def test_unlink_removes_the_segment_and_views_stay_valid():
-    """unlink() removes the name at once; existing views stay readable until dropped."""
+    """unlink() lets go of the ring at once (a memfd's descriptor is closed, so it can no
+    longer be attached); existing views stay readable, and the memory is freed when the
+    last of them is dropped."""
     r = Ring.create(2, 1, 8)
     rh.fill_slot(r, r.take_ticket())
     view = r.slots[0].pixels
+    name = r.name
     r.unlink()
-    assert r.name[1:] not in _own_segments()
+    assert name[1:] not in _own_segments()
     assert np.array_equal(view[0], rh.pattern(0, 8))
     with pytest.raises(OSError):
-        Ring.attach(r.name)
+        Ring.attach(name)
+    assert rh.ring_memory(os.getpid()) == {name: [os.getpid()]}   # the mapping, still
+    del r, view
+    assert name not in rh.ring_memory(os.getpid())                # freed
+
+
+def test_a_handle_passes_the_ring_to_a_child_as_a_descriptor():
+    """A memfd ring reaches a child process as an inherited descriptor (pass_fds): the
+    child maps it, closes its copy, and writes into the same memory; the descriptor is
+    close-on-exec, so no other child gets it."""
+    import subprocess
+    r = Ring.create(2, 1, 8)
+    try:
+        handle = r.handle()
+        assert handle[0] == "fd" and handle[2] == r.name
+        code = ("import os, pickle, sys; from echo_native.ring import Ring; "
+                "r = Ring.from_handle(pickle.loads(bytes.fromhex(sys.argv[1]))); "
+                "fd = int(sys.argv[2]); "
+                "print(os.path.exists(f'/proc/self/fd/{fd}'), r.name, r.take_ticket())")
+        arg = pickle.dumps(handle).hex()
+        out = subprocess.run([sys.executable, "-c", code, arg, str(handle[1])],
+                             pass_fds=(handle[1],), capture_output=True, text=True, check=True)
+        assert out.stdout.split() == ["False", r.name, "0"]      # closed its copy once mapped
+        assert r.next_ticket == 1                                # the same memory
+        other = subprocess.run(["ls", f"/proc/self/fd/{handle[1]}"], capture_output=True,
+                               check=False)
+        assert other.returncode != 0                             # not inherited without pass_fds
+    finally:
+        r.unlink()
 
 
 # ---- protocol stress: producers in threads and in processes --------------------------------

@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import echo_native as en
+import ring_helpers as rh
 from echo_native import _ring
 from echo_native import ring as rg
 from echo_native.ring import (MAX_WORKERS, NO_SAMPLE, REPORT_BYTES, Failure, Layout, Ring,
@@ -198,11 +199,10 @@ def test_impossible_geometry_is_refused(geometry):
     """No slots, an empty batch, sizes that overflow size_t/off_t: ValueError, no segment."""
     with pytest.raises(ValueError, match="impossible ring geometry"):
         _ring.layout(*geometry)
-    before = set(os.listdir("/dev/shm"))
+    before = set(rh.segments(os.getpid())) | set(rh.ring_memory(os.getpid()))
     with pytest.raises(ValueError):
         Ring.create(*geometry)
-    assert not {n for n in set(os.listdir("/dev/shm")) - before
-                if n.startswith(f"echo_native-{os.getpid()}-")}
+    assert set(rh.segments(os.getpid())) | set(rh.ring_memory(os.getpid())) == before
 
 
 def test_attach_refuses_another_layout_version():

@@ -199,12 +199,19 @@ def test_uncaught_ctrl_c_cleans_up(folder, tmp_path):
     proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, start_new_session=True)
     assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    import ring_helpers as rh
+
     words = proc.stdout.split()
     name, pids = words[1], [int(p) for p in words[2:4]]
-    assert not os.path.exists("/dev/shm" + name)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    # A memfd ring: no process holds its memory (descriptor or mapping), and nothing
+    # of the script's is in /dev/shm.
+    assert name.startswith("/memfd:echo_native-"), name
+    assert rh.memfd_holders(name[len("/memfd:"):]) == {}
+    script_pid = name.split("-")[1]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"echo_native-{script_pid}-")]
 
 
 def test_source_that_cannot_reach_workers_fails_at_construction(folder):

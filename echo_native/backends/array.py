@@ -45,6 +45,9 @@ class ArrayDevice:
     #: handed out as the ring slot's view, without a copy.
     host_resident = False
     device_id = 0
+    #: Rotating output buffers per kind (at least two: a delivered batch stays valid
+    #: until the batch after next).  Copies on the host are synchronous: two suffice.
+    output_buffers = 2
 
     def describe(self):
         """One line for stats(): the backend and how fresh batches reach it."""
@@ -70,12 +73,17 @@ class ArrayDevice:
         """Called before an output buffer is overwritten with a new batch."""
         return array
 
+    def release_buffers(self):
+        """Called before the pipeline drops its output and echo buffers (close): their
+        memory must not be reused before the consumer's work on them."""
+
     def ready(self, batch):
         """Called on each batch before it reaches the consumer."""
         return batch
 
-    def order_consumer(self, stream, event):
-        """DLPack export on ``stream``: make it wait for the batch (no-op on the host)."""
+    def order_consumer(self, stream, event, remember=True):
+        """DLPack export on ``stream``: make it wait for the batch and, with ``remember``,
+        wait for it before reusing the buffer (no-op on the host)."""
 
     def copy_out(self, array, after=None):
         """A copy of an output array (made after event ``after``), and the event after

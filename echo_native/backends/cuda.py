@@ -13,23 +13,45 @@ running on CuPy.  What is here cannot be written against an array module:
 - re-augmentation of canvases and normalisation are one raw kernel launch
   each per batch (``kernels.cu``);
 - streams are ordered both ways: a consumer sees a batch only after our work
-  on it (``ready``, and ``__dlpack__(stream=...)`` for bfloat16 batches), and
-  we overwrite an output buffer only after the consumer's work queued so far
-  (``reuse``).
+  on it (``ready`` for the current streams; every export of a batch,
+  ``__dlpack__(stream=...)``, ``__cuda_array_interface__``, ``get``, ``copy``,
+  for the stream it is taken on), and we overwrite an output buffer only after
+  the consumer's work that may read it (``reuse``), and hand buffers back to
+  CuPy's pool only after all of it (``release_buffers``);
+- every call that records an event, waits or launches selects our device
+  first (``with self.device``): CuPy would otherwise use the caller's current
+  device, which on ``cuda:1`` is usually device 0.
 """
 from __future__ import annotations
 
+import collections
+import math
 import sys
 from importlib import resources
 
 import numpy as np
 
 from echo_native.backends.array import ArrayDevice, SlotReturns
-from echo_native.output import BFloat16Array, output_dtype
+from echo_native.output import BFloat16Array, DeviceArray, output_dtype
 
 THREADS = 256
 #: cudaHostRegisterPortable: the pinning is seen by every CUDA context.
 HOST_REGISTER_PORTABLE = 1
+#: CUDA's launch limits: gridDim.x, .y, .z, and threads per block.
+MAX_GRID = (2**31 - 1, 65535, 65535)
+MAX_BLOCK_THREADS = 1024
+#: NVRTC options of the backend's kernels, the one place they are set (the NVRTC
+#: test in tests/test_cuda_kernels.py compiles with them too).  ``--fmad=false``:
+#: no multiply-add is fused beyond the ``fmaf`` the source writes, the arithmetic
+#: of the host build the tests check (``-ffp-contract=off``).
+NVRTC_OPTIONS = ("--std=c++11", "--fmad=false")
+#: Rotating output buffers per kind on the GPU.  A delivered batch stays valid
+#: until the batch after next, as on the CPU; the third buffer lets the copy
+#: into batch n + 1 wait only for the steps up to n - 1, so that it overlaps
+#: step n instead of following it (see ``CudaDevice.reuse``).
+OUTPUT_BUFFERS = 3
+#: A batch stays valid until this many later batches have been requested.
+VALID_BATCHES = 2
 
 
 def kernel_source():
@@ -37,14 +59,33 @@ def kernel_source():
     return resources.files("echo_native.backends").joinpath("kernels.cu").read_text()
 
 
+def check_launch(grid, block):
+    """``(grid, block)``, or ValueError where CUDA would refuse the launch (an opaque
+    "invalid argument" at run time): a grid dimension outside 1 .. its limit, or
+    more than 1,024 threads per block."""
+    grid, block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
+    if not 1 <= len(grid) <= 3 or not 1 <= len(block) <= 3:
+        raise ValueError(f"a CUDA launch has 1 to 3 grid and block dimensions, got "
+                         f"{grid}, {block}")
+    for axis, (g, limit) in enumerate(zip(grid, MAX_GRID)):
+        if not 1 <= g <= limit:
+            raise ValueError(f"CUDA grid dimension {'xyz'[axis]} = {g:,} is outside 1 .. "
+                             f"{limit:,} (grid {grid}, block {block})")
+    if min(block) < 1 or math.prod(block) > MAX_BLOCK_THREADS:
+        raise ValueError(f"a CUDA block has 1 .. {MAX_BLOCK_THREADS} threads, got {block}")
+    return grid, block
+
+
 def crop_resize_launch(n, out_h, out_w):
-    """(grid, block) of ``crop_resize``: a thread per output pixel, a grid row per image."""
-    return ((out_h * out_w + THREADS - 1) // THREADS, n), (THREADS,)
+    """(grid, block) of ``crop_resize``: a thread per output pixel; each image has
+    ``ceil(out_h * out_w / THREADS)`` consecutive blocks on the x dimension, which
+    holds 2^31 - 1 of them (the y dimension would stop batches at 65,535 images)."""
+    return check_launch(((out_h * out_w + THREADS - 1) // THREADS * n,), (THREADS,))
 
 
 def normalize_launch(pixels):
     """(grid, block) of ``normalize``: a thread per pixel."""
-    return ((pixels + THREADS - 1) // THREADS,), (THREADS,)
+    return check_launch(((pixels + THREADS - 1) // THREADS,), (THREADS,))
 
 
 def normalize_coefficients(mean, std):
@@ -56,8 +97,9 @@ def normalize_coefficients(mean, std):
 
 #: Output kinds of the ``normalize`` kernel, by the name of the output dtype.
 NORMALIZE_KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
-#: Batches during which a stream that imported one by DLPack is waited on.
-CONSUMER_BATCHES = 2
+#: Batches during which a stream that took one (DLPack, the array interface) is
+#: waited on: until the batch it took is no longer valid.
+CONSUMER_BATCHES = VALID_BATCHES
 
 
 class CudaDevice(ArrayDevice):
@@ -69,6 +111,7 @@ class CudaDevice(ArrayDevice):
     """
 
     name = "cuda"
+    output_buffers = OUTPUT_BUFFERS
 
     def __init__(self, index=0, register=True):
         import cupy
@@ -79,7 +122,7 @@ class CudaDevice(ArrayDevice):
         self.device = cupy.cuda.Device(self.index)
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            module = cupy.RawModule(code=kernel_source(), options=("--std=c++11",))
+            module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
             self._crop_resize = module.get_function("crop_resize")
             self._normalize = module.get_function("normalize")
         self.register = bool(register)
@@ -91,7 +134,9 @@ class CudaDevice(ArrayDevice):
         self._staged = [None, None]   # ... and events: their last copy is done
         self._turn = 0
         self._returns = SlotReturns()  # slots whose copies may still be in flight
-        self._consumers = {}       # stream handle -> batches left, from our __dlpack__
+        self._consumers = {}       # stream handle -> batches left, from an export
+        self._delivered = collections.deque()  # buffers of the batches still valid
+        self._free_after = {}      # buffer -> events after which no consumer reads it
         self.h2d_bytes = 0         # pixels copied host -> device (echoes add none)
 
     @property
@@ -139,7 +184,13 @@ class CudaDevice(ArrayDevice):
             ptr, self._registered = self._registered, None
             if ptr is not None:
                 with self.device:
-                    self.cupy.cuda.runtime.hostUnregister(ptr)
+                    try:
+                        # Not every copy out of the ring has an event: an exception
+                        # between a store and its release leaves one without.  Every
+                        # copy is on our stream: wait for all of them.
+                        self.stream.synchronize()
+                    finally:
+                        self.cupy.cuda.runtime.hostUnregister(ptr)
 
     def release_after_copies(self, release):
         if self._registered is None:
@@ -231,6 +282,8 @@ class CudaDevice(ArrayDevice):
         cp = self.cupy
         n = len(entries)
         oh, ow = out.shape[1:3]
+        if n == 0:
+            return
         shapes = np.ascontiguousarray(buffer.shape[entries], np.int32)
         with self.device, self.stream:
             grid, block = crop_resize_launch(n, oh, ow)
@@ -244,7 +297,9 @@ class CudaDevice(ArrayDevice):
     def _mark(self, stream=None):
         """An event after the work queued so far on ``stream`` (a handle; ours by default).
 
-        Blocking-sync events: a host that waits for one sleeps instead of spinning."""
+        Blocking-sync events: a host that waits for one sleeps instead of spinning.
+        Created and recorded with our device current (an event must be recorded on a
+        stream of its own device)."""
         with self.device:
             event = self.cupy.cuda.Event(block=True, disable_timing=True)
             self.cupy.cuda.runtime.eventRecord(
@@ -252,56 +307,125 @@ class CudaDevice(ArrayDevice):
         return event
 
     def _consumer_streams(self):
-        """Streams a consumer may be using our batches on right now."""
-        cp = self.cupy
-        streams = {cp.cuda.get_current_stream().ptr}
+        """Streams a consumer may be using our batches on right now: CuPy's and torch's
+        current streams on our device, and the streams batches were exported to."""
+        with self.device:
+            streams = {self.cupy.cuda.get_current_stream().ptr}
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             streams.add(torch.cuda.current_stream(self.index).cuda_stream)
-        return streams | set(self._consumers)
+        return (streams | set(self._consumers)) - {self.stream.ptr}
+
+    def _consumer_marks(self):
+        """Events after the work queued so far on every consumer stream."""
+        return [self._mark(handle) for handle in self._consumer_streams()]
+
+    @staticmethod
+    def _key(array):
+        """Which output buffer ``array`` is (a view of): its device address."""
+        return array.data.ptr
 
     def reuse(self, array):
-        """Before our stream overwrites an output buffer: wait for the work the
-        consumer has queued so far (which includes any reading of it)."""
+        """Before our stream overwrites output buffer ``array``: wait for the consumer's
+        work that may read the batch it held.
+
+        A batch is valid until the batch after next is requested, so the events
+        ``ready`` records on the consumer's streams at that request cover every
+        read of it.  With three buffers they are at hand when its buffer comes
+        round again, one batch later: the copy into the buffer waits for the
+        consumer's steps up to the batch before last, not for the step it has
+        just queued, and so overlaps it.  A buffer that still holds a valid
+        batch (two buffers) waits for everything queued so far; one that was
+        never delivered (the uint8 images of a normalised batch) for nothing."""
+        key = self._key(array)
+        if key in self._delivered:
+            self._delivered.remove(key)
+            self._free_after.pop(key, None)
+            events = self._consumer_marks()
+        else:
+            events = self._free_after.pop(key, ())
         with self.device:
-            for handle in self._consumer_streams():
-                if handle != self.stream.ptr:
-                    self.stream.wait_event(self._mark(handle))
+            for event in events:
+                self.stream.wait_event(event)
         return array
 
-    def ready(self, batch):
-        """Order the consumer's current stream after everything we queued, and
-        give back the slots whose copies have finished."""
-        done = self._mark()
+    def release_buffers(self):
+        """Before the pipeline drops its output and echo buffers: their memory goes back
+        to CuPy's pool for our stream, where the next allocation on it (a second ring
+        on this device) may take it at once.  Order our stream after every consumer
+        read of them first."""
+        events = [e for marks in self._free_after.values() for e in marks]
+        events += self._consumer_marks()
         with self.device:
+            for event in events:
+                self.stream.wait_event(event)
+        self._delivered.clear()
+        self._free_after.clear()
+
+    def ready(self, batch):
+        """Order the consumer's current stream after everything we queued, note which
+        consumer work may read the batch before last, and give back the slots whose
+        copies have finished.  uint8, float32 and float16 images leave as a
+        :class:`DeviceArray` (CuPy's array, exported through us)."""
+        images = batch.images
+        with self.device:
+            done = self._mark()
             self.cupy.cuda.get_current_stream().wait_event(done)
-        # A stream that imported a batch matters while that batch is valid
-        # (until the batch after next); forget it then: it may be destroyed.
+        # Everything queued before this request may read the batch before last;
+        # nothing queued later may: these events free its buffer.
+        marks = self._consumer_marks()
+        self._delivered.append(self._key(images.bits if isinstance(images, BFloat16Array)
+                                         else images))
+        while len(self._delivered) > VALID_BATCHES:
+            self._free_after[self._delivered.popleft()] = marks
+        # A stream that took a batch matters while that batch is valid; forget it
+        # then: it may be destroyed.
         for handle in list(self._consumers):
             self._consumers[handle] -= 1
-            if not self._consumers[handle]:
+            if self._consumers[handle] <= 0:
                 del self._consumers[handle]
-        if isinstance(batch.images, BFloat16Array):
-            batch.images.event = done
+        if isinstance(images, BFloat16Array):
+            images.event = done
+        else:
+            batch.images = DeviceArray(images, self, done)
         self._returns.poll()
         return batch
 
     def copy_out(self, array, after=None):
         """A copy made on the consumer's current stream (so that it may use it at once),
-        after event ``after``; and the event after which the copy is complete."""
+        after event ``after``; and the event after which the copy is complete.  That
+        stream reads ``array``: it is remembered as a consumer stream."""
+        with self.device:
+            current = self.cupy.cuda.get_current_stream()
+            self.order_consumer(current.ptr, after)
+            copy = array.copy()
+            return copy, self._mark(current.ptr)
+
+    def to_host(self, array, after=None):
+        """A NumPy copy of ``array``, made on the current stream after event ``after``."""
         with self.device:
             current = self.cupy.cuda.get_current_stream()
             if after is not None:
                 current.wait_event(after)
-            copy = array.copy()
-        return copy, self._mark(current.ptr)
+            return array.get(stream=current)
 
-    def order_consumer(self, stream, event):
-        """DLPack: stream ``stream`` (a handle, None for the legacy default stream,
-        -1 for none) must not start on a batch before ``event``."""
-        if stream == -1 or event is None:
+    def array_interface(self, array, event, remember=True):
+        """``__cuda_array_interface__`` of a batch: it names the current stream of our
+        device, which is ordered after ``event`` (and remembered) first."""
+        with self.device:
+            current = self.cupy.cuda.get_current_stream().ptr
+            self.order_consumer(current, event, remember)
+            return array.__cuda_array_interface__
+
+    def order_consumer(self, stream, event, remember=True):
+        """An export to stream ``stream`` (a handle; None: the legacy default stream;
+        -1: the consumer orders itself): make it wait for ``event`` and, with
+        ``remember``, make our stream wait for it before the buffer is reused."""
+        if stream == -1:
             return
         handle = 0 if stream is None else int(stream)
-        with self.device:
-            self.cupy.cuda.runtime.streamWaitEvent(handle, event.ptr, 0)
-        self._consumers[handle] = CONSUMER_BATCHES
+        if event is not None:
+            with self.device:
+                self.cupy.cuda.runtime.streamWaitEvent(handle, event.ptr, 0)
+        if remember and handle != self.stream.ptr:
+            self._consumers[handle] = CONSUMER_BATCHES

@@ -6,6 +6,10 @@
 // even where no GPU is present.  That is why the code only uses what both
 // sides have: fixed-size integer types, float math from <math.h> and bit
 // casts through __float_as_uint (an intrinsic on the device, memcpy on the host).
+// Neither side fuses a multiply and an add on its own: NVRTC runs with
+// --fmad=false (NVRTC_OPTIONS in cuda.py), the host build with
+// -ffp-contract=off, so the only fused operation is the fmaf written below and
+// both sides round alike.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -18,10 +22,14 @@ __device__ __forceinline__ float tri(float x) {
     return x < 1.0f ? 1.0f - x : 0.0f;
 }
 
-// Re-augmentation of echoed canvases: for batch item b (blockIdx.y) crop
+// Re-augmentation of echoed canvases: for batch item b crop
 // boxes[b] = (top, left, height, width) out of canvas entries[b] of the echo
 // buffer, resize it to out_h x out_w with Pillow's antialiased bilinear
 // filter, mirror it when flips[b], and write uint8 RGB.
+//
+// The grid is one-dimensional: each item has ceil(out_h * out_w / blockDim.x)
+// consecutive blocks of blockIdx.x.  (The batch is not put on gridDim.y, which
+// stops at 65,535; gridDim.x goes to 2^31 - 1.)
 //
 // One thread per output pixel computes its own weights over its filter
 // window.  That is one weighted sum in float, rounded once, where Pillow
@@ -34,8 +42,9 @@ extern "C" __global__ void crop_resize(
         const i64* __restrict__ entries, const int* __restrict__ shapes,
         const double* __restrict__ boxes, const u8* __restrict__ flips,
         int out_h, int out_w, u8* __restrict__ out) {
-    const int b = blockIdx.y;
-    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    const int per_item = (out_h * out_w + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int b = (int)blockIdx.x / per_item;
+    const int idx = ((int)blockIdx.x - b * per_item) * (int)blockDim.x + (int)threadIdx.x;
     if (idx >= out_h * out_w) return;
     const int oy = idx / out_w, ox = idx - oy * out_w;
     const u8* src = pixels + entries[b] * entry_bytes;

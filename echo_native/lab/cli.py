@@ -3,8 +3,10 @@
 ``echo-native-lab bench [DIR]`` measures the whole pipeline on a folder (default:
 an ImageNet-like corpus cut from real photographs, built once and cached):
 fresh and delivered images/s for each echo setting, consumer stall, ring
-occupancy and failures, with the torch DataLoader peer side by side when
-torch is installed.
+occupancy and failures, with the peers side by side, each when installed: the
+torch DataLoader (torchvision-style Pillow transforms) and NVIDIA DALI's CPU
+pipeline (``pip install nvidia-dali-cuda120``; no GPU needed), and every row's
+delivered images/s as a multiple of each peer's.
 
 ``echo-native-lab make-dataset fashion-mnist|imagenet-like OUT`` writes a JPEG
 ImageFolder; ``echo-native-lab demo`` runs the echo training demo
@@ -70,10 +72,13 @@ def _run_ring(folder, args, echo, placement):
     }
 
 
-def _run_torch(folder, args):
-    from echo_native.lab.peers import torch_loader
+# peer -> (row's "pipeline", short name in the table and chart)
+PEERS = {"torch": ("torch DataLoader + torchvision-style Pillow", "torch"),
+         "dali": ("NVIDIA DALI CPU pipeline (image_random_crop + resize + flip)", "DALI")}
 
-    loader = torch_loader(folder, args.batch_size, args.workers, args.image_size, args.seed)
+
+def _run_peer(peer, loader, args):
+    """One epoch of a peer's loader (batches of ``(images, labels)``), timed."""
     step = args.step_ms / 1000.0
     t0 = time.perf_counter()
     n = stall = 0.0
@@ -85,20 +90,68 @@ def _run_torch(folder, args):
             time.sleep(step)
         t_wait = time.perf_counter()
     wall = time.perf_counter() - t0
-    return {"pipeline": "torch DataLoader + torchvision-style Pillow", "placement": "-",
+    return {"pipeline": PEERS[peer][0], "placement": "-",
             "echo": 1, "workers": args.workers, "wall_s": wall, "fresh_per_s": n / wall,
             "delivered_per_s": n / wall, "effective_echo": 1.0, "stall_s": stall,
             "ring_occupancy": float("nan"), "failures": 0}
 
 
-def _table(rows, baseline):
-    head = ("pipeline", "placement", "echo", "fresh img/s", "delivered img/s", "x torch",
+def _run_torch(folder, args):
+    from echo_native.lab.peers import torch_loader
+
+    loader = torch_loader(folder, args.batch_size, args.workers, args.image_size, args.seed)
+    return _run_peer("torch", loader, args)
+
+
+def _run_dali(folder, args):
+    """DALI's CPU pipeline, ``args.workers`` threads (built before the clock starts, as the
+    ring's workers are started before it)."""
+    from echo_native.lab.peers import dali_loader
+
+    with dali_loader(folder, args.batch_size, args.workers, args.image_size,
+                     args.seed) as loader:
+        return _run_peer("dali", loader, args)
+
+
+def _run_peers(folder, args):
+    """The peers' rows (torch, then DALI), each when installed; and why any is missing."""
+    rows, missing = [], {}
+    try:
+        import torch  # noqa: F401
+        rows.append(_run_torch(folder, args))
+    except ImportError:
+        missing["torch"] = "torch not installed (pip install torch)"
+    try:
+        from echo_native.lab.peers import import_dali
+
+        import_dali()
+        rows.append(_run_dali(folder, args))
+    except (ImportError, ValueError) as e:   # ValueError: DALI lists other files
+        missing["dali"] = str(e)
+    for peer, why in missing.items():
+        print(f"no {PEERS[peer][1]} peer in this run: {why}", file=sys.stderr)
+    return rows, missing
+
+
+def _add_ratios(rows):
+    """Each row's delivered img/s over each peer's that ran: ``x_torch``, ``x_dali``."""
+    base = {peer: next((r["delivered_per_s"] for r in rows if r["pipeline"] == name), None)
+            for peer, (name, _) in PEERS.items()}
+    for r in rows:
+        for peer, b in base.items():
+            r[f"x_{peer}"] = r["delivered_per_s"] / b if b else None
+
+
+def _table(rows):
+    ran = [peer for peer in PEERS if any(r.get(f"x_{peer}") is not None for r in rows)]
+    ratio_cols = [f"x {PEERS[peer][1]}" for peer in ran] or ["x peer"]
+    head = ("pipeline", "placement", "echo", "fresh img/s", "delivered img/s", *ratio_cols,
             "stall s", "ring occ.", "failures")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        ratio = f"{r['delivered_per_s'] / baseline:.2f}" if baseline else "-"
+        ratios = " | ".join(f"{r[f'x_{peer}']:.2f}" for peer in ran) or "-"
         lines.append(f"| {r['pipeline']} | {r['placement']} | {r['echo']} | "
-                     f"{r['fresh_per_s']:,.0f} | {r['delivered_per_s']:,.0f} | {ratio} | "
+                     f"{r['fresh_per_s']:,.0f} | {r['delivered_per_s']:,.0f} | {ratios} | "
                      f"{r['stall_s']:.2f} | {r['ring_occupancy']:.2f} | {r['failures']} |")
     return "\n".join(lines)
 
@@ -110,8 +163,9 @@ def _chart(rows, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    labels = [f"{r['placement']}\ne={r['echo']}" if r["pipeline"] == "echo_native" else "torch"
-              for r in rows]
+    short = {name: label for name, label in PEERS.values()}
+    labels = [f"{r['placement']}\ne={r['echo']}" if r["pipeline"] == "echo_native"
+              else short.get(r["pipeline"], r["pipeline"]) for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
     ax.bar(labels, [r["delivered_per_s"] for r in rows], label="delivered")
     ax.bar(labels, [r["fresh_per_s"] for r in rows], label="fresh")
@@ -142,25 +196,20 @@ def cmd_bench(args):
     if any(e != "auto" and e < 1 for e in args.echo):
         raise UsageError(f"echo factors must be >= 1 or 'auto', got {args.echo}")
     args.workers = args.workers or len(os.sched_getaffinity(0))
-    rows = []
-    if not args.no_peers:
-        try:
-            import torch  # noqa: F401
-            rows.append(_run_torch(folder, args))
-        except ImportError:
-            print("torch not installed: no DataLoader peer in this run", file=sys.stderr)
+    rows, missing = ([], {}) if args.no_peers else _run_peers(folder, args)
     rows.append(_run_ring(folder, args, 1, "after_augment"))
     for placement in args.placements:
         for e in args.echo:
             if e != 1:
                 rows.append(_run_ring(folder, args, e, placement))
-    baseline = rows[0]["delivered_per_s"] if rows[0]["pipeline"] != "echo_native" else None
+    _add_ratios(rows)
     print(f"\n{len(folder)} images from {root}; batch {args.batch_size}, "
-          f"{args.image_size}px, {args.workers} workers, consumer step {args.step_ms} ms\n")
-    print(_table(rows, baseline))
+          f"{args.image_size}px, {args.workers} workers (DALI: threads), consumer step "
+          f"{args.step_ms} ms\n")
+    print(_table(rows))
     with open(args.json, "w") as f:
         json.dump({"root": str(root), "images": len(folder), "args": vars(args) | {"func": None},
-                   "rows": rows}, f, indent=2, default=str)
+                   "rows": rows, "peers_missing": missing}, f, indent=2, default=str)
     print(f"\nJSON: {args.json}")
     if _chart(rows, args.chart):
         print(f"chart: {args.chart}")
@@ -304,7 +353,8 @@ def build_parser():
                    help="consumer step time per batch (models the accelerator)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    b.add_argument("--no-peers", action="store_true", help="skip the torch DataLoader peer")
+    b.add_argument("--no-peers", action="store_true",
+                   help="skip the peers (torch DataLoader, DALI CPU pipeline)")
     b.add_argument("--json", default="echo_native_bench.json")
     b.add_argument("--chart", default="echo_native_bench.png")
     b.set_defaults(func=cmd_bench)

@@ -1,14 +1,22 @@
-"""The peer pipeline we measure against: torch DataLoader + torchvision-style transforms.
+"""The peer pipelines we measure against, on the same files.
 
-torchvision's ``ImageFolder`` + ``RandomResizedCrop`` + ``RandomHorizontalFlip``
-+ ``PILToTensor`` are Pillow calls; this module makes the same Pillow calls
-(torchvision itself does not install beside the CPU torch wheel used here), so
-the comparison is Pillow-per-sample in DataLoader workers against our fused
-kernel in ring workers, on the same files.
+torch DataLoader + torchvision-style transforms: torchvision's ``ImageFolder`` +
+``RandomResizedCrop`` + ``RandomHorizontalFlip`` + ``PILToTensor`` are Pillow
+calls; this module makes the same Pillow calls (torchvision itself does not
+install beside the CPU torch wheel used here), so the comparison is
+Pillow-per-sample in DataLoader workers against our fused kernel in ring
+workers.
+
+NVIDIA DALI's CPU pipeline (``pip install nvidia-dali-cuda120``; runs without a
+GPU): ``fn.readers.file`` -> ``fn.decoders.image_random_crop`` -> ``fn.resize``
+-> ``fn.flip``, every operator on the CPU, in DALI's thread pool
+(:func:`dali_pipeline`, :class:`DaliLoader`).  DALI is imported only when such
+a peer is built.
 """
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import numpy as np
@@ -75,3 +83,137 @@ def torch_loader(folder, batch_size, workers, size=224, seed=0):
                                        batch_size=batch_size, shuffle=True, generator=g,
                                        num_workers=workers, persistent_workers=workers > 0,
                                        prefetch_factor=4 if workers > 0 else None)
+
+
+# ---- NVIDIA DALI, CPU only ---------------------------------------------------------------
+DALI_INSTALL = "pip install nvidia-dali-cuda120"
+DALI_READER = "Reader"
+
+
+def import_dali():
+    """The ``nvidia.dali`` package (with ``fn`` and ``types`` loaded), or an ImportError
+    that says how to install it.  The lab imports DALI only when a DALI peer is built."""
+    try:
+        import nvidia.dali
+        import nvidia.dali.fn
+        import nvidia.dali.types
+    except ImportError as e:
+        raise ImportError(f"the DALI peer needs NVIDIA DALI ({e}); install it with: "
+                          f"{DALI_INSTALL} (its CPU pipeline runs without a GPU)") from None
+    return nvidia.dali
+
+
+def dali_pipeline(folder, batch_size, workers, size=224, seed=0, *, pad_last_batch=True,
+                  with_paths=False, prefetch_queue_depth=2):
+    """A built DALI pipeline over an ImageFolder root, every operator on the CPU.
+
+    ``fn.readers.file(file_root=root, random_shuffle=True)`` (DALI's own listing:
+    classes are the sorted sub-folders, labels their index, as ImageFolder's) ->
+    ``fn.decoders.image_random_crop`` (RandomResizedCrop's area 0.08-1 and aspect
+    3/4-4/3, 10 attempts; libjpeg-turbo decodes only the crop window) ->
+    ``fn.resize`` to ``size`` x ``size`` (DALI's default: linear, antialiased) ->
+    ``fn.flip`` on a fair coin.  Outputs: images (uint8 HWC), labels (int32, one
+    per sample) and, with ``with_paths``, the encoded files (their
+    ``source_info()`` names the file).
+
+    ``workers`` is DALI's ``num_threads`` (the operators' thread pool; DALI adds its
+    executor and reader threads).  ``device_id=None`` with only CPU operators makes a
+    CPU-only pipeline: DALI never touches CUDA.  ``exec_dynamic=True`` (DALI's default
+    executor since 1.44, spelled out): each output batch owns its memory, so
+    :func:`dali_batch` can hand it out without a copy.  With ``pad_last_batch`` every epoch
+    ends on a batch boundary (the last batch padded with repeats, which
+    :class:`DaliLoader` cuts off); without it the reader streams across epochs, so
+    every batch is full of distinct decodes.  ``folder`` is an
+    :class:`echo_native.ImageFolder` (its ``root``; DALI must then list the same
+    number of files, else ValueError) or a path.
+    """
+    dali = import_dali()
+    fn, types = dali.fn, dali.types
+    root = str(getattr(folder, "root", folder))
+    pipe = dali.Pipeline(batch_size=int(batch_size), num_threads=int(workers), device_id=None,
+                         seed=int(seed), prefetch_queue_depth=int(prefetch_queue_depth),
+                         exec_dynamic=True)
+    with pipe:
+        jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, seed=int(seed),
+                                        pad_last_batch=pad_last_batch, name=DALI_READER)
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
+                                               random_area=(0.08, 1.0),
+                                               random_aspect_ratio=(3 / 4, 4 / 3))
+        images = fn.resize(images, resize_x=size, resize_y=size)
+        images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5))
+        pipe.set_outputs(images, labels, *((jpegs,) if with_paths else ()))
+    pipe.build()
+    listed = pipe.epoch_size(DALI_READER)
+    if hasattr(folder, "root") and listed != len(folder):
+        raise ValueError(f"DALI's file reader lists {listed} files under {root} but the "
+                         f"ImageFolder holds {len(folder)}: DALI reads only files directly "
+                         f"inside each class folder, with the extensions of its file_filters")
+    return pipe
+
+
+def dali_batch(outputs, count=None, root=None):
+    """One ``pipe.run()`` as NumPy: ``(images, labels)``, uint8 (b, H, W, 3) and int64 (b,),
+    the first ``count`` samples; with a third output (``with_paths``), also the
+    file paths (joined to ``root``).
+
+    The images are a zero-copy view of DALI's batch when it is one contiguous
+    tensor (the default executor hands each batch's memory over to its
+    ``TensorList``, which the view keeps alive), else a copy.
+    """
+    images, labels = outputs[0], outputs[1]
+    count = len(images) if count is None else count
+    pixels = np.asarray(images.as_tensor()) if images.is_dense_tensor() else images.as_array()
+    arrays = pixels[:count], labels.as_array().reshape(-1)[:count].astype(np.int64)
+    if len(outputs) < 3:
+        return arrays
+    names = [outputs[2][i].source_info() for i in range(count)]
+    if root is not None:
+        names = [os.path.join(root, name) for name in names]
+    return (*arrays, names)
+
+
+class DaliLoader:
+    """The DALI CPU pipeline as an iterable: each ``iter()`` is one epoch, every file once,
+    in ``ceil(N / batch_size)`` NumPy batches ``(images, labels)`` (the last one
+    short), like a DataLoader without ``drop_last``.  An epoch left unfinished is
+    run out (and dropped) when the next ``iter()`` starts.  ``with_paths`` adds the
+    file paths as a third element.  See :func:`dali_pipeline`."""
+
+    def __init__(self, folder, batch_size, workers, size=224, seed=0, with_paths=False):
+        self.root = str(getattr(folder, "root", folder))
+        self.batch_size = int(batch_size)
+        self.pipe = dali_pipeline(folder, batch_size, workers, size, seed, pad_last_batch=True,
+                                  with_paths=with_paths)
+        self.n = self.pipe.epoch_size(DALI_READER)
+        self._left = 0          # samples of the current epoch not yet produced
+
+    def __len__(self):
+        return (self.n + self.batch_size - 1) // self.batch_size
+
+    def __iter__(self):
+        if self.pipe is None:
+            raise RuntimeError("DaliLoader is closed")
+        while self._left > 0:   # the rest of an abandoned epoch
+            self._left -= min(self.batch_size, self._left)
+            self.pipe.run()
+        self._left = self.n
+        while self._left > 0:
+            count = min(self.batch_size, self._left)
+            outputs = self.pipe.run()
+            self._left -= count
+            yield dali_batch(outputs, count, self.root)
+
+    def close(self):
+        """Shut the pipeline's threads down (dropping the last reference does)."""
+        self.pipe = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def dali_loader(folder, batch_size, workers, size=224, seed=0, with_paths=False):
+    """A :class:`DaliLoader`: DALI's CPU pipeline with ``workers`` threads."""
+    return DaliLoader(folder, batch_size, workers, size, seed, with_paths)

@@ -20,6 +20,7 @@ cdef extern from "en_kernel.h" nogil:
         uint64_t max_pixels
         int max_scans
         int strict
+        uint64_t max_memory
     ctypedef struct en_image_info:
         int width, height, components, progressive, colorspace
     ctypedef struct en_box:
@@ -32,6 +33,7 @@ cdef extern from "en_kernel.h" nogil:
     int EN_OK, EN_ERR_DECODE, EN_ERR_LIMIT, EN_ERR_ARG, EN_ERR_NOMEM
     uint64_t EN_DEFAULT_MAX_PIXELS
     int EN_DEFAULT_MAX_SCANS
+    uint64_t EN_DEFAULT_MAX_MEMORY
 
     en_decoder *en_decoder_new()
     void en_decoder_free(en_decoder *d)
@@ -39,6 +41,8 @@ cdef extern from "en_kernel.h" nogil:
     en_limits en_decoder_get_limits(const en_decoder *d)
     const char *en_decoder_errmsg(const en_decoder *d)
     int en_decoder_warnings(const en_decoder *d)
+    int en_decoder_harmless_warnings(const en_decoder *d)
+    uint64_t en_decoder_last_memory(const en_decoder *d)
     int en_decoder_last_scale(const en_decoder *d)
     int en_jpeg_info(en_decoder *d, const uint8_t *data, size_t length, en_image_info *info)
     int en_jpeg_decode(en_decoder *d, const uint8_t *data, size_t length, uint8_t *out,
@@ -70,6 +74,7 @@ cdef extern from "en_kernel.h" nogil:
 
 DEFAULT_MAX_PIXELS = EN_DEFAULT_MAX_PIXELS
 DEFAULT_MAX_SCANS = EN_DEFAULT_MAX_SCANS
+DEFAULT_MAX_MEMORY = EN_DEFAULT_MAX_MEMORY
 
 # A valid address for zero-length input; the C side checks the length first.
 cdef uint8_t _EMPTY[1]
@@ -135,30 +140,31 @@ cdef class Decoder:
     cdef en_decoder *_d
 
     def __cinit__(self, max_pixels=EN_DEFAULT_MAX_PIXELS, max_scans=EN_DEFAULT_MAX_SCANS,
-                  strict=True):
+                  strict=True, max_memory=EN_DEFAULT_MAX_MEMORY):
         self._d = en_decoder_new()
         if self._d == NULL:
             raise MemoryError("cannot allocate a JPEG decoder")
-        self.set_limits(max_pixels, max_scans, strict)
+        self.set_limits(max_pixels, max_scans, strict, max_memory)
 
     def __dealloc__(self):
         en_decoder_free(self._d)
 
-    def set_limits(self, max_pixels, max_scans, strict):
-        if max_pixels <= 0 or max_scans <= 0:
-            raise ValueError(f"max_pixels and max_scans must be positive, got "
-                             f"{max_pixels} and {max_scans}")
+    def set_limits(self, max_pixels, max_scans, strict, max_memory=EN_DEFAULT_MAX_MEMORY):
+        if max_pixels <= 0 or max_scans <= 0 or max_memory <= 0:
+            raise ValueError(f"max_pixels, max_scans and max_memory must be positive, got "
+                             f"{max_pixels}, {max_scans} and {max_memory}")
         cdef en_limits lim
         lim.max_pixels = max_pixels
         lim.max_scans = max_scans
         lim.strict = 1 if strict else 0
+        lim.max_memory = max_memory
         en_decoder_set_limits(self._d, lim)
 
     @property
     def limits(self):
         cdef en_limits lim = en_decoder_get_limits(self._d)
         return {"max_pixels": lim.max_pixels, "max_scans": lim.max_scans,
-                "strict": bool(lim.strict)}
+                "strict": bool(lim.strict), "max_memory": lim.max_memory}
 
     @property
     def last_scale(self):
@@ -167,8 +173,21 @@ cdef class Decoder:
 
     @property
     def warnings(self):
-        """libjpeg warnings (corrupt or truncated data) seen by the last call."""
+        """Data-loss warnings of the last call: truncated or corrupt image data, junk
+        inside or after a scan (what strict mode refuses; lenient mode decodes on)."""
         return en_decoder_warnings(self._d)
+
+    @property
+    def harmless_warnings(self):
+        """Harmless warnings of the last call: junk between header segments, odd APPn
+        contents (never refused)."""
+        return en_decoder_harmless_warnings(self._d)
+
+    @property
+    def last_memory(self):
+        """Working memory (bytes) the last header parsed needs, as max_memory counts it:
+        the coefficient buffers of a multi-scan file plus width * height * 3."""
+        return en_decoder_last_memory(self._d)
 
     def info(self, const uint8_t[::1] data not None):
         """(height, width, components, progressive) from the JPEG header."""

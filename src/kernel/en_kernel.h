@@ -19,7 +19,7 @@ extern "C" {
 typedef enum en_status {
     EN_OK = 0,
     EN_ERR_DECODE = -1,   /* the bytes are not a decodable JPEG */
-    EN_ERR_LIMIT = -2,    /* a guard tripped: pixel count, scan count */
+    EN_ERR_LIMIT = -2,    /* a guard tripped: pixel count, scan count, working memory */
     EN_ERR_ARG = -3,      /* the caller asked for something impossible */
     EN_ERR_NOMEM = -4,
 } en_status;
@@ -27,11 +27,16 @@ typedef enum en_status {
 typedef struct en_limits {
     uint64_t max_pixels;  /* decompression-bomb guard on width * height */
     int max_scans;        /* progressive scans allowed before giving up */
-    int strict;           /* 1: any libjpeg warning (truncation, corrupt data) is an error */
+    int strict;           /* 1: a libjpeg warning that loses or corrupts image data is an
+                           * error (truncation, corrupt entropy data, junk in or after a scan);
+                           * harmless ones (junk between header segments, odd APPn
+                           * contents) are counted and ignored.  See en_jpeg.c. */
+    uint64_t max_memory;  /* bytes of working memory one decode may need (en_decoder_last_memory) */
 } en_limits;
 
 #define EN_DEFAULT_MAX_PIXELS ((uint64_t)89478485) /* Pillow's MAX_IMAGE_PIXELS */
 #define EN_DEFAULT_MAX_SCANS 256
+#define EN_DEFAULT_MAX_MEMORY ((uint64_t)512 << 20) /* 512 MiB */
 
 typedef struct en_image_info {
     int width, height;
@@ -52,8 +57,19 @@ void en_decoder_free(en_decoder *d);
 void en_decoder_set_limits(en_decoder *d, en_limits limits);
 en_limits en_decoder_get_limits(const en_decoder *d);
 const char *en_decoder_errmsg(const en_decoder *d);
-int en_decoder_warnings(const en_decoder *d);   /* warnings seen by the last call */
+/* libjpeg warnings seen by the last call, by what they mean for the pixels:
+ * data loss (what strict mode refuses; lenient mode counts and decodes on) and
+ * harmless (header junk, odd metadata; never refused). */
+int en_decoder_warnings(const en_decoder *d);
+int en_decoder_harmless_warnings(const en_decoder *d);
 int en_decoder_last_scale(const en_decoder *d); /* DCT denominator used by the last call */
+/* Working memory the last header parsed needs (0 before any): the whole-image
+ * coefficient buffers of a multi-scan (progressive) file, sum over components
+ * of width_in_blocks * height_in_blocks (rounded up to the sampling factors)
+ * * 64 * sizeof(JCOEF), plus the full-size RGB image, width * height * 3.
+ * A header needing more than limits.max_memory is refused (EN_ERR_LIMIT) by
+ * every entry point, before anything is allocated. */
+uint64_t en_decoder_last_memory(const en_decoder *d);
 
 /* Header only: dimensions, channel count, coding process. */
 int en_jpeg_info(en_decoder *d, const uint8_t *data, size_t len, en_image_info *info);

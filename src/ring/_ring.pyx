@@ -1,14 +1,23 @@
-"""Thin bindings over src/ring/en_ring.c: a shared-memory segment that exports
-the buffer protocol, the atomic words of the slot protocol addressed by byte
-offset inside it, and the segment layout as C defines it (en_ring.h), so
+"""Thin bindings over src/ring/en_ring.c: a shared-memory segment (a memfd, or
+a POSIX shared-memory object) that exports the buffer protocol, the atomic
+words of the slot protocol addressed by byte offset inside it, and the
+segment layout as C defines it (en_ring.h), so
 that echo_native.ring restates no offset of its own.  This module guarantees
 that offsets are in bounds and aligned, and that waits release the GIL.
 """
+import os
+
 from cpython.buffer cimport PyBUF_WRITABLE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, UINT32_MAX, UINT64_MAX
 from libc.string cimport memset
+from libc.errno cimport errno
+from posix.unistd cimport close as c_close
 
 cdef extern from "en_ring.h" nogil:
+    int en_memfd_create(const char *label, size_t size, int *fd, void **addr, char *err,
+                        size_t errlen)
+    int en_fd_attach(int fd, void **addr, size_t *size, char *err, size_t errlen)
+    const char *EN_RING_MEMFD_PREFIX
     int en_shm_create(const char *name, size_t size, void **addr, char *err, size_t errlen)
     int en_shm_attach(const char *name, void **addr, size_t *size, char *err, size_t errlen)
     int en_shm_detach(void *addr, size_t size)
@@ -60,6 +69,9 @@ cdef extern from "en_ring.h" nogil:
     uint64_t *en_ring_claim(en_ring_header *header, uint64_t worker)
     uint32_t en_ring_seq_free(uint64_t ticket)
     uint32_t en_ring_seq_filled(uint64_t ticket)
+
+#: Segment names that begin so are memfd rings ("/memfd:<label>", as /proc shows them).
+MEMFD_PREFIX = EN_RING_MEMFD_PREFIX.decode()
 
 WAIT_OK = EN_WAIT_OK
 WAIT_TIMEOUT = EN_WAIT_TIMEOUT
@@ -138,57 +150,134 @@ def layout(nslots, batch, sample_bytes):
 
 
 def unlink(str name):
-    """Remove a segment by name; a missing one is not an error."""
+    """Remove a shared-memory object by name; a missing one is not an error."""
     if en_shm_unlink(name.encode()) != 0:
-        raise OSError(f"cannot unlink shared memory {name}")
+        e = errno
+        raise OSError(e, f"cannot unlink shared memory {name}: {os.strerror(e)}")
 
 
 cdef class Segment:
-    """A mapped POSIX shared-memory segment.
+    """A mapped shared-memory segment: a memfd (:meth:`memfd`, :meth:`from_fd`) or a
+    POSIX shared-memory object (``Segment(name, size, create=True)``, or
+    ``Segment(name)`` to attach by name, a memfd ring's ``/memfd:<label>`` included).
 
     The mapping lives as long as this object and every buffer exported from it
     (NumPy views keep it alive), so a slot view can never outlive its memory.
-    Only the creator removes the name, explicitly, with :meth:`unlink`.
+    Only the creator lets go of the segment, explicitly, with :meth:`unlink`:
+    it removes a shared-memory object's name, or closes the memfd's descriptor
+    (its memory goes with the last mapping).  Errors are ``OSError`` with the
+    C library's ``errno``.
     """
     cdef void *_addr
     cdef size_t _size
+    cdef int _fd
     cdef readonly str name
+    cdef readonly str backing
     cdef readonly bint owner
     cdef Py_ssize_t _shape[1]
     cdef Py_ssize_t _strides[1]
 
-    def __cinit__(self, str name, size_t size=0, bint create=False):
+    def __cinit__(self, *args, **kwargs):
+        self._addr = NULL
+        self._fd = -1
+
+    def __init__(self, str name, size_t size=0, bint create=False):
         cdef char err[512]
         cdef bytes bname = name.encode()
         cdef const char *cname = bname
-        cdef int rc
+        cdef int rc, e = 0
         err[0] = 0
         self.name = name
         self.owner = create
+        self.backing = "memfd" if name.startswith(MEMFD_PREFIX) else "shm"
         if create:
+            if self.backing == "memfd":
+                raise ValueError(f"{MEMFD_PREFIX}... names are memfd rings: create one with "
+                                 f"Segment.memfd(label, size)")
             if size == 0:
                 raise ValueError("a new segment needs a size")
             with nogil:
                 rc = en_shm_create(cname, size, &self._addr, err, sizeof(err))
+                e = errno
             self._size = size
         else:
             with nogil:
                 rc = en_shm_attach(cname, &self._addr, &self._size, err, sizeof(err))
+                e = errno
         if rc != 0:
             self._addr = NULL
-            raise OSError(err.decode("utf-8", "replace"))
+            raise OSError(e, err.decode("utf-8", "replace"))
+
+    @staticmethod
+    def memfd(str label, size_t size):
+        """A new memfd ring segment of ``size`` bytes, every page allocated, named
+        ``/memfd:<label>``; this object holds its descriptor (:attr:`fd`)."""
+        cdef char err[512]
+        cdef bytes blabel = label.encode()
+        cdef const char *clabel = blabel
+        cdef int rc, e = 0, fd = -1
+        cdef void *addr = NULL
+        err[0] = 0
+        with nogil:
+            rc = en_memfd_create(clabel, size, &fd, &addr, err, sizeof(err))
+            e = errno
+        if rc != 0:
+            raise OSError(e, err.decode("utf-8", "replace"))
+        cdef Segment seg = Segment.__new__(Segment)
+        seg._addr, seg._size, seg._fd = addr, size, fd
+        seg.name, seg.backing, seg.owner = MEMFD_PREFIX + label, "memfd", True
+        return seg
+
+    @staticmethod
+    def from_fd(int fd, str name):
+        """Map the memory file its creator passed as descriptor ``fd``, then close ``fd``
+        (also on failure): the mapping alone keeps the memory."""
+        cdef char err[512]
+        cdef int rc, e = 0
+        cdef void *addr = NULL
+        cdef size_t size = 0
+        err[0] = 0
+        with nogil:
+            rc = en_fd_attach(fd, &addr, &size, err, sizeof(err))
+            e = errno
+            c_close(fd)
+        if rc != 0:
+            raise OSError(e, f"{name}: {err.decode('utf-8', 'replace')}")
+        cdef Segment seg = Segment.__new__(Segment)
+        seg._addr, seg._size = addr, size
+        seg.name, seg.owner = name, False
+        seg.backing = "memfd" if name.startswith(MEMFD_PREFIX) else "shm"
+        return seg
 
     def __dealloc__(self):
         if self._addr != NULL:
             en_shm_detach(self._addr, self._size)
             self._addr = NULL
+        if self._fd >= 0:
+            c_close(self._fd)
+            self._fd = -1
+
+    @property
+    def fd(self):
+        """The memfd's descriptor while its creator holds it, else -1."""
+        return self._fd
+
+    def close_fd(self):
+        if self._fd >= 0:
+            c_close(self._fd)
+            self._fd = -1
+
+    def unlink(self):
+        """Let go of the segment: unlink a shared-memory object's name, close a memfd's
+        descriptor.  Mappings (this one included) stay valid until dropped."""
+        if self.backing == "memfd":
+            self.close_fd()
+        else:
+            unlink(self.name)
 
     @property
     def size(self):
         return self._size
-
-    def unlink(self):
-        unlink(self.name)
 
     def __getbuffer__(self, Py_buffer *view, int flags):
         self._shape[0] = self._size

@@ -2,9 +2,11 @@
 #define _GNU_SOURCE
 #include "en_ring.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <stdlib.h>
 #include <linux/futex.h>
 #include <stdio.h>
 #include <string.h>
@@ -136,8 +138,169 @@ uint64_t *en_ring_claim(en_ring_header *header, uint64_t worker) {
 
 /* ---- shared memory ---------------------------------------------------------------------- */
 
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
+#endif
+#ifndef MFD_ALLOW_SEALING
+#define MFD_ALLOW_SEALING 0x0002U
+#endif
+
+/* err = "<what> <name>: <strerror(errno)>", errno left as it was. */
 static void describe(char *err, size_t errlen, const char *what, const char *name) {
-    if (err && errlen) snprintf(err, errlen, "%s %s: %s", what, name, strerror(errno));
+    int saved = errno;
+    if (err && errlen) snprintf(err, errlen, "%s %s: %s", what, name, strerror(saved));
+    errno = saved;
+}
+
+/* MemAvailable of /proc/meminfo in bytes, or -1 when there is none to read. */
+static long long mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return -1;
+    char line[256];
+    long long kb = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
+    fclose(f);
+    return kb < 0 ? -1 : kb * 1024;
+}
+
+/* Allocate every page of [0, size) of fd now, so that no later page fault can fail for
+ * want of memory or file-system space (SIGBUS).  In steps, each retried when a signal
+ * interrupts it (shmem's fallocate gives up with EINTR on any pending signal, a child's
+ * SIGCHLD included), so that a stream of signals cannot undo the progress made.  Before
+ * each step, ENOMEM if the machine has not that much memory available any more: past
+ * that point the kernel would not fail the call but OOM-kill some process (the caller
+ * checks the whole size first; this guards against memory taken meanwhile).
+ * 0 or an errno value. */
+static int reserve(int fd, size_t size) {
+    const size_t step = (size_t)64 << 20;
+    size_t at = 0;
+    while (at < size) {
+        size_t n = size - at < step ? size - at : step;
+        long long avail = mem_available();
+        if (avail >= 0 && (unsigned long long)avail < n) return ENOMEM;
+        int rc = posix_fallocate(fd, (off_t)at, (off_t)n);
+        if (rc == EINTR) continue;
+        if (rc != 0) return rc;
+        at += n;
+    }
+    return 0;
+}
+
+int en_memfd_create(const char *label, size_t size, int *fd_out, void **addr, char *err,
+                    size_t errlen) {
+    if (size == 0 || size > (size_t)INT64_MAX) {
+        errno = EINVAL;
+        describe(err, errlen, "memfd size for", label);
+        return -1;
+    }
+#ifdef SYS_memfd_create
+    int fd = (int)syscall(SYS_memfd_create, label, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+#else
+    int fd = -1;
+    errno = ENOSYS;
+#endif
+    if (fd < 0) {
+        describe(err, errlen, "memfd_create", label);
+        return -1;
+    }
+    int rc;
+    if (ftruncate(fd, (off_t)size) != 0) {
+        describe(err, errlen, "ftruncate memfd", label);
+        goto fail;
+    }
+    if ((rc = reserve(fd, size)) != 0) {
+        errno = rc;
+        describe(err, errlen, "fallocate memfd", label);
+        goto fail;
+    }
+#ifdef F_ADD_SEALS
+    /* Nobody, a worker included, can shrink it under a mapping (SIGBUS) or grow it. */
+    (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+#endif
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        describe(err, errlen, "mmap memfd", label);
+        goto fail;
+    }
+    *fd_out = fd;
+    *addr = p;
+    return 0;
+fail:
+    rc = errno;
+    close(fd);
+    errno = rc;
+    return -1;
+}
+
+int en_fd_attach(int fd, void **addr, size_t *size, char *err, size_t errlen) {
+    char what[32];
+    snprintf(what, sizeof what, "%d", fd);
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        describe(err, errlen, "fstat of descriptor", what);
+        return -1;
+    }
+    if (st.st_size <= 0) {
+        errno = EINVAL;
+        describe(err, errlen, "empty memory file at descriptor", what);
+        return -1;
+    }
+    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        describe(err, errlen, "mmap of descriptor", what);
+        return -1;
+    }
+    *addr = p;
+    *size = (size_t)st.st_size;
+    return 0;
+}
+
+int en_memfd_open(const char *name, char *err, size_t errlen) {
+    const size_t plen = sizeof EN_RING_MEMFD_PREFIX - 1;
+    if (strncmp(name, EN_RING_MEMFD_PREFIX, plen) != 0) {
+        errno = EINVAL;
+        describe(err, errlen, "not a memfd ring name:", name);
+        return -1;
+    }
+    /* The creator's pid: the digits after the label's first '-'. */
+    const char *dash = strchr(name + plen, '-');
+    char *end = NULL;
+    long pid = dash ? strtol(dash + 1, &end, 10) : 0;
+    if (!dash || end == dash + 1 || *end != '-' || pid <= 0) {
+        errno = EINVAL;
+        describe(err, errlen, "no creator pid in memfd ring name", name);
+        return -1;
+    }
+    char dir[64], link[64 + 2 + sizeof(((struct dirent *)0)->d_name)], target[PATH_MAX];
+    snprintf(dir, sizeof dir, "/proc/%ld/fd", pid);
+    DIR *d = opendir(dir);
+    if (!d) {
+        describe(err, errlen, "cannot look for", name);
+        return -1;
+    }
+    const size_t nlen = strlen(name);
+    int fd = -1, open_errno = ENOENT;
+    struct dirent *e;
+    while (fd < 0 && (e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        snprintf(link, sizeof link, "%s/%s", dir, e->d_name);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n < 0) continue;
+        target[n] = 0;
+        /* The kernel shows "/memfd:<label> (deleted)": a memfd never has a link. */
+        if (strncmp(target, name, nlen) == 0 &&
+            (target[nlen] == 0 || strcmp(target + nlen, " (deleted)") == 0) &&
+            (fd = open(link, O_RDWR | O_CLOEXEC)) < 0)
+            open_errno = errno;
+    }
+    closedir(d);
+    if (fd < 0) {
+        errno = open_errno;
+        describe(err, errlen, "cannot open", name);
+        return -1;
+    }
+    return fd;
 }
 
 int en_shm_create(const char *name, size_t size, void **addr, char *err, size_t errlen) {
@@ -146,44 +309,47 @@ int en_shm_create(const char *name, size_t size, void **addr, char *err, size_t 
         describe(err, errlen, "shm_open", name);
         return -1;
     }
+    int rc;
     if (ftruncate(fd, (off_t)size) != 0) {
         describe(err, errlen, "ftruncate", name);
-        close(fd);
-        shm_unlink(name);
-        return -1;
+        goto fail;
+    }
+    if ((rc = reserve(fd, size)) != 0) {
+        errno = rc;
+        describe(err, errlen, "fallocate", name);
+        goto fail;
     }
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd); /* the mapping keeps the segment alive; no fd is left open */
     if (p == MAP_FAILED) {
         describe(err, errlen, "mmap", name);
-        shm_unlink(name);
-        return -1;
+        goto fail;
     }
+    close(fd); /* the mapping keeps the segment alive; no fd is left open */
     *addr = p;
     return 0;
+fail:
+    rc = errno;
+    close(fd);
+    shm_unlink(name);
+    errno = rc;
+    return -1;
 }
 
 int en_shm_attach(const char *name, void **addr, size_t *size, char *err, size_t errlen) {
-    int fd = shm_open(name, O_RDWR, 0);
+    int memfd = strncmp(name, EN_RING_MEMFD_PREFIX, sizeof EN_RING_MEMFD_PREFIX - 1) == 0;
+    int fd = memfd ? en_memfd_open(name, err, errlen) : shm_open(name, O_RDWR, 0);
     if (fd < 0) {
-        describe(err, errlen, "shm_open", name);
+        if (!memfd) describe(err, errlen, "shm_open", name);
         return -1;
     }
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        describe(err, errlen, "fstat", name);
-        close(fd);
-        return -1;
-    }
-    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int rc = en_fd_attach(fd, addr, size, err, errlen);
+    int saved = errno;
     close(fd);
-    if (p == MAP_FAILED) {
-        describe(err, errlen, "mmap", name);
-        return -1;
+    if (rc != 0) {
+        describe(err, errlen, "cannot map", name);
+        errno = saved;
     }
-    *addr = p;
-    *size = (size_t)st.st_size;
-    return 0;
+    return rc;
 }
 
 int en_shm_detach(void *addr, size_t size) { return munmap(addr, size); }

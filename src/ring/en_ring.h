@@ -1,7 +1,7 @@
 /*
- * echo_native ring: POSIX shared memory, the byte layout of a ring segment,
- * and the ticket/sequence protocol that hands batch slots from producers
- * (workers) to the consumer without locks.
+ * echo_native ring: shared memory (a memfd, or POSIX shm as the fallback), the
+ * byte layout of a ring segment, and the ticket/sequence protocol that hands
+ * batch slots from producers (workers) to the consumer without locks.
  *
  * Protocol (one 32-bit sequence word per slot, ticket t lives in slot t % n):
  *   seq == 2t      slot is free for ticket t       (producer may fill it)
@@ -192,9 +192,45 @@ extern const en_ring_field en_ring_header_fields[];
 extern const en_ring_field en_ring_slot_fields[];
 extern const en_ring_field en_ring_failure_fields[];
 
-/* Create a new segment (fails if the name exists), sized and zero-filled. */
+/* ---- the memory behind a ring --------------------------------------------------------
+ * A ring lives in one of two kinds of shared memory:
+ *
+ *   memfd  an anonymous memory file (memfd_create, close-on-exec): no name in any file
+ *          system, so nothing to sweep or to leak, and not bounded by the size of the
+ *          /dev/shm mount.  Other processes receive it as a file descriptor; its memory
+ *          is freed when the last descriptor and the last mapping are gone, whatever
+ *          way its processes end.  Its segment name, "/memfd:<label>", is what
+ *          /proc/<pid>/fd and /proc/<pid>/maps show for it; <label> is
+ *          "<prefix>-<creator pid>-<anything>", so that en_shm_attach can find it
+ *          among the creator's descriptors.
+ *   shm    a POSIX shared-memory object ("/<name>", a file in /dev/shm): the fallback
+ *          where memfd_create is unavailable.  Its name outlives a killed creator.
+ *
+ * Either way every page is allocated when the segment is created (fallocate), so a
+ * segment that does not fit fails there, with ENOMEM or ENOSPC, and never later with
+ * SIGBUS in a process touching a page the file system cannot provide.
+ *
+ * These functions return 0, or -1 with errno set and a message in err. */
+#define EN_RING_MEMFD_PREFIX "/memfd:"
+
+/* A new memfd of size bytes, every page allocated, its size sealed, mapped at *addr;
+ * *fd receives its descriptor (close-on-exec: pass it to a child explicitly).
+ * errno ENOSYS (or EPERM under a seccomp filter): no memfd_create here. */
+int en_memfd_create(const char *label, size_t size, int *fd, void **addr, char *err,
+                    size_t errlen);
+/* Map the whole of the memory file open as fd (a memfd or a shared-memory object);
+ * *size receives its length.  fd stays open: the caller closes it. */
+int en_fd_attach(int fd, void **addr, size_t *size, char *err, size_t errlen);
+/* A new descriptor of the memfd ring named "/memfd:<label>", found among its creator's
+ * open descriptors (/proc/<pid>/fd): only while the creator holds it, and only for
+ * processes allowed to look there (its user).  ENOENT when it holds none. */
+int en_memfd_open(const char *name, char *err, size_t errlen);
+
+/* Create a new shared-memory object (fails if the name exists), sized, every page
+ * allocated (ENOSPC when the /dev/shm mount is too small), zero-filled. */
 int en_shm_create(const char *name, size_t size, void **addr, char *err, size_t errlen);
-/* Map an existing segment; *size receives its length. */
+/* Map an existing segment by name, "/<name>" or a memfd's "/memfd:<label>"; *size
+ * receives its length. */
 int en_shm_attach(const char *name, void **addr, size_t *size, char *err, size_t errlen);
 int en_shm_detach(void *addr, size_t size);
 /* 0 on success or when already gone; -1 with errno otherwise. */

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
+import ring_helpers as rh  # noqa: E402
 
 SIZE = (16, 24)
 
@@ -33,8 +34,8 @@ def png(images):
 
 
 def _own_segments():
-    prefix = f"echo_native-{os.getpid()}-"
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+    """Rings of this process that still exist: named segments and memfds still held."""
+    return set(rh.segments(os.getpid())) | set(rh.ring_memory(os.getpid()))
 
 
 # ---- data --------------------------------------------------------------------------------

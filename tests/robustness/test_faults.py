@@ -21,6 +21,7 @@ import pytest
 
 import echo_native as en
 from echo_native import _ring
+from echo_native import ring as rg
 from echo_native.ring import Ring, remove_stale_segments
 
 TESTS = Path(__file__).resolve().parent.parent      # ring_helpers.py lives there
@@ -34,11 +35,15 @@ def _own_segments():
 
 
 def _gone(ring_name, pids):
-    """Assert the segment is unlinked (close() removes it before it returns), then wait
-    until every pid has exited; the calling test's timeout marker bounds the wait."""
-    assert ring_name[1:] not in _own_segments(), f"{ring_name} is still in /dev/shm"
+    """Assert the ring is let go of (close() closes its memfd before it returns), then
+    wait until every pid has exited and assert that no process holds the ring's memory
+    any more (descriptor or mapping); the calling test's timeout marker bounds the
+    wait."""
+    assert ring_name[1:] not in _own_segments(), f"{ring_name} is still held open"
     while any(rh.alive(p) for p in pids):
         time.sleep(0.05)
+    gc.collect()
+    assert ring_name not in rh.ring_memory(os.getpid()), "the ring's memory is still held"
 
 
 def _epoch(loader):
@@ -164,6 +169,7 @@ def test_hung_worker_trips_the_timeout(corpus_root):
         t_close = time.perf_counter()
     closing = time.perf_counter() - t_close
     msg = str(ei.value)
+    del ei                  # its traceback holds the consumer's frames, so the ring's mapping
     assert 2.0 <= waited < 4.0
     assert "waited 2 s for batch 0" in msg and "timeout" in msg
     assert "worker" in msg
@@ -175,7 +181,8 @@ def test_hung_worker_trips_the_timeout(corpus_root):
 @pytest.mark.slow
 @pytest.mark.timeout(120)   # hang guard: the child's start, the workers' exit
 def test_parent_sigkilled_workers_exit_and_segment_removed(corpus_root, tmp_path):
-    """kill -9 of the process owning a Loader: its workers exit and its segment is unlinked."""
+    """kill -9 of the process owning a Loader: its workers exit, and once they have, no
+    process holds the ring's memory (memfd: nothing to unlink), and /dev/shm has nothing."""
     out = tmp_path / "parent.json"
     p = subprocess.Popen([sys.executable, str(TESTS / "ring_helpers.py"), "parent",
                           str(corpus_root), str(out)], stderr=subprocess.PIPE)
@@ -186,20 +193,23 @@ def test_parent_sigkilled_workers_exit_and_segment_removed(corpus_root, tmp_path
         info = json.loads(out.read_text())
         pid, workers = info["pid"], info["workers"]
         assert info["ring"] == f"/{rh.segments(pid)[0]}"
+        assert info["ring"].startswith(f"/memfd:echo_native-{pid}-")
+        # The parent holds it by descriptor and mapping, each worker by mapping alone.
+        assert set(rh.ring_memory(pid)[info["ring"]]) == {pid, *workers}
         assert all(rh.alive(w) for w in workers)
         os.kill(pid, signal.SIGKILL)
         # Not reaped yet: the parent is a zombie, which must count as dead.
-        while any(rh.alive(w) for w in workers) or rh.segments(pid):
+        while any(rh.alive(w) for w in workers) or rh.ring_memory(pid):
             time.sleep(0.05)
         assert rh.proc_state(pid) == "Z"
         assert not [w for w in workers if rh.alive(w)], "workers outlived their parent"
-        assert rh.segments(pid) == [], "the orphaned segment survived"
+        assert rh.segments(pid) == [] and rh.ring_memory(pid) == {}, "the ring survived"
     finally:
         if p.poll() is None:
             p.kill()
         p.wait()
         p.stderr.close()
-    assert not [n for n in remove_stale_segments() if n.startswith(f"echo_native-{pid}-")]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"echo_native-{pid}-")]
 
 
 def _dead_pid():
@@ -208,17 +218,26 @@ def _dead_pid():
     return int(out.stdout.strip())
 
 
+def _named(pid, tag, origin=None):
+    """A named-segment name as the /dev/shm fallback makes them (origin: this process's
+    pid namespace and boot unless given)."""
+    ns, boot = origin or rg._origin()
+    return f"/echo_native-{pid}-{ns}-{boot}-{tag}"
+
+
 @pytest.mark.timeout(60)   # hang guard: waiting for the child to become a zombie
 def test_remove_stale_segments_of_dead_and_zombie_owners():
-    """Segments of exited or zombie owners are unlinked; a live owner's segment is kept."""
+    """Named segments (the fallback) of exited or zombie owners in this PID namespace are
+    unlinked; a live owner's is kept."""
     dead = _dead_pid()
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    names = {}
     try:
         while rh.proc_state(zombie.pid) != "Z":
             time.sleep(0.01)
-        names = {"dead": f"/echo_native-{dead}-abc123def456",
-                 "zombie": f"/echo_native-{zombie.pid}-00ff00ff00ff",
-                 "live": f"/echo_native-{os.getpid()}-feedfacecafe"}
+        names = {"dead": _named(dead, "abc123def456"),
+                 "zombie": _named(zombie.pid, "00ff00ff00ff"),
+                 "live": _named(os.getpid(), "feedfacecafe")}
         for name in names.values():
             del_me = _ring.Segment(name, 4096, create=True)
             del del_me                                       # unmapped, name stays
@@ -234,17 +253,24 @@ def test_remove_stale_segments_of_dead_and_zombie_owners():
             _ring.unlink(name)
 
 
-def test_ring_create_cleans_stale_segments():
-    """Ring.create() (every Loader start) removes segments whose owner is gone."""
-    stale = f"/echo_native-{_dead_pid()}-0123456789ab"
+def test_named_ring_create_cleans_stale_segments_and_memfd_never_looks():
+    """Ring.create of a named ring (the fallback) removes segments whose owner is gone;
+    a memfd ring (the default) never reads or touches /dev/shm."""
+    stale = _named(_dead_pid(), "0123456789ab")
     seg = _ring.Segment(stale, 4096, create=True)
     del seg
     assert stale[1:] in os.listdir("/dev/shm")
-    r = Ring.create(2, 1, 8)
     try:
-        assert stale[1:] not in os.listdir("/dev/shm")
-    finally:
+        r = Ring.create(2, 1, 8)                       # memfd
+        assert r.backing == "memfd" and stale[1:] in os.listdir("/dev/shm")
         r.unlink()
+        r = Ring.create(2, 1, 8, backing="shm")
+        try:
+            assert r.backing == "shm" and r.name[1:] in os.listdir("/dev/shm")
+            assert stale[1:] not in os.listdir("/dev/shm")
+        finally:
+            r.unlink()
+    finally:
         _ring.unlink(stale)
 
 
@@ -351,7 +377,8 @@ def test_start_stop_cycles_leak_nothing(corpus_root):
     gc.collect()
     assert len(set(names)) == 110 and len(set(pids)) == 20
     assert _own_segments() == segs0
-    assert not [n for n in names if n[1:] in os.listdir("/dev/shm")]
+    assert not set(names) & set(rh.ring_memory(os.getpid()))     # every ring's memory freed
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"echo_native-{os.getpid()}-")]
     assert not [p for p in pids if rh.alive(p)]
     assert rh.descendants() == kids0             # no worker left behind
     assert threading.active_count() == threads0

@@ -12,7 +12,6 @@ import io
 import os
 import warnings
 
-import numpy as np
 import pytest
 from PIL import Image
 

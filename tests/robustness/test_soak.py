@@ -78,6 +78,7 @@ def test_nothing_left_after_close(result):
     """After close: no segment, no worker or other child process, fd count back to the start."""
     a = result["after_close"]
     assert a["segments_left"] == [] and not a["ring_segment_exists"]
+    assert a["ring_memory_held"] == []       # no process maps the memfd: its memory is freed
     assert a["workers_alive"] == []
     assert a["children_left"] == []
     assert a["fds_after"] <= a["fds_before"], (a["fds_before"], a["fds_after"])
@@ -91,10 +92,11 @@ def test_problems_reports_each_kind_of_leak(result):
     bad = copy.deepcopy(result)
     bad["records"][3]["coverage_ok"] = False
     bad["worker_restarts"] += 1
-    bad["after_close"].update(segments_left=["echo_native-1-ab"], workers_alive=[4242],
-                              children_left=[4243], fds_after=bad["after_close"]["fds_before"] + 1)
+    bad["after_close"].update(segments_left=["memfd:echo_native-1-ab"], workers_alive=[4242],
+                              children_left=[4243], fds_after=bad["after_close"]["fds_before"] + 1,
+                              ring_memory_held=[4244])
     bad["records"][-1]["consumer_rss"] = bad["records"][WARMUP]["consumer_rss"] + 64 * soak.MIB
     text = "\n".join(soak.problems(bad, RSS_BOUND, WARMUP))
     for word in ("epoch 3", "worker_restarts", "segments", "worker processes", "child",
-                 "fds", "consumer RSS"):
+                 "fds", "consumer RSS", "memory still held"):
         assert word in text, word

@@ -1,0 +1,446 @@
+"""Stream order of the CUDA backend, checked without a GPU (issue 20).
+
+The real :class:`echo_native.backends.cuda.CudaDevice` runs through a real
+``EchoRing`` on ``tests/fake_cupy.py``: NumPy memory, a GPU that runs nothing
+until the host waits, and a checker that flags two accesses to the same memory
+on different streams that are not ordered the way the host issued them (a data
+race on a GPU), an event recorded on another device's stream, a kernel
+launched beyond CUDA's limits, and ring memory unpinned under a running copy.
+Consumers are played here: ``gpu.read(images, stream)`` is a training step
+queued on ``stream`` that reads a batch.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import pytest
+
+import echo_helpers as eh
+import echo_native as en
+import fake_cupy
+from echo_native.backends import cuda
+from echo_native.output import BFloat16Array, DeviceArray
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KW = dict(batch_size=4, image_size=24, workers=1, seed=5, worker_mode="thread")
+NORMALISED = {"uint8": {}, "float32": dict(normalize=True, layout="NCHW"),
+              "float16": dict(normalize=True, dtype="float16"),
+              "bfloat16": dict(normalize=True, dtype="bfloat16", layout="NCHW")}
+PLACEMENTS = {"e1": dict(echo=1), "before": dict(echo=2, placement="before_augment"),
+              "after": dict(echo=2, placement="after_augment"),
+              "batch": dict(echo=2, placement="batch")}
+
+
+@pytest.fixture(scope="module")
+def source():
+    return en.Samples(eh.photo_jpegs(20, 48, 56, seed=4), np.arange(20) % 3)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    gpu = fake_cupy.install(monkeypatch)
+    # No torch consumer unless a test plays one (a real torch may be imported).
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(is_initialized=lambda: False)))
+    return gpu
+
+
+def _ring(source, device, **kw):
+    return en.EchoRing(source, device=device, **{**KW, **kw})
+
+
+def _host(images):
+    """A delivered batch's values as NumPy float32 (waits for it, as a consumer would)."""
+    if isinstance(images, BFloat16Array):
+        images = images.to_float32()
+    return np.array(images.get() if hasattr(images, "get") else images, np.float32)
+
+
+def _raw(images):
+    """The CuPy array behind a delivered batch's images."""
+    return getattr(images, "array", getattr(images, "bits", images))
+
+
+def _device(gpu, index=0):
+    with gpu.cupy.cuda.Device(index):
+        return cuda.CudaDevice(index)
+
+
+# -- the stand-in itself ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", list(NORMALISED))
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_cuda_device_on_the_stand_in_delivers_the_cpu_batches(gpu, source, placement, dtype):
+    """CudaDevice through EchoRing on the stand-in: the CPU backend's batches, every
+    access ordered, images exported through DeviceArray / BFloat16Array."""
+    kw = {**PLACEMENTS[placement], **NORMALISED[dtype]}
+    with _ring(source, "cpu", **kw) as ring:
+        ref = [(_host(b.images), b.sample_ids.copy()) for b in ring]
+    dev = _device(gpu)
+    got = []
+    with _ring(source, dev, **kw) as ring:
+        for b in ring:
+            assert isinstance(b.images, BFloat16Array if dtype == "bfloat16" else DeviceArray)
+            got.append((_host(b.images), b.sample_ids.copy()))
+    assert gpu.violations == []
+    assert len(got) == len(ref)
+    levels = 2 if placement == "before" else 0  # NumPy's resampler vs the native one
+    for (r, ri), (g, gi) in zip(ref, got):
+        np.testing.assert_array_equal(ri, gi)
+        scale = 1.0 if dtype == "uint8" else 1 / (255 * 0.224)
+        np.testing.assert_allclose(g, r, rtol=2**-7 if dtype != "float32" else 1e-6,
+                                   atol=levels * scale + 1e-6)
+
+
+def test_the_stand_in_finds_an_unordered_read():
+    """The checker is not vacuous: a read on a stream that nothing orders after a
+    write of the same memory is reported."""
+    gpu = fake_cupy.Gpu()
+    cp = gpu.cupy
+    a = cp.empty((4,), np.uint8)
+    side = gpu.stream()
+    a[...] = 1                      # written on the default stream
+    gpu.read(a, side)               # read on another, unordered
+    assert any("not ordered" in v for v in gpu.violations)
+    gpu.violations.clear()
+    side.wait_event(cp.cuda.get_current_stream().record())
+    gpu.read(a, side)               # ordered now
+    assert gpu.violations == []
+
+
+# -- 1. every stream a batch is exported to is waited for ---------------------------------
+# (a bfloat16 batch has no array interface: its .bits are CuPy's own array)
+@pytest.mark.parametrize("dtype,export", [(d, e) for d in NORMALISED
+                                          for e in ("dlpack", "array_interface", "copy")
+                                          if (d, e) != ("bfloat16", "array_interface")])
+@pytest.mark.parametrize("placement", ["e1", "after"])
+def test_a_consumer_reading_late_on_its_own_stream_is_waited_for(gpu, source, placement,
+                                                                 dtype, export):
+    """A consumer takes each batch on a side stream of its own (``__dlpack__(stream=s)``
+    as JAX and torch do, ``cupy.asarray`` under ``with s``, or ``batch.copy()`` there)
+    and reads it late: after asking for the next batch.  The pipeline's stream must
+    not overwrite the buffer before that read (it was never told about ``s`` for
+    uint8/float32/float16 batches before issue 20)."""
+    dev = _device(gpu)
+    side = gpu.stream()
+    held = None
+    with _ring(source, dev, **PLACEMENTS[placement], **NORMALISED[dtype]) as ring:
+        for b in ring:
+            if held is not None:
+                gpu.read(held, side)                    # the late read of the batch before
+            if export == "dlpack":
+                b.images.__dlpack__(stream=side.ptr)    # what jax/torch.from_dlpack call
+                held = b.images
+            elif export == "array_interface":
+                with side:
+                    held = gpu.cupy.asarray(b.images)
+            else:
+                with side:
+                    held = b.images.copy()
+        gpu.read(held, side)
+    assert gpu.violations == []
+
+
+def test_device_arrays_keep_cupy_users_working(gpu, source):
+    """A uint8 batch on the GPU: ``cupy.asarray`` and ``cupy.asnumpy`` take it by its
+    array interface without a copy, DLPack gives a CUDA capsule of the same memory,
+    NumPy conversion is refused as CuPy refuses it."""
+    dev = _device(gpu)
+    with _ring(source, dev, echo=1) as ring:
+        b = next(iter(ring))
+        x = b.images
+        assert isinstance(x, DeviceArray) and x.shape == (4, 24, 24, 3) and x.dtype == np.uint8
+        c = gpu.cupy.asarray(x)
+        assert c.data.ptr == x.array.data.ptr
+        np.testing.assert_array_equal(gpu.cupy.asnumpy(x), x.get())
+        assert x.__dlpack_device__() == (2, 0)
+        assert type(x.__dlpack__(stream=1)).__name__ == "PyCapsule"
+        with pytest.raises(TypeError, match="does not convert to NumPy"):
+            np.asarray(x)
+        copy = b.copy()
+        assert isinstance(copy.images, DeviceArray) and not copy.images.reused
+        np.testing.assert_array_equal(copy.images.get(), x.get())
+    assert gpu.violations == []
+
+
+def test_torch_current_stream_is_waited_for(gpu, source, monkeypatch):
+    """A torch consumer on torch's current stream (not CuPy's), reading each batch
+    late: the pipeline waits for torch's current stream."""
+    tstream = gpu.stream()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=types.SimpleNamespace(
+        is_initialized=lambda: True,
+        current_stream=lambda i: types.SimpleNamespace(cuda_stream=tstream.ptr))))
+    dev = _device(gpu)
+    held = None
+    with _ring(source, dev, echo=1) as ring:
+        for b in ring:
+            tstream.wait_event(gpu.cupy.cuda.get_current_stream().record())  # torch's own
+            if held is not None:
+                gpu.read(held, tstream)
+            held = b.images
+    assert gpu.violations == []
+
+
+def test_jax_reads_on_a_stream_it_does_not_show(gpu, source):
+    """JAX hands ``__dlpack__`` a stream whose work it waits for, but reads the array on
+    compute streams it does not expose: the pipeline cannot wait for those, so a late
+    read there races (hence docs/gpu.md's advice), and a copy that the host waits for
+    (``from_dlpack(x, copy=True).block_until_ready()``) does not."""
+    for late in (True, False):
+        dev = _device(gpu)
+        ready, compute = gpu.stream(), gpu.stream()
+        held = None
+        with _ring(source, dev, echo=1) as ring:
+            for b in ring:
+                b.images.__dlpack__(stream=ready.ptr)
+                compute.wait_event(ready.record())       # JAX's import waits for `ready`
+                if late:
+                    if held is not None:
+                        gpu.read(held, compute)
+                    held = b.images
+                else:
+                    gpu.read(b.images, compute)          # the copy ...
+                    compute.synchronize()                # ... block_until_ready()
+        assert bool(gpu.violations) == late
+        gpu.violations.clear()
+
+
+# -- 3. NVRTC options ----------------------------------------------------------------------
+def test_kernels_are_compiled_without_fused_multiply_adds(gpu):
+    """CudaDevice compiles kernels.cu with the one set of options, --fmad=false among them
+    (the host build of the tests uses -ffp-contract=off)."""
+    _device(gpu)
+    assert gpu.modules[-1].options == cuda.NVRTC_OPTIONS
+    assert "--fmad=false" in cuda.NVRTC_OPTIONS
+
+
+# -- 2. launch geometry ------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 255, 65535, 65536, 70000, 1_000_000])
+def test_crop_resize_launch_fits_any_batch(n):
+    """Batches of 65,536 or more: the grid stays within CUDA's limits and covers every
+    output pixel of every image."""
+    (gx, *rest), block = cuda.crop_resize_launch(n, 224, 224)
+    assert rest == [] and block == (cuda.THREADS,)
+    assert gx <= cuda.MAX_GRID[0]
+    per = -(-224 * 224 // cuda.THREADS)
+    assert gx == per * n
+
+
+def test_launch_limits_are_checked_before_launching(gpu):
+    """A grid CUDA would refuse is a ValueError naming the limit, before any launch."""
+    with pytest.raises(ValueError, match="grid dimension x"):
+        cuda.crop_resize_launch(2**31, 1, 1)
+    with pytest.raises(ValueError, match="grid dimension y"):
+        cuda.check_launch((1, 65536), (256,))
+    with pytest.raises(ValueError, match="threads"):
+        cuda.check_launch((1,), (2048,))
+    with pytest.raises(ValueError, match="grid dimension x"):
+        cuda.normalize_launch(2**31 * cuda.THREADS)
+    assert gpu.launches == []
+
+
+# -- 4. buffers go back to the pool only after the consumer --------------------------------
+def test_a_second_ring_does_not_overwrite_what_the_last_steps_read(gpu, source):
+    """Closing a ring hands its output and echo buffers back to CuPy's pool (the arena
+    of the pipeline's stream); a second ring on the same device allocates from it at
+    once.  Its writes must follow the first ring's last steps, still queued."""
+    dev = _device(gpu)
+    cur = gpu.cupy.cuda.get_current_stream()
+    held = None
+    with _ring(source, dev, echo=1) as ring:
+        for b in ring:
+            if held is not None:
+                gpu.read(held, cur)            # the step, one batch late
+            held = b.images
+        gpu.read(held, cur)                    # the last step, queued before close()
+        last = (_raw(held).data.ptr, _raw(held).data.ptr + _raw(held).nbytes)
+        del b, held
+    reads = [a for a in gpu.accesses("consumer read")]
+    with _ring(source, dev, echo=2, placement="batch") as ring:
+        for b in ring:
+            pass
+    # The second ring did take the first one's memory (else this test proves nothing).
+    later = [a for a in gpu.accesses() if a.seq > reads[-1].seq and a.kind == "w"
+             and a.lo < last[1] and last[0] < a.hi]
+    assert later, "the pool did not reuse the first ring's output buffers"
+    assert gpu.violations == []
+
+
+# -- 5. ring memory is unpinned only after every copy out of it ----------------------------
+def test_detach_waits_for_a_copy_without_an_event(gpu, source):
+    """An exception between a store (a copy out of the ring queued) and the release of
+    its slot leaves a copy without an event: closing must still wait for it before
+    hostUnregister."""
+
+    class Failing(cuda.CudaDevice):
+        stores = 0
+
+        def store(self, *args):
+            super().store(*args)
+            Failing.stores += 1
+            if Failing.stores == 2:
+                raise RuntimeError("between a store and its release")
+
+    with gpu.cupy.cuda.Device(0):
+        dev = Failing(0)
+    with pytest.raises(RuntimeError, match="between a store"):
+        with _ring(source, dev, echo=2, placement="after_augment") as ring:
+            for _ in ring:
+                pass
+    assert dev.registration == "registered"
+    assert [c[0] for c in gpu.log if c[0].startswith("host")] == ["hostRegister",
+                                                                   "hostUnregister"]
+    assert gpu.registered == {} and gpu.violations == []
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_slots_go_back_only_after_their_copies(gpu, source, register):
+    """A ring slot goes back to the workers only once every copy out of it has completed
+    (registered ring), or at once when it was staged through pinned memory."""
+
+    class Checked(cuda.CudaDevice):
+        early = 0
+
+        def release_after_copies(self, release):
+            _, ring, ticket = release.args
+            pixels = ring.slots[ticket % ring.layout.nslots].pixels
+            lo = pixels.__array_interface__["data"][0]
+
+            def checked():
+                Checked.early += not gpu.copies_done(lo, lo + pixels.nbytes)
+                release()
+            super().release_after_copies(checked)
+
+    with gpu.cupy.cuda.Device(0):
+        dev = Checked(0, register=register)
+    with _ring(source, dev, echo=2, placement="after_augment", slots=2) as ring:
+        n = sum(1 for _ in ring)
+    assert n and Checked.early == 0 and gpu.violations == []
+    assert dev.registration == ("registered" if register else "pinned-staging")
+
+
+# -- 6. the ring's device, whatever device is current ------------------------------------
+@pytest.mark.parametrize("dtype", ["uint8", "float32", "bfloat16"])
+def test_second_gpu_events_are_recorded_on_the_rings_device(gpu, source, dtype):
+    """cuda:1 with device 0 current in the consumer (the default): every event is recorded
+    on device 1, and a consumer stream of device 1 given to ``__dlpack__`` reads each
+    batch after it is complete (CuPy's own export would order it after device 0's
+    current stream)."""
+    dev = _device(gpu, 1)
+    assert gpu.current_device == 0
+    side = gpu.stream(1)
+    with _ring(source, dev, **PLACEMENTS["after"], **NORMALISED[dtype]) as ring:
+        for b in ring:
+            assert gpu.current_device == 0
+            assert b.images.__dlpack_device__() == (2, 1)
+            b.images.__dlpack__(stream=side.ptr)
+            gpu.read(b.images, side)
+            if dtype != "bfloat16":
+                # The array interface names the current stream of device 1, by a handle
+                # (the default stream's) that means device 1 only with device 1 current.
+                with gpu.cupy.cuda.Device(1):
+                    gpu.read(gpu.cupy.asarray(b.images), gpu.cupy.cuda.Stream.null)
+    records = [c for c in gpu.log if c[0] == "eventRecord"]
+    assert records and all(c[1] == 1 and c[2] == 1 for c in records), records
+    assert {d for _, _, _, d in gpu.launches} <= {1}
+    assert gpu.violations == []
+
+
+# -- 7. three output buffers: the next copy overlaps the current step ----------------------
+def test_output_buffers_are_a_named_constant():
+    assert cuda.CudaDevice.output_buffers == cuda.OUTPUT_BUFFERS == 3
+    assert en.backends.ArrayDevice.output_buffers == 2
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "bfloat16"])
+def test_a_batch_stays_valid_until_the_batch_after_next(gpu, source, dtype):
+    """The consumer queues its read of batch n just before asking for batch n + 2
+    (on the current stream): never overwritten before that read."""
+    dev = _device(gpu)
+    cur = gpu.cupy.cuda.get_current_stream()
+    batches = []
+    with _ring(source, dev, echo=1, **NORMALISED[dtype]) as ring:
+        for b in ring:
+            batches.append(b.images)
+            if len(batches) >= 2:
+                gpu.read(batches[-2], cur)
+                batches[-2] = None
+    assert len(batches) > 4 and gpu.violations == []
+
+
+def test_the_copy_of_the_next_batch_overlaps_the_current_step(gpu, source):
+    """echo=1: the host-to-device copy of batch n waits for the consumer's step n - 2
+    (its buffer held batch n - 3, valid until n - 1 was asked for), not for step
+    n - 1, the one queued just before batch n was asked for: it overlaps it."""
+    dev = _device(gpu)
+    cur = gpu.cupy.cuda.get_current_stream()
+    steps, copies = [], []
+    with _ring(source, dev, echo=1) as ring:
+        for b in ring:
+            lo = _raw(b.images).data.ptr
+            copies.append([a for a in gpu.accesses("set") if a.lo == lo][-1])
+            steps.append(gpu.read(b.images, cur))
+    assert len(steps) >= 5 and gpu.violations == []
+    for n in range(3, len(steps)):
+        assert gpu.happens_before(steps[n - 2], copies[n])
+        assert not gpu.happens_before(steps[n - 1], copies[n]), n
+
+
+# -- 8. the GPU check kit -----------------------------------------------------------------
+def _check_kit(tmp_path, tests_rc, bench_rc):
+    """Run benchmarks/gpu_check.sh with stand-ins for nvidia-smi and python3 that record
+    their environment and exit with the given statuses for the tests and the benchmark."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho 'Fake GPU, 1, 1 MiB'\n")
+    (bin_ / "python3").write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        env > "{tmp_path}/env.$$"
+        case "$*" in
+          *tests/test_gpu.py*) echo "1 failed"; exit {tests_rc} ;;
+          *bench_gpu.py*) echo "bench"; exit {bench_rc} ;;
+        esac
+        exit 0
+        """))
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(out))
+    env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    envs = [p.read_text() for p in tmp_path.glob("env.*")]
+    return r, envs
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("tests_rc,bench_rc,want", [(0, 0, 0), (1, 0, 1), (0, 2, 2),
+                                                    (1, 2, 1)])
+def test_gpu_check_fails_when_a_gpu_test_fails(tmp_path, tests_rc, bench_rc, want):
+    """gpu_check.sh runs the tests and the benchmark whatever happens, and exits with
+    the tests' status when they fail, else the benchmark's; JAX is told not to
+    preallocate GPU memory."""
+    r, envs = _check_kit(tmp_path, tests_rc, bench_rc)
+    assert r.returncode == want, r.stdout + r.stderr
+    assert "bench" in r.stdout  # the benchmark ran even after failing tests
+    assert envs and all("XLA_PYTHON_CLIENT_PREALLOCATE=false" in e for e in envs)
+    assert (tmp_path / "out" / "status.txt").read_text().strip() == \
+        f"gpu_check: tests exit {tests_rc}, benchmark exit {bench_rc}"
+
+
+def test_gpu_prepare_uses_private_temporary_folders():
+    """gpu_prepare.sh builds in a folder of its own (mktemp -d), not at fixed /tmp paths
+    that concurrent runs would share, and stops at the first failing step."""
+    text = open(os.path.join(ROOT, "benchmarks", "gpu_prepare.sh")).read()
+    code = "\n".join(line.split("#")[0] for line in text.splitlines())
+    assert "/tmp" not in code
+    assert 'mktemp -d' in code and "trap" in code
+    assert "set -euo pipefail" in code
+    check = open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")).read()
+    assert "/tmp" not in "\n".join(line.split("#")[0] for line in check.splitlines())
