@@ -164,6 +164,11 @@ class Loader:
         Batch slots in the shared-memory ring.
     timeout : float, default 120
         Seconds to wait for one batch before raising ``TimeoutError``.
+    sample_timeout : float or None, default 60
+        Seconds one sample may take to read and decode in a worker process before
+        that worker is replaced and the sample reported as failed (a read that
+        hangs on a stalled network mount cannot be interrupted from inside).
+        None disables it; thread workers cannot be replaced and ignore it.
     worker_mode : {"process", "thread"}, default "process"
         Worker processes are fresh interpreters that never run your ``__main__``
         (no main guard needed); the source reaches them pickled by value, so a
@@ -177,7 +182,7 @@ class Loader:
 
     def __init__(self, source, batch_size, *, augment=None, workers=None, seed=0, shuffle=True,
                  drop_last=False, on_error="replace", shard=None, decode=None, slots=None,
-                 timeout=120.0, worker_mode="process", **shorthands):
+                 timeout=120.0, sample_timeout=60.0, worker_mode="process", **shorthands):
         augment, decode, shard = fold_shorthands("Loader", augment, decode, shard, shorthands)
         if shorthands:
             raise TypeError(f"Loader got unexpected keyword argument(s) "
@@ -197,6 +202,11 @@ class Loader:
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not timeout > 0:  # also refuses NaN, which would disable the timeout
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if sample_timeout is not None and (
+                not isinstance(sample_timeout, (int, float, np.integer, np.floating))
+                or isinstance(sample_timeout, bool) or not sample_timeout > 0):
+            raise ValueError(f"sample_timeout must be a positive number of seconds or None, "
+                             f"got {sample_timeout!r}")
         if not _is_int(seed) or not 0 <= seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
         if not isinstance(shuffle, (bool, np.bool_)):
@@ -215,6 +225,7 @@ class Loader:
         self.workers = min(_default_workers(), MAX_WORKERS) if workers is None else int(workers)
         self.slots = slots or max(4, 2 * self.workers)
         self.timeout = float(timeout)
+        self.sample_timeout = None if sample_timeout is None else float(sample_timeout)
         self.plan = Plan(total_samples=n, batch_size=int(batch_size), transform=augment,
                          seed=int(seed), shuffle=bool(shuffle), drop_last=bool(drop_last),
                          on_error=on_error, decode=decode, rank=rank, world_size=world_size,
@@ -256,7 +267,7 @@ class Loader:
         pool, opened = None, []
         try:
             pool = WorkerPool(ring, self.plan, self.source, self.workers, self._worker_mode,
-                              self._job)
+                              self._job, sample_timeout=self.sample_timeout)
             # Stages that hold on to the ring's memory (a GPU backend pins it)
             # take it before any worker writes; one that refuses stops the start.
             for watcher in self._watchers:

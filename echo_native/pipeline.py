@@ -60,7 +60,7 @@ class EchoRing:
         This process's part of the data (default: torchrun's RANK/WORLD_SIZE).
     decode : DecodeLimits, optional
         Strict decoding and decompression-bomb limits.
-    slots, timeout, worker_mode : see :class:`Loader`.
+    slots, timeout, sample_timeout, worker_mode : see :class:`Loader`.
 
     Shorthands (the flat names of the original contract, still supported):
     ``image_size``, ``scale``, ``ratio``, ``flip_p`` build the
@@ -74,7 +74,7 @@ class EchoRing:
     def __init__(self, source, batch_size=256, *, augment=None, echo=2.0, output=None,
                  workers=None, device="cpu", seed=0, shuffle=True, drop_last=False,
                  on_error="replace", shard=None, decode=None, slots=None, timeout=120.0,
-                 worker_mode="process", **shorthands):
+                 sample_timeout=60.0, worker_mode="process", **shorthands):
         echo = _fold_echo(echo, shorthands)
         output = _fold_output(output, shorthands)
         augment, decode, shard = fold_shorthands("EchoRing", augment, decode, shard, shorthands)
@@ -116,6 +116,7 @@ class EchoRing:
                              slots=slots, seed=seed, shuffle=shuffle,
                              drop_last=self.drop_last and self.passthrough, on_error=on_error,
                              shard=shard, decode=decode, timeout=timeout,
+                             sample_timeout=sample_timeout,
                              worker_mode=worker_mode)
         self.seed = self.loader.plan.seed
         n, shard_n = len(source), self.loader.plan.num_samples

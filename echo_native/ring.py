@@ -47,6 +47,7 @@ import errno
 import os
 import re
 import secrets
+import time
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -702,6 +703,21 @@ class Ring:
 
     def set_claim(self, worker, value):
         self.segment.claim_store(worker, value)
+
+    def reading(self, worker):
+        """``(sample id, seconds so far)`` that worker ``worker`` is reading and decoding,
+        or None between samples."""
+        sid1, since_ms = self.segment.reading_load(worker)
+        if not sid1:
+            return None
+        return sid1 - 1, max(0.0, time.monotonic() - since_ms / 1000.0)
+
+    def set_reading(self, worker, sample_id=None):
+        """Worker side: now reading ``sample_id`` (None: done with it)."""
+        if sample_id is None:
+            self.segment.reading_store(worker, 0, 0)
+        else:
+            self.segment.reading_store(worker, sample_id + 1, int(time.monotonic() * 1000))
 
     # -- slot words --------------------------------------------------------------
     def seq(self, ticket):

@@ -189,14 +189,29 @@ class _EpochCache:
 
 # ---- filling one slot -----------------------------------------------------------
 class _Filler:
-    def __init__(self, ring: Ring, plan: Plan, source):
+    def __init__(self, ring: Ring, plan: Plan, source, index=None, stalled=None):
         self.ring, self.plan, self.source = ring, plan, source
+        self.index = index            # this worker's words in the ring header
+        self.stalled = stalled or {}  # sample id -> seconds its read hung in a predecessor
         self.dec = Decoder(plan.decode)
         self.epochs = _EpochCache(plan, source)
         self.labels = np.asarray(source.labels, dtype=np.int64)
 
     def _produce(self, sid, epoch, slot, i):
         """Read + decode one sample into position i of the slot, or raise _SampleFailure."""
+        if sid in self.stalled:
+            raise _SampleFailure(REASON_READ, self.source.describe(sid),
+                                 f"reading it stalled for {self.stalled[sid]:.0f} s (over "
+                                 f"sample_timeout); its worker was replaced")
+        if self.index is None:
+            return self._read_decode(sid, epoch, slot, i)
+        self.ring.set_reading(self.index, sid)
+        try:
+            return self._read_decode(sid, epoch, slot, i)
+        finally:
+            self.ring.set_reading(self.index)
+
+    def _read_decode(self, sid, epoch, slot, i):
         try:
             data = self.source.read(sid)
         except ReadLimitError as e:
@@ -266,14 +281,15 @@ class _SampleFailure(Exception):
 
 
 # ---- the worker loop --------------------------------------------------------------
-def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None):
+def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None, stalled=None):
     """Claim tickets and fill slots until the ring closes or its owner dies.
 
     ``redo`` lists tickets a dead predecessor left unfinished; they come first.
     The claim word says which ticket this worker holds, so the supervisor can
-    tell which ones a crash lost.
+    tell which ones a crash lost.  ``stalled`` maps samples whose read hung in
+    a predecessor to how long: they fail without being read again.
     """
-    filler = _Filler(ring, plan, source)
+    filler = _Filler(ring, plan, source, index, stalled)
     redo = list(redo)
     # Stop taking tickets once the ring is closed (a free slot would otherwise
     # keep a process worker decoding for nobody until close() kills it).
@@ -356,7 +372,7 @@ class WorkerProcess:
     ``pid``, ``exitcode`` (negative: killed by that signal), ``join``, ``kill``.
     """
 
-    def __init__(self, ring, index, job, redo, owner_pid):
+    def __init__(self, ring, index, job, redo, owner_pid, stalled=None):
         # A session of its own: Ctrl-C in a terminal (or Jupyter's interrupt,
         # which signals the kernel's process group) is the consumer's to
         # handle, and must not reach a worker still importing, before it can
@@ -371,7 +387,8 @@ class WorkerProcess:
         self.pid = self._proc.pid
         # sys.path first, on its own: the job may need it to unpickle.
         self._message = (pickle.dumps(list(sys.path)),
-                         pickle.dumps((handle, index, list(redo), owner_pid, job)))
+                         pickle.dumps((handle, index, list(redo), owner_pid, job,
+                                       dict(stalled or {}))))
 
     def send(self):
         """Write the job (blocks until the new interpreter reads it)."""
@@ -412,12 +429,31 @@ def worker_main():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     sys.path[:] = pickle.load(stdin)
-    handle, index, redo, owner_pid, job = pickle.load(stdin)
+    handle, index, redo, owner_pid, job, stalled = pickle.load(stdin)
+    _die_with(owner_pid)
     # Maps the ring and closes the inherited descriptor: the mapping alone
     # holds the memory, and goes with this process.
     ring = Ring.from_handle(handle)
     plan, source = pickle.loads(job)
-    run_worker(ring, index, plan, source, redo, owner_pid)
+    run_worker(ring, index, plan, source, redo, owner_pid, stalled=stalled)
+
+
+def _die_with(owner_pid):
+    """Have the kernel SIGKILL this worker when its consumer dies.
+
+    A worker notices a dead owner between samples (it polls), but not while a
+    read is blocked in the kernel; the parent-death signal reaches it there too.
+    Linux only; elsewhere the polling remains."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != owner_pid:  # it died before the signal was armed
+        os._exit(0)
 
 
 # ---- the supervisor ------------------------------------------------------------------
@@ -430,7 +466,7 @@ class WorkerPool:
     """
 
     def __init__(self, ring, plan, source, workers, mode="process", job=None,
-                 max_restarts=8, restart_window=60.0):
+                 max_restarts=8, restart_window=60.0, sample_timeout=None):
         if mode not in ("process", "thread"):
             raise ValueError(f"worker mode must be 'process' or 'thread', got {mode!r}")
         self.ring, self.plan, self.source = ring, plan, source
@@ -442,6 +478,9 @@ class WorkerPool:
         self._workers = [None] * workers
         self._thread_errors = []
         self._job = ship(plan, source) if mode == "process" and job is None else job
+        self.sample_timeout = sample_timeout
+        self._stalled = {}     # sample id -> seconds its read hung: replacements fail it
+        self._stuck = set()    # workers killed for a stalled read (not a crash)
 
     def start(self):
         # Start every interpreter before feeding any: they boot in parallel.
@@ -452,7 +491,7 @@ class WorkerPool:
 
     def _spawn(self, index, redo, send=True):
         if self.mode == "process":
-            p = WorkerProcess(self.ring, index, self._job, redo, os.getpid())
+            p = WorkerProcess(self.ring, index, self._job, redo, os.getpid(), self._stalled)
             if send:
                 p.send()
         else:
@@ -482,13 +521,15 @@ class WorkerPool:
             raise RuntimeError("a worker thread failed") from self._thread_errors[0]
         if self.mode != "process":
             return
+        self._kill_stalled()
         dead = [i for i, p in enumerate(self._workers) if p.exitcode is not None]
         if not dead:
             return
         self.restarts += len(dead)
         now = time.monotonic()
         self._recent = [t for t in self._recent if now - t < self.restart_window]
-        self._recent += [now] * len(dead)
+        # A worker replaced because a read hung is not a crash: no crash-loop count.
+        self._recent += [now] * len([i for i in dead if i not in self._stuck])
         if len(self._recent) > self.max_restarts:
             codes = {i: self._workers[i].exitcode for i in dead}
             raise RuntimeError(f"echo_native workers keep dying (exit codes {codes}): "
@@ -497,11 +538,33 @@ class WorkerPool:
         for i in dead:
             self._workers[i].join(0)
             self.ring.set_claim(i, 0)
+            self.ring.set_reading(i)  # else the replacement would look stalled at once
         lost = self._lost_tickets(consumer_ticket)
         for n, i in enumerate(dead):
-            warnings.warn(f"echo_native worker {i} died (exit code {self._workers[i].exitcode});"
-                          f" restarting it", RuntimeWarning, stacklevel=3)
+            if i in self._stuck:
+                self._stuck.discard(i)
+            else:
+                warnings.warn(f"echo_native worker {i} died (exit code "
+                              f"{self._workers[i].exitcode}); restarting it", RuntimeWarning,
+                              stacklevel=3)
             self._spawn(i, lost[n::len(dead)])
+
+    def _kill_stalled(self):
+        """Kill each worker stuck on one sample for over ``sample_timeout`` (a hung
+        network mount cannot be interrupted from inside): check() replaces it, and
+        the replacement reports that sample as failed instead of reading it again."""
+        if not self.sample_timeout:
+            return
+        for i, p in enumerate(self._workers):
+            if p is None or i in self._stuck or p.exitcode is not None:
+                continue
+            reading = self.ring.reading(i)
+            if reading is not None and reading[1] > self.sample_timeout:
+                sid, seconds = reading
+                self._stalled[sid] = seconds
+                self._stuck.add(i)
+                p.kill()
+                p.join(1.0)
 
     def _lost_tickets(self, consumer_ticket):
         # A live worker may be between taking a ticket and recording it; wait

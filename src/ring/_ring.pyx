@@ -67,6 +67,7 @@ cdef extern from "en_ring.h" nogil:
                      uint64_t first_ticket, uint32_t owner_pid)
     int en_ring_check(const void *mem, size_t size, en_ring_layout *out)
     uint64_t *en_ring_claim(en_ring_header *header, uint64_t worker)
+    uint64_t *en_ring_reading(en_ring_header *header, uint64_t worker)
     uint32_t en_ring_seq_free(uint64_t ticket)
     uint32_t en_ring_seq_filled(uint64_t ticket)
 
@@ -338,6 +339,20 @@ cdef class Segment:
 
     def claim_store(self, worker, uint64_t value):
         en_store64(self._claim(worker), value)
+
+    def reading_load(self, worker):
+        """(sample id + 1 or 0, since in CLOCK_MONOTONIC ms) of a worker's reading words."""
+        self._claim(worker)  # the same index check
+        cdef uint64_t *word = en_ring_reading(<en_ring_header *>self._addr, <uint64_t>worker)
+        # The id is stored last (release): a reader that sees it sees its start time.
+        cdef uint64_t sid = en_load64(word)
+        return sid, en_load64(word + EN_RING_MAX_WORKERS)
+
+    def reading_store(self, worker, uint64_t sample_plus_one, uint64_t since_ms):
+        self._claim(worker)
+        cdef uint64_t *word = en_ring_reading(<en_ring_header *>self._addr, <uint64_t>worker)
+        en_store64(word + EN_RING_MAX_WORKERS, since_ms)
+        en_store64(word, sample_plus_one)
 
     cdef inline void *_word(self, size_t offset, size_t width) except NULL:
         if offset % width or offset + width > self._size:

@@ -36,6 +36,8 @@ const en_ring_field en_ring_header_fields[] = {
     FIELD(en_ring_header, closed, 4),
     FIELD(en_ring_header, next_ticket, 8),
     FIELD(en_ring_header, claims, 8),
+    FIELD(en_ring_header, reading, 8),
+    FIELD(en_ring_header, reading_ms, 8),
     {NULL, 0, 0, 0},
 };
 
@@ -109,8 +111,10 @@ int en_ring_init(void *mem, size_t size, const en_ring_layout *layout, uint64_t 
     h->slot_bytes = layout->slot_bytes;
     __atomic_store_n(&h->closed, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&h->next_ticket, first_ticket, __ATOMIC_RELAXED);
-    for (uint32_t w = 0; w < EN_RING_MAX_WORKERS; w++)
+    for (uint32_t w = 0; w < EN_RING_MAX_WORKERS; w++) {
         __atomic_store_n(&h->claims[w], 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&h->reading[w], 0, __ATOMIC_RELAXED);
+    }
     for (uint32_t i = 0; i < layout->nslots; i++)
         __atomic_store_n(&en_ring_slot_of(mem, layout, first_ticket + i)->seq,
                          en_ring_seq_free(first_ticket + i), __ATOMIC_RELAXED);
@@ -134,6 +138,10 @@ int en_ring_check(const void *mem, size_t size, en_ring_layout *out) {
 
 uint64_t *en_ring_claim(en_ring_header *header, uint64_t worker) {
     return worker < EN_RING_MAX_WORKERS ? &header->claims[worker] : NULL;
+}
+
+uint64_t *en_ring_reading(en_ring_header *header, uint64_t worker) {
+    return worker < EN_RING_MAX_WORKERS ? &header->reading[worker] : NULL;
 }
 
 /* ---- shared memory ---------------------------------------------------------------------- */

@@ -42,7 +42,7 @@ extern "C" {
 #define EN_RING_MAGIC UINT64_C(0x31474E4952484345) /* "ECHRING1" as little-endian bytes */
 /* Bumped whenever a byte moves, so that a process built from other sources
  * refuses a segment instead of misreading it. */
-#define EN_RING_VERSION 2u
+#define EN_RING_VERSION 3u
 #define EN_RING_PAGE 4096u
 #define EN_RING_HEADER_BYTES EN_RING_PAGE
 /* Claim words in the header; worker indexes run 0 .. EN_RING_MAX_WORKERS-1. */
@@ -78,11 +78,17 @@ typedef struct en_ring_header {
     /* claims[w]: what worker w holds (0, t + 1, or EN_RING_CLAIM_PENDING), so
      * the consumer can tell which tickets a dead worker lost. */
     uint64_t claims[EN_RING_MAX_WORKERS];
+    /* reading[w]: sample id + 1 that worker w is reading and decoding (0: none),
+     * since reading_ms[w] (CLOCK_MONOTONIC, shared by every process of a boot),
+     * so the consumer can fail a sample whose read has stalled and replace its
+     * worker (a hung network mount cannot be interrupted from inside). */
+    uint64_t reading[EN_RING_MAX_WORKERS];
+    uint64_t reading_ms[EN_RING_MAX_WORKERS];
 } en_ring_header;
 
 _Static_assert(sizeof(en_ring_header) <= EN_RING_HEADER_BYTES,
                "the ring header must fit its page: lower EN_RING_MAX_WORKERS");
-_Static_assert(sizeof(en_ring_header) == 64 + 8 * EN_RING_MAX_WORKERS,
+_Static_assert(sizeof(en_ring_header) == 64 + 3 * 8 * EN_RING_MAX_WORKERS,
                "unexpected padding in en_ring_header");
 /* Futex words are 32-bit and 4-aligned; 64-bit atomics must be 8-aligned
  * (a split word is not atomic, and the page start is the only alignment a
@@ -170,6 +176,10 @@ int en_ring_check(const void *mem, size_t size, en_ring_layout *out);
 /* The claim word of a worker, or NULL when worker >= EN_RING_MAX_WORKERS
  * (it would address the slots that follow the header). */
 uint64_t *en_ring_claim(en_ring_header *header, uint64_t worker);
+
+/* The reading word of a worker (reading_ms is the word EN_RING_MAX_WORKERS
+ * further on), or NULL when worker >= EN_RING_MAX_WORKERS. */
+uint64_t *en_ring_reading(en_ring_header *header, uint64_t worker);
 
 static inline en_ring_slot *en_ring_slot_of(void *mem, const en_ring_layout *layout,
                                             uint64_t ticket) {

@@ -12,6 +12,8 @@ import io
 import os
 import warnings
 
+import numpy as np
+
 import pytest
 from PIL import Image
 
@@ -172,3 +174,98 @@ def test_resume_gives_stand_ins_their_own_fresh_emission(placement):
             second += [int(s) for s, f in zip(b.sample_ids, b.fresh) if f]
     good = sorted(set(range(n)) - bad)
     assert sorted(first + second) == good
+
+
+class _HangsOn:
+    """In-memory JPEGs whose read of ``stuck`` never returns (a hung network mount)."""
+
+    def __init__(self, blobs, stuck):
+        self.blobs, self.stuck = blobs, stuck
+        self.labels = np.zeros(len(blobs), np.int64)
+
+    def __len__(self):
+        return len(self.blobs)
+
+    def read(self, i):
+        if i == self.stuck:
+            import time
+            time.sleep(3600)
+        return self.blobs[i]
+
+    def describe(self, i):
+        return f"/mnt/stalled/{i}.jpg"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("echo", [1, 2])
+def test_a_read_that_hangs_fails_its_sample_and_the_run_goes_on(echo):
+    """A read stuck past sample_timeout: its worker is replaced (not counted as a crash),
+    the sample is reported as failed with its path, every other sample arrives."""
+    blobs = [_jpeg(i) for i in range(12)]
+    ring = en.EchoRing(_HangsOn(blobs, stuck=5), 4, echo=echo, workers=2, sample_timeout=1.0,
+                       timeout=60, augment=en.RandomResizedCrop(16))
+    with pytest.warns(en.SampleFailureWarning,
+                      match=r"/mnt/stalled/5\.jpg: reading it stalled for [0-9]+ s"):
+        ids, stats = _fresh_ids(ring)
+    assert sorted(ids) == [i for i in range(12) if i != 5]
+    # Workers started before the stall may meet the sample again (prefetching the
+    # next epoch) and be replaced once each; their replacements skip it.
+    assert stats["failures"] == {"read": 1} and 1 <= stats["worker_restarts"] <= 2
+
+
+def test_sample_timeout_is_checked():
+    """A sample_timeout that is not a positive number is refused by name."""
+    src = en.Samples([_jpeg(0)] * 4)
+    for bad in (0, -1, "5", True):
+        with pytest.raises(ValueError, match="sample_timeout must be a positive number"):
+            en.Loader(src, 2, sample_timeout=bad)
+
+
+@pytest.mark.timeout(60)
+def test_worker_stuck_in_a_read_dies_with_its_consumer(tmp_path):
+    """SIGKILL of the consumer while a worker is blocked in a read: the kernel's
+    parent-death signal ends the worker too (it cannot poll from inside the read)."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""\
+        import sys, time
+        sys.path[:0] = {sys.path!r}
+        import echo_native as en
+        from robustness.test_reads import _HangsOn, _jpeg
+        blobs = [_jpeg(i) for i in range(4)]
+        ring = en.EchoRing(_HangsOn(blobs, stuck=0), 2, echo=1, workers=1, shuffle=False,
+                           sample_timeout=None, augment=en.RandomResizedCrop(16))
+        ring.start()
+        print(*ring.loader.worker_pids(), flush=True)
+        time.sleep(3600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path, start_new_session=True)
+    try:
+        pid = int(proc.stdout.readline())
+        time.sleep(1.0)  # the worker is now blocked on sample 0
+        proc.kill()
+        proc.wait()
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"worker {pid} outlived its consumer")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass

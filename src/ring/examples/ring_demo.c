@@ -191,6 +191,7 @@ static int print_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes) 
     FIELD(stdout, en_ring_header, batch); FIELD(stdout, en_ring_header, sample_bytes);
     FIELD(stdout, en_ring_header, slot_bytes); FIELD(stdout, en_ring_header, closed);
     FIELD(stdout, en_ring_header, next_ticket); FIELD(stdout, en_ring_header, claims);
+    FIELD(stdout, en_ring_header, reading); FIELD(stdout, en_ring_header, reading_ms);
     printf("\"sizeof\": %zu}, \"slot\": {", sizeof(en_ring_header));
     FIELD(stdout, en_ring_slot, seq); FIELD(stdout, en_ring_slot, count);
     FIELD(stdout, en_ring_slot, ticket); FIELD(stdout, en_ring_slot, error);
