@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import time
 
 import numpy as np
 import pytest
@@ -113,10 +112,9 @@ def test_demo_data_errors(tiny, tmp_path, capsys):
     assert "--target" in capsys.readouterr().err
 
 
-@pytest.mark.timing
-def test_throttled_source(tiny):
+def test_throttled_source(tiny, monkeypatch):
     """ThrottledSource keeps the inner source's labels and bytes, pickles, and each read
-    takes at least its delay (the delay is the behaviour: it throttles the upstream)."""
+    sleeps its delay first (the delay is what throttles the upstream)."""
     data, _ = tiny
     inner = en.ImageFolder(os.path.join(data, "train"))
     idx = np.array([5, 2, 9])
@@ -124,9 +122,12 @@ def test_throttled_source(tiny):
     assert len(src) == 3
     np.testing.assert_array_equal(src.labels, inner.labels[idx])
     assert src.read(1) == inner.read(2) and src.describe(0) == inner.describe(5)
-    t0 = time.perf_counter()
+    import echo_native.lab.demo as demo_mod
+    slept = []
+    monkeypatch.setattr(demo_mod.time, "sleep", slept.append)
     src.read(0)
-    assert time.perf_counter() - t0 >= 0.01
+    monkeypatch.undo()
+    assert slept == [0.01]
     clone = pickle.loads(pickle.dumps(src))  # workers receive it pickled
     assert clone.read(2) == inner.read(9)
 

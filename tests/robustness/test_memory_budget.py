@@ -16,7 +16,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
 import zlib
 
 import numpy as np
@@ -28,7 +27,6 @@ from echo_native import _kernel
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 2**20
-FAST_S = 2.0   # a refusal from the header: far below what decoding would take
 
 ALL_CALLS = {
     "decode": lambda data, **kw: en.decode(data, **kw),
@@ -130,7 +128,7 @@ def test_progressive_444_over_budget_is_refused(images, prog444):
     np.testing.assert_array_equal(dec.decode(prog444), ref)
 
 
-@pytest.mark.timing
+@pytest.mark.timeout(60)
 def test_small_progressive_file_declaring_a_large_image(images, prog444):
     """A ~60 KB progressive 4:4:4 file whose header declares 9000 x 8000 (72 MP, under
     max_pixels): 648 MB of working memory, refused by default from the header, fast."""
@@ -139,10 +137,8 @@ def test_small_progressive_file_declaring_a_large_image(images, prog444):
     need = expected_need(bomb, True)
     assert need == 3 * math.ceil(9000 / 8) * 1000 * 128 + 72_000_000 * 3 > 512 * MiB
     for call in ALL_CALLS.values():
-        t0 = time.perf_counter()
         with pytest.raises(en.DecodeError, match=f"needs {need} bytes.*max_memory=536870912"):
             call(bomb)
-        assert time.perf_counter() - t0 < FAST_S
     # The same dimensions in a baseline file need only the RGB image: within budget.
     base = images.set_sof_size(images.sample("baseline-4:4:4").data, 8000, 9000)
     k = _kernel.Decoder()
@@ -198,7 +194,7 @@ def _png_declaring(images, width, height, color_type=2):
     return bytes(png)
 
 
-@pytest.mark.timing
+@pytest.mark.timeout(60)
 def test_large_png_refused_quickly(images):
     """A small PNG declaring 9000 x 9000 RGBA (81 MP, under max_pixels): Pillow's decode
     would need 1.1 GB (and seconds); refused from the header by every entry point."""
@@ -208,11 +204,9 @@ def test_large_png_refused_quickly(images):
         if name == "image_size":   # Pillow's header read: size only, nothing decoded
             assert call(png) == (9000, 9000)
             continue
-        t0 = time.perf_counter()
         with pytest.raises(en.DecodeError,
                            match=f"PNG 9000x9000 \\(RGBA\\) needs {need} bytes.*max_memory="):
             call(png)
-        assert time.perf_counter() - t0 < FAST_S
 
 
 @pytest.mark.parametrize("fmt,mode_bytes", [("png-rgb", 4), ("png-gray", 1), ("png-gray16", 2),
