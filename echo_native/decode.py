@@ -229,14 +229,7 @@ class _PillowDecoder:
         h, w = plan["shape"]
         if out is None:
             out = np.empty(h * w * 3, np.uint8)
-        flat = np.asarray(out)
-        # Same checks as the kernel: a non-contiguous array would be copied by
-        # reshape (the canvas would never reach `out`), another dtype cast.
-        if flat.dtype != np.uint8 or not flat.flags.c_contiguous or not flat.flags.writeable:
-            raise ValueError(f"out must be a writable contiguous uint8 buffer, got {flat.dtype} "
-                             f"contiguous={flat.flags.c_contiguous} "
-                             f"writeable={flat.flags.writeable}")
-        flat = flat.reshape(-1)
+        flat = _kernel.flat_buffer(out)
         if flat.size < h * w * 3:
             raise ValueError(f"canvas buffer holds {flat.size} bytes, a {h}x{w} canvas needs "
                              f"{h * w * 3}")

@@ -103,6 +103,19 @@ cdef en_box _box(box) except *:
     return b
 
 
+def flat_buffer(out):
+    """``out`` as a flat uint8 view of the same memory, or ValueError: a canvas is written
+    into the first bytes of any writable contiguous uint8 buffer."""
+    arr = np.asarray(out)
+    # reshape(-1) of a non-contiguous array is a copy: the canvas would be
+    # written there and `out` left untouched.  Refuse it instead.
+    if arr.dtype != np.uint8 or not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError(f"out must be a writable contiguous uint8 buffer, got {arr.dtype} "
+                         f"contiguous={arr.flags.c_contiguous} "
+                         f"writeable={arr.flags.writeable}")
+    return arr.reshape(-1)
+
+
 cpdef tuple check_size(size):
     """(height, width) of an output size, or TypeError/ValueError saying what is wrong."""
     try:
@@ -299,14 +312,7 @@ cdef class Decoder:
             if st:
                 _raise(self._d, st)
             out = np.empty(<size_t>c.height * c.width * 3, dtype=np.uint8)
-        arr = np.asarray(out)
-        # reshape(-1) of a non-contiguous array is a copy: the canvas would be
-        # written there and `out` left untouched.  Refuse it instead.
-        if arr.dtype != np.uint8 or not arr.flags.c_contiguous or not arr.flags.writeable:
-            raise ValueError(f"out must be a writable contiguous uint8 buffer, got {arr.dtype} "
-                             f"contiguous={arr.flags.c_contiguous} "
-                             f"writeable={arr.flags.writeable}")
-        buf = arr.reshape(-1)
+        buf = flat_buffer(out)
         cdef uint8_t *p = &buf[0] if buf.shape[0] else _EMPTY
         cdef size_t cap = buf.shape[0]
         with nogil:
