@@ -7,6 +7,7 @@ specs and keeps the books (:meth:`EchoRing.stats`).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import signal
@@ -132,6 +133,7 @@ class EchoRing:
         self._buffer = None
         self._window = None        # (epoch, BatchWindow) of batch echo
         self._unfinished = None    # epoch of an echo iteration left early
+        self._stash = []           # its emissions made but not delivered, oldest first
         self._yielded = None       # ticket of the last batch passed straight through
         self._outputs = {}
         self._books = _Books()
@@ -177,6 +179,7 @@ class EchoRing:
         """Stop workers, free shared memory.  Idempotent; also runs on GC and at exit.
         Every batch delivered so far stops being valid (``copy()`` what you keep)."""
         self.loader.close()
+        self._drop_stash()
         try:
             if self._buffer is not None or self._outputs:
                 # Work the consumer queued may still read the last batches: the device
@@ -291,23 +294,44 @@ class EchoRing:
                 self.device.release_after_copies(loader.hand_off())  # stored already
             else:
                 self._store(buf, held, counts, rng, fixed)
-        while True:
-            fresh_left -= self._fill(buf, counts, rng, fresh_left, fixed)
-            pending = buf.pending
-            if pending == 0 and fresh_left == 0:
-                self._skip = set()
-                self._unfinished = None
-                return
-            want = min(B, pending)
-            if want < B and (fresh_left > 0):
-                continue  # _fill blocks for more fresh data
-            if want < B and self.drop_last:
-                buf.clear()
-                self._skip = set()
-                self._unfinished = None
-                return
-            entries = buf.choose(want, rng)
-            yield self._emit(buf, entries, epoch)
+        # Emissions made and not yet delivered, oldest first.  A host device that
+        # prepares ahead re-augments the next batch while the consumer works on this
+        # one, so one emission stays in flight across each yield.
+        ahead = not fixed and getattr(self.device, "prepares_ahead", False)
+        keep = 1 if ahead else 0
+        made = collections.deque(self._stash)
+        self._stash = []
+        try:
+            while True:
+                while len(made) > keep:
+                    batch = self._hand_over(made[0])
+                    yield batch
+                    made.popleft()
+                if made:
+                    self.device.synchronize()  # _fill may reuse the canvases it reads
+                fresh_left -= self._fill(buf, counts, rng, fresh_left, fixed)
+                pending = buf.pending
+                want = min(B, pending)
+                if want < B and fresh_left > 0:
+                    continue  # _fill blocks for more fresh data
+                if pending == 0 or (want < B and self.drop_last):
+                    while made:
+                        batch = self._hand_over(made[0])
+                        yield batch
+                        made.popleft()
+                    if pending:
+                        buf.clear()  # drop_last: the short last batch is not emitted
+                    self._skip = set()
+                    self._unfinished = None
+                    return
+                made.append(self._emit(buf, entries=buf.choose(want, rng), epoch=epoch))
+        except GeneratorExit:
+            made.popleft()  # closed at a yield: the consumer has that batch
+            raise
+        finally:
+            # Left early (break, Ctrl-C): what was made waits for the next iteration.
+            self.device.synchronize()
+            self._stash = list(made)
 
     def _example_counts(self, epoch):
         """Emissions per sample id this epoch (fixed e).
@@ -393,31 +417,52 @@ class EchoRing:
         self._books.fill_s += self.loader.ring.fill_seconds(filled.ticket)
 
     def _emit(self, buf, entries, epoch):
-        n = len(entries)
+        """Emit buffer ``entries``: book the echo and start making the pixels (a host
+        device that prepares ahead makes them in the background).  The batch reaches
+        the consumer through :meth:`_hand_over`."""
         sample_ids = buf.sample_id[entries].copy()
         tickets = buf.ticket[entries].copy()
         with _deferred_interrupts():
             echo_index = buf.emit(entries)
-            first = echo_index == 0
-            self._note_sent(tickets[first], sample_ids[first], buf.ok[entries][first])
-        images = self._output("images", (n, *self.size, 3))
+        first = echo_index == 0
+        images = self._output("images", (len(entries), *self.size, 3))
         if self.placement == "after_augment":
             self.device.gather(buf, entries, images)
             boxes, flips = buf.box[entries].copy(), buf.flip[entries].copy()
             if self.spec.flip:
                 redo = echo_index > 0
-                new = np.array([_kernel.random_resized_crop_params(
-                    self.seed, int(buf.epoch[e]), int(s), int(j), 1, 1, flip_p=self.augment.flip_p)[1]
-                    for e, s, j in zip(entries, sample_ids, echo_index)], dtype=bool)
-                change = redo & (new != flips)
-                self.device.flip(images, change)
+                # The flip has a Philox block of its own: the image size does not matter.
+                ones = np.ones((len(entries), 2), np.int32)
+                new = _kernel.random_resized_crops(
+                    self.seed, buf.epoch[entries], sample_ids, echo_index.astype(np.int32),
+                    ones, ones.astype(np.float32), ones, flip_p=self.augment.flip_p)[1]
+                self.device.flip(images, redo & (new != flips))
                 flips = np.where(redo, new, flips)
         else:
             boxes, flips, canvas_boxes = self._crop_params(buf, entries, sample_ids, echo_index)
             self.device.crop_resize(buf, entries, canvas_boxes, flips, images)
         fresh = (echo_index == 0) & buf.ok[entries]
-        return self._finish(images, buf.label[entries].copy(), sample_ids, fresh, echo_index,
-                            boxes, flips, epoch)
+        return _Emission(
+            sent=(tickets[first], sample_ids[first], buf.ok[entries][first]),
+            parts=(images, buf.label[entries].copy(), sample_ids, fresh, echo_index, boxes,
+                   flips, epoch))
+
+    def _hand_over(self, emission):
+        """The batch of an emission, ready for the consumer.  Its samples count as
+        sent (for :meth:`state_dict`) only now, so a batch prepared ahead and never
+        delivered is read again after a resume."""
+        if emission.batch is None:
+            batch = self._finish(*emission.parts)  # waits for the pixels
+            with _deferred_interrupts():
+                self._note_sent(*emission.sent)
+                emission.batch = batch
+        return emission.batch
+
+    def _drop_stash(self):
+        """Forget emissions an interrupted iteration left (seek, new epoch, close)."""
+        if self._stash:
+            self.device.synchronize()
+            self._stash = []
 
     def _note_sent(self, tickets, sample_ids, ok):
         """First emissions of fresh batches ``tickets``; ``ok`` is False for a stand-in
@@ -460,6 +505,7 @@ class EchoRing:
         self.loader.load_state_dict(state)
         self._skip = set(int(s) for s in state.get("skip", ()))
         self._unsent, self._sent = {}, {}
+        self._drop_stash()
         self._window = self._unfinished = None
         if self._buffer is not None:
             self._buffer.clear()
@@ -468,6 +514,7 @@ class EchoRing:
         """As ``DistributedSampler.set_epoch``: the next iteration is ``epoch``."""
         if self.epoch != epoch:
             self._skip = set()
+            self._drop_stash()
             self._window = self._unfinished = None
             if self._buffer is not None:
                 self._buffer.clear()
@@ -476,25 +523,12 @@ class EchoRing:
     def _crop_params(self, buf, entries, sample_ids, echo_index):
         """RandomResizedCrop of each emission, drawn in the original image's
         coordinates from (seed, epoch, sample id, echo index), then mapped
-        onto the stored canvas."""
-        n = len(entries)
-        boxes = np.empty((n, 4), np.float32)
-        canvas_boxes = np.empty((n, 4), np.float64)
-        flips = np.empty(n, bool)
+        onto the stored canvas: (boxes, flips, canvas boxes), in one native call."""
         crop = self.augment
-        scale, ratio, flip_p = crop.scale, crop.ratio, crop.flip_p
-        for i, e in enumerate(entries):
-            H, W = buf.source_hw[e]
-            box, flip = _kernel.random_resized_crop_params(
-                self.seed, int(buf.epoch[e]), int(sample_ids[i]), int(echo_index[i]), int(H),
-                int(W), scale, ratio, flip_p)
-            sy, sx = buf.scale[e]
-            ch, cw = buf.shape[e]
-            top, left = min(box[0] / sy, ch), min(box[1] / sx, cw)
-            canvas_boxes[i] = (top, left, min(box[2] / sy, ch - top), min(box[3] / sx, cw - left))
-            boxes[i] = box
-            flips[i] = flip
-        return boxes, flips, canvas_boxes
+        return _kernel.random_resized_crops(
+            self.seed, buf.epoch[entries], sample_ids, np.asarray(echo_index, np.int32),
+            buf.source_hw[entries], buf.scale[entries], buf.shape[entries], crop.scale,
+            crop.ratio, crop.flip_p)
 
     def _output(self, kind, shape, dtype=np.uint8):
         """The next of the device's rotating output buffers of ``kind`` (its
@@ -629,6 +663,16 @@ class EchoRing:
             "worker_restarts": low["worker_restarts"],
             "device": self.device.describe(),
         }
+
+
+class _Emission:
+    """One emitted batch on its way to the consumer: its parts for ``_finish``, the
+    fresh samples it sends (booked at hand-over), and the batch once handed over."""
+
+    __slots__ = ("sent", "parts", "batch")
+
+    def __init__(self, sent, parts):
+        self.sent, self.parts, self.batch = sent, parts, None
 
 
 class _Books:

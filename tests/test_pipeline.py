@@ -257,6 +257,50 @@ def test_echo_outputs_survive_the_next_batch(small):
                 prev, keep = cur, cur.images.copy()
 
 
+
+def _emitted(batch):
+    return [(int(s), int(j), bool(f)) for s, j, f in zip(batch.sample_ids, batch.echo_index,
+                                                         batch.fresh)]
+
+
+def test_a_batch_prepared_ahead_is_neither_lost_nor_counted_as_sent(small):
+    """before_augment on the CPU makes the next batch while the consumer holds this one.
+    Leaving the loop keeps that batch: the next iteration delivers it first, and then
+    every other emission once.  A state_dict taken meanwhile does not count its samples
+    as sent: a resumed ring reads them fresh."""
+    kw = dict(echo=2, placement="before_augment", image_size=16, seed=3)
+    with _ring(small, **kw) as ring:
+        assert ring.device.prepares_ahead
+        whole = [e for b in ring for e in _emitted(b)]
+    with _ring(small, **kw) as ring:
+        it = iter(ring)
+        got = _emitted(next(it)) + _emitted(next(it))
+        state = ring.state_dict()
+        it.close()  # what a break does
+        got += [e for b in ring for e in _emitted(b)]
+    assert got[:24] == whole[:24]  # the batch made ahead is the third batch
+    assert sorted(got) == sorted(whole)
+    first_two = [s for s, _, fresh in whole[:16] if fresh]
+    with _ring(small, **kw) as ring:
+        ring.load_state_dict(state)
+        rest = [s for b in ring for s, _, fresh in _emitted(b) if fresh]
+    assert sorted(first_two + rest) == list(range(len(small[0])))
+
+
+def test_prepared_ahead_output_leaves_the_last_two_batches_alone(small):
+    """Three host output buffers: while the consumer holds batches k and k+1, the batch
+    made ahead (k+2) writes into neither (k stays valid until k+2 is delivered)."""
+    with _ring(small, echo=3, placement="before_augment", image_size=16) as ring:
+        it = iter(ring)
+        prev = next(it)
+        keep = prev.images.copy()
+        for cur in it:
+            ring.device.synchronize()  # the batch after cur is made by now
+            assert np.array_equal(prev.images, keep)
+            assert not np.shares_memory(prev.images, cur.images)
+            prev, keep = cur, cur.images.copy()
+
+
 # ---- determinism -----------------------------------------------------------------------
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_same_seed_same_batches_any_workers(small, placement):

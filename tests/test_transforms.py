@@ -312,3 +312,82 @@ def test_ks_statistic_detects_a_wrong_algorithm():
     b = crop_stats(wrong, np.zeros(n), height, width)
     assert ks_statistic(a["area fraction"], b["area fraction"]) > 0.05
     assert ks_statistic(a["log aspect ratio"], b["log aspect ratio"]) > 0.035
+
+
+# ---- many emissions at once (the echo stage's re-augmentation) ------------------------------
+@settings(max_examples=200, deadline=None, database=None, derandomize=True)
+@given(seed=st.integers(0, 2**64 - 1), n=st.integers(1, 40), data=st.data())
+def test_batched_crops_are_the_single_draws_mapped_onto_canvases(seed, n, data):
+    """``random_resized_crops`` draws exactly what ``random_resized_crop_params`` draws for
+    each key, and maps each box onto its canvas inside the canvas."""
+    from echo_native._kernel import random_resized_crops
+    ints = st.integers(1, 3000)
+    hw = np.array(data.draw(st.lists(st.tuples(ints, ints), min_size=n, max_size=n)), np.int32)
+    denom = np.array(data.draw(st.lists(st.sampled_from([1, 2, 4, 8, 2.5, 1.75]),
+                                        min_size=n, max_size=n)), np.float32)
+    scales = np.stack([denom, denom], axis=1)
+    canvas = np.maximum(1, np.ceil(hw / scales)).astype(np.int32)
+    epochs = np.array(data.draw(st.lists(st.integers(0, 99), min_size=n, max_size=n)), np.int64)
+    ids = np.array(data.draw(st.lists(st.integers(0, 2**40), min_size=n, max_size=n)), np.int64)
+    echo = np.array(data.draw(st.lists(st.integers(0, 7), min_size=n, max_size=n)), np.int32)
+    boxes, flips, cboxes = random_resized_crops(seed, epochs, ids, echo, hw, scales, canvas,
+                                                flip_p=0.3)
+    for i in range(n):
+        box, flip = en.random_resized_crop_params(seed, int(epochs[i]), int(ids[i]), int(echo[i]),
+                                                  int(hw[i, 0]), int(hw[i, 1]), flip_p=0.3)
+        assert tuple(boxes[i]) == box and bool(flips[i]) == flip
+        top, left, h, w = cboxes[i]
+        ch, cw = canvas[i]
+        assert top == pytest.approx(min(box[0] / denom[i], ch), rel=1e-6)
+        assert left == pytest.approx(min(box[1] / denom[i], cw), rel=1e-6)
+        assert 0 <= top and 0 <= left and h >= 0 and w >= 0
+        assert top + h <= ch + 1e-9 and left + w <= cw + 1e-9
+
+
+def test_batched_crops_name_a_bad_image_size():
+    from echo_native._kernel import random_resized_crops
+    one = np.ones((1, 2), np.int32)
+    with pytest.raises(ValueError, match="image size must be positive, got 0x5"):
+        random_resized_crops(0, np.zeros(1, np.int64), np.zeros(1, np.int64),
+                             np.zeros(1, np.int32), np.array([[0, 5]], np.int32),
+                             one.astype(np.float32), one)
+    with pytest.raises(ValueError, match="same length"):
+        random_resized_crops(0, np.zeros(2, np.int64), np.zeros(1, np.int64),
+                             np.zeros(1, np.int32), one, one.astype(np.float32), one)
+
+
+def test_batched_resize_equals_one_resize_per_image():
+    """``Decoder.resize_batch`` over canvases stored in rows is ``Decoder.resize`` of each,
+    byte for byte, flips and repeated entries included."""
+    from echo_native._kernel import Decoder
+    rng = np.random.default_rng(4)
+    shapes = np.array([[90, 120], [61, 47], [200, 33], [5, 9]], np.int32)
+    row = int((shapes[:, 0] * shapes[:, 1]).max()) * 3 + 7
+    pixels = rng.integers(0, 256, (len(shapes), row), dtype=np.uint8)
+    entries = np.array([2, 0, 3, 1, 0], np.int64)
+    boxes = np.array([[10.5, 3, 150, 20.25], [0, 0, 90, 120], [1, 2, 3, 4], [7, 5.5, 40, 30],
+                      [20, 30, 10, 10]], np.float64)
+    flips = np.array([1, 0, 1, 1, 0], np.uint8)
+    dec = Decoder()
+    out = np.zeros((len(entries), 24, 32, 3), np.uint8)
+    dec.resize_batch(pixels, entries, shapes, boxes, flips, out)
+    for i, e in enumerate(entries):
+        h, w = shapes[e]
+        canvas = pixels[e, :h * w * 3].reshape(h, w, 3)
+        want = dec.resize(canvas, tuple(boxes[i]), (24, 32), bool(flips[i]))
+        assert np.array_equal(out[i], want), i
+
+
+def test_batched_resize_refuses_what_does_not_fit():
+    from echo_native._kernel import Decoder
+    dec = Decoder()
+    pixels = np.zeros((2, 30), np.uint8)
+    one = np.zeros((1, 4), np.float64)
+    one[0, 2:] = 1
+    out = np.zeros((1, 4, 4, 3), np.uint8)
+    with pytest.raises(ValueError, match="entry 1: a 4x3 canvas does not fit a row of 30 bytes"):
+        dec.resize_batch(pixels, np.array([1], np.int64), np.array([[2, 2], [4, 3]], np.int32),
+                         one, np.zeros(1, np.uint8), out)
+    with pytest.raises(IndexError, match="entry 2 is outside the 2 rows"):
+        dec.resize_batch(pixels, np.array([2], np.int64), np.array([[2, 2], [2, 2]], np.int32),
+                         one, np.zeros(1, np.uint8), out)

@@ -48,6 +48,9 @@ class ArrayDevice:
     #: Rotating output buffers per kind (at least two: a delivered batch stays valid
     #: until the batch after next).  Copies on the host are synchronous: two suffice.
     output_buffers = 2
+    #: Example echo may emit the next batch before the consumer has this one: the
+    #: device then makes its pixels in the background (see ``synchronize``).
+    prepares_ahead = False
 
     def describe(self):
         """One line for stats(): the backend and how fresh batches reach it."""
@@ -76,6 +79,9 @@ class ArrayDevice:
     def release_buffers(self):
         """Called before the pipeline drops its output and echo buffers (close): their
         memory must not be reused before the consumer's work on them."""
+
+    def synchronize(self):
+        """Block until every emission step queued so far has written its output."""
 
     def ready(self, batch):
         """Called on each batch before it reaches the consumer."""

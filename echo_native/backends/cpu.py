@@ -1,21 +1,38 @@
 """The CPU backend: echo buffer in host memory, re-augmentation by the native kernel."""
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 
 from echo_native import _kernel
 from echo_native.backends.array import ArrayDevice
 
+#: Seconds one batch's re-augmentation may take before ``synchronize`` gives up: a
+#: batch is a bounded amount of arithmetic, so hitting this means a stuck host.
+HOST_WAIT_S = 300.0
+
+
 class CpuDevice(ArrayDevice):
     """Echo buffer in host memory; re-augmentation by the native resampler with the
-    GIL released, numerically identical to the fused decode path."""
+    GIL released, numerically identical to the fused decode path.
+
+    Re-augmenting a batch from stored canvases is about 0.15 ms of CPU per image,
+    as much as a 20 ms training step for a batch of 128.  It runs on a host
+    thread, one batch ahead, so it overlaps the consumer's step instead of adding
+    to it; a third output buffer keeps the batch after next untouched meanwhile.
+    """
 
     name = "cpu"
     host_resident = True
+    output_buffers = 3
+    prepares_ahead = True
 
     def __init__(self):
         super().__init__(np)
         self._dec = _kernel.Decoder()
+        self._host = None     # one thread: batches are made in emission order
+        self._job = None
 
     def store(self, buffer, entries, slot, count, fixed_shape):
         if fixed_shape:
@@ -35,8 +52,36 @@ class CpuDevice(ArrayDevice):
         return out
 
     def crop_resize(self, buffer, entries, boxes, flips, out):
-        size = out.shape[1:3]
-        for i, e in enumerate(entries):
-            h, w = buffer.shape[e]
-            canvas = buffer.pixels[e, :h * w * 3].reshape(h, w, 3)
-            self._dec.resize(canvas, boxes[i], size, bool(flips[i]), out[i])
+        self.synchronize()
+        if self._host is None:
+            self._host = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="echo_native-reaugment")
+        self._job = self._host.submit(
+            self._dec.resize_batch, buffer.pixels, np.ascontiguousarray(entries, np.int64),
+            buffer.shape, np.ascontiguousarray(boxes, np.float64),
+            np.ascontiguousarray(flips, bool).view(np.uint8), out)
+
+    def synchronize(self):
+        job, self._job = self._job, None
+        if job is None:
+            return
+        try:
+            job.result(timeout=HOST_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            self._job = job
+            raise TimeoutError(f"re-augmenting a batch on the host took over {HOST_WAIT_S:.0f} s"
+                               ) from None
+
+    def ready(self, batch):
+        self.synchronize()
+        return batch
+
+    def detach(self, ring=None):
+        self.synchronize()
+        super().detach(ring)
+
+    def release_buffers(self):
+        self.synchronize()
+        if self._host is not None:
+            self._host.shutdown(wait=True)
+            self._host = None

@@ -4,7 +4,7 @@ Every byte-level call runs with the GIL released; the GIL is taken again only
 to turn a failure status into an exception.  Argument checks live here, the
 pixels never leave C.
 """
-from libc.stdint cimport uint8_t, uint64_t, UINT64_MAX
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, UINT64_MAX
 cimport numpy as cnp
 import numpy as np
 
@@ -347,6 +347,46 @@ cdef class Decoder:
             _raise(self._d, st)
         return o
 
+    def resize_batch(self, const uint8_t[:, ::1] pixels not None,
+                     const int64_t[::1] entries not None, const int32_t[:, ::1] shapes not None,
+                     const double[:, ::1] boxes not None, const uint8_t[::1] flips not None,
+                     out not None):
+        """Re-augment stored canvases in one call: for each i, crop ``boxes[i]`` of the
+        canvas in row ``entries[i]`` of ``pixels`` (``shapes[entries[i]]`` = (h, w), its
+        first h*w*3 bytes), resize it into ``out[i]`` and flip it where ``flips[i]``.
+        The same resampling as :meth:`resize`, with the GIL released for the batch."""
+        cdef uint8_t[:, :, :, ::1] o = out
+        cdef Py_ssize_t n = entries.shape[0], i
+        if boxes.shape[0] != n or flips.shape[0] != n or o.shape[0] < n:
+            raise ValueError(f"{n} entries need {n} boxes, flips and output images, got "
+                             f"{boxes.shape[0]}, {flips.shape[0]} and {o.shape[0]}")
+        if boxes.shape[1] != 4 or shapes.shape[1] != 2 or o.shape[3] != 3:
+            raise ValueError("boxes must be (n, 4), shapes (rows, 2) and out (n, h, w, 3)")
+        cdef Py_ssize_t rows = pixels.shape[0], row_bytes = pixels.shape[1]
+        cdef int64_t e
+        for i in range(n):
+            e = entries[i]
+            if e < 0 or e >= rows or e >= shapes.shape[0]:
+                raise IndexError(f"entry {e} is outside the {rows} rows of pixels")
+            if shapes[e, 0] <= 0 or shapes[e, 1] <= 0 or \
+                    <Py_ssize_t>shapes[e, 0] * shapes[e, 1] * 3 > row_bytes:
+                raise ValueError(f"entry {e}: a {shapes[e, 0]}x{shapes[e, 1]} canvas does not "
+                                 f"fit a row of {row_bytes} bytes")
+        cdef int oh = o.shape[1], ow = o.shape[2], st = 0, ch, cw
+        cdef size_t stride = o.strides[1]
+        cdef en_box b
+        with nogil:
+            for i in range(n):
+                e = entries[i]
+                ch, cw = shapes[e, 0], shapes[e, 1]
+                b.top, b.left, b.height, b.width = boxes[i, 0], boxes[i, 1], boxes[i, 2], boxes[i, 3]
+                st = en_resize_rgb(self._d, &pixels[e, 0], ch, cw, <size_t>cw * 3, b, oh, ow,
+                                   flips[i] != 0, &o[i, 0, 0, 0], stride)
+                if st:
+                    break
+        if st:
+            _raise(self._d, st)
+        return out
 
 cdef en_rrc_spec _spec(scale, ratio, double flip_p) except *:
     cdef en_rrc_spec spec
@@ -377,6 +417,63 @@ def random_resized_crop_params(uint64_t seed, uint64_t epoch, uint64_t sample_id
     en_random_resized_crop(key, height, width, spec, &b, &f)
     return (int(b.top), int(b.left), int(b.height), int(b.width)), bool(f)
 
+
+def random_resized_crops(uint64_t seed, const int64_t[::1] epochs not None,
+                         const int64_t[::1] sample_ids not None,
+                         const int32_t[::1] echo_index not None,
+                         const int32_t[:, ::1] source_hw not None,
+                         const float[:, ::1] canvas_scale not None,
+                         const int32_t[:, ::1] canvas_hw not None,
+                         scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0 / 3.0), double flip_p=0.5):
+    """RandomResizedCrop of many emissions at once, each drawn exactly as
+    :func:`random_resized_crop_params` draws it for (seed, epochs[i], sample_ids[i],
+    echo_index[i]) on an image of ``source_hw[i]``, and mapped onto its stored canvas
+    (``canvas_hw[i]``, ``canvas_scale[i]`` original pixels per canvas pixel).
+
+    Returns (boxes, flips, canvas_boxes): float32 (n, 4) boxes in the original
+    image, bool (n,), float64 (n, 4) boxes on the canvases.  The mapping divides in
+    float32 and clamps to the canvas, so a box never reaches past its canvas.
+    """
+    cdef Py_ssize_t n = sample_ids.shape[0], i
+    if epochs.shape[0] != n or echo_index.shape[0] != n or source_hw.shape[0] != n or \
+            canvas_scale.shape[0] != n or canvas_hw.shape[0] != n:
+        raise ValueError("every per-emission array must have the same length")
+    if source_hw.shape[1] != 2 or canvas_scale.shape[1] != 2 or canvas_hw.shape[1] != 2:
+        raise ValueError("source_hw, canvas_scale and canvas_hw must be (n, 2)")
+    for i in range(n):
+        if source_hw[i, 0] <= 0 or source_hw[i, 1] <= 0:
+            raise ValueError(f"image size must be positive, got "
+                             f"{source_hw[i, 0]}x{source_hw[i, 1]}")
+        if not (canvas_scale[i, 0] > 0 and canvas_scale[i, 1] > 0):
+            raise ValueError(f"canvas scale must be positive, got "
+                             f"{canvas_scale[i, 0]}, {canvas_scale[i, 1]}")
+    cdef en_rrc_spec spec = _spec(scale, ratio, flip_p)
+    boxes = np.empty((n, 4), np.float32)
+    flips = np.empty(n, bool)
+    canvas_boxes = np.empty((n, 4), np.float64)
+    cdef float[:, ::1] bx = boxes
+    cdef uint8_t[::1] fl = flips.view(np.uint8)
+    cdef double[:, ::1] cb = canvas_boxes
+    cdef en_key key
+    cdef en_box b
+    cdef int f
+    cdef float sy, sx
+    cdef double ch, cw, top, left
+    with nogil:
+        for i in range(n):
+            key.seed, key.epoch = seed, <uint64_t>epochs[i]
+            key.sample_id, key.echo_index = <uint64_t>sample_ids[i], <uint64_t>echo_index[i]
+            en_random_resized_crop(key, source_hw[i, 0], source_hw[i, 1], spec, &b, &f)
+            bx[i, 0], bx[i, 1], bx[i, 2], bx[i, 3] = b.top, b.left, b.height, b.width
+            fl[i] = f
+            sy, sx = canvas_scale[i, 0], canvas_scale[i, 1]
+            ch, cw = canvas_hw[i, 0], canvas_hw[i, 1]
+            top = min(<double>(<float>b.top / sy), ch)
+            left = min(<double>(<float>b.left / sx), cw)
+            cb[i, 0], cb[i, 1] = top, left
+            cb[i, 2] = min(<double>(<float>b.height / sy), ch - top)
+            cb[i, 3] = min(<double>(<float>b.width / sx), cw - left)
+    return boxes, flips, canvas_boxes
 
 def center_crop_box(int height, int width, int resize_side, size):
     """Box of the original that Resize(resize_side) + CenterCrop(size) keeps; ``size`` is
