@@ -426,6 +426,7 @@ class EchoRing:
             echo_index = buf.emit(entries)
         first = echo_index == 0
         images = self._output("images", (len(entries), *self.size, 3))
+        job = None
         if self.placement == "after_augment":
             self.device.gather(buf, entries, images)
             boxes, flips = buf.box[entries].copy(), buf.flip[entries].copy()
@@ -440,9 +441,10 @@ class EchoRing:
                 flips = np.where(redo, new, flips)
         else:
             boxes, flips, canvas_boxes = self._crop_params(buf, entries, sample_ids, echo_index)
-            self.device.crop_resize(buf, entries, canvas_boxes, flips, images)
+            job = self.device.crop_resize(buf, entries, canvas_boxes, flips, images)
         fresh = (echo_index == 0) & buf.ok[entries]
         return _Emission(
+            job=job,
             sent=(tickets[first], sample_ids[first], buf.ok[entries][first]),
             parts=(images, buf.label[entries].copy(), sample_ids, fresh, echo_index, boxes,
                    flips, epoch))
@@ -452,7 +454,8 @@ class EchoRing:
         sent (for :meth:`state_dict`) only now, so a batch prepared ahead and never
         delivered is read again after a resume."""
         if emission.batch is None:
-            batch = self._finish(*emission.parts)  # waits for the pixels
+            self.device.synchronize(emission.job)  # its pixels, not those made after it
+            batch = self._finish(*emission.parts)
             with _deferred_interrupts():
                 self._note_sent(*emission.sent)
                 emission.batch = batch
@@ -669,10 +672,10 @@ class _Emission:
     """One emitted batch on its way to the consumer: its parts for ``_finish``, the
     fresh samples it sends (booked at hand-over), and the batch once handed over."""
 
-    __slots__ = ("sent", "parts", "batch")
+    __slots__ = ("job", "sent", "parts", "batch")
 
-    def __init__(self, sent, parts):
-        self.sent, self.parts, self.batch = sent, parts, None
+    def __init__(self, job, sent, parts):
+        self.job, self.sent, self.parts, self.batch = job, sent, parts, None
 
 
 class _Books:

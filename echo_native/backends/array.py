@@ -80,8 +80,9 @@ class ArrayDevice:
         """Called before the pipeline drops its output and echo buffers (close): their
         memory must not be reused before the consumer's work on them."""
 
-    def synchronize(self):
-        """Block until every emission step queued so far has written its output."""
+    def synchronize(self, job=None):
+        """Block until ``job`` (what :meth:`crop_resize` returned), or every emission
+        step queued so far, has written its output."""
 
     def ready(self, batch):
         """Called on each batch before it reaches the consumer."""
@@ -134,6 +135,7 @@ class ArrayDevice:
 
     def crop_resize(self, buffer, entries, boxes, flips, out):
         """Re-augment: crop box i of canvas ``entries[i]``, resize into out[i], flip.
+        Returns a job for :meth:`synchronize` (None: done already).
 
         One separable weighted sum in float, rounded once (the native CPU path
         rounds between its two passes, as Pillow does: they agree within 1-2

@@ -32,7 +32,7 @@ class CpuDevice(ArrayDevice):
         super().__init__(np)
         self._dec = _kernel.Decoder()
         self._host = None     # one thread: batches are made in emission order
-        self._job = None
+        self._last = None     # the last job queued
 
     def store(self, buffer, entries, slot, count, fixed_shape):
         if fixed_shape:
@@ -52,29 +52,27 @@ class CpuDevice(ArrayDevice):
         return out
 
     def crop_resize(self, buffer, entries, boxes, flips, out):
-        self.synchronize()
         if self._host is None:
             self._host = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="echo_native-reaugment")
-        self._job = self._host.submit(
+        # One thread runs the jobs in order: waiting for a job waits for those before it.
+        self._last = self._host.submit(
             self._dec.resize_batch, buffer.pixels, np.ascontiguousarray(entries, np.int64),
             buffer.shape, np.ascontiguousarray(boxes, np.float64),
             np.ascontiguousarray(flips, bool).view(np.uint8), out)
+        return self._last
 
-    def synchronize(self):
-        job, self._job = self._job, None
+    def synchronize(self, job=None):
+        job = self._last if job is None else job
         if job is None:
             return
         try:
             job.result(timeout=HOST_WAIT_S)
         except concurrent.futures.TimeoutError:
-            self._job = job
             raise TimeoutError(f"re-augmenting a batch on the host took over {HOST_WAIT_S:.0f} s"
                                ) from None
-
-    def ready(self, batch):
-        self.synchronize()
-        return batch
+        if job is self._last:
+            self._last = None
 
     def detach(self, ring=None):
         self.synchronize()
