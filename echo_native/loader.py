@@ -452,6 +452,7 @@ class Loader:
         self._stats.batches += 1
         self._stats.delivered += count
         self._stats.fresh += int(np.count_nonzero(slot.status[:count] == OK))
+        self._stats.warned += ring.warned(ticket)
         return Filled(ticket, ticket // len(self), slot, count)
 
     def release(self, ticket):
@@ -537,6 +538,7 @@ class Loader:
             "stall_s": s.stall_s,
             "ring_occupancy": occupancy,
             "failures": dict(s.failures),
+            "accepted_with_warnings": s.warned,
             "dropped": s.dropped,
             "worker_restarts": self._pool.restarts if self._pool else 0,
         }
@@ -555,7 +557,7 @@ class Filled:
 class _Counters:
     def __init__(self):
         self.started = 0.0
-        self.batches = self.fresh = self.delivered = self.dropped = 0
+        self.batches = self.fresh = self.delivered = self.dropped = self.warned = 0
         self.stall_s = 0.0
         self.failures = {}
 

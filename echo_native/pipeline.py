@@ -662,6 +662,7 @@ class EchoRing:
             "ring_occupancy": low["ring_occupancy"],
             "buffer_fill": (len(self._buffer) / self._buffer.capacity) if self._buffer else 0.0,
             "failures": low["failures"],
+            "accepted_with_warnings": low["accepted_with_warnings"],
             "dropped": low["dropped"],
             "worker_restarts": low["worker_restarts"],
             "device": self.device.describe(),

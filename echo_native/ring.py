@@ -23,7 +23,7 @@ Segment layout (slots start page-aligned)::
 
     header  en_ring_header: magic, version, geometry, closed flag, next ticket,
             per-worker claims (MAX_WORKERS of them)
-    slot 0  en_ring_slot: seq | count | ticket | error kind | failures | fill time
+    slot 0  en_ring_slot: seq | count | ticket | error kind | failures | fill time | warned
             | failure records (REPORT_BYTES)
             labels i64[B] | sample ids i64[B] | status u8[B] | reason u8[B]
             flip u8[B] | boxes f32[B, 4] | image shape u16[B, 2] | source shape i32[B, 2]
@@ -744,10 +744,12 @@ class Ring:
         self.segment.seq_publish(self.layout.slot(ticket) + _S["seq"],
                                  _ring.seq_free(ticket + self.layout.nslots))
 
-    def write_meta(self, ticket, count, error, failures_total, records=(), fill_s=0.0):
+    def write_meta(self, ticket, count, error, failures_total, records=(), fill_s=0.0,
+                   warned=0):
         """Producer side: the slot's count, error kind, failure total and records
         (Failure objects; those that do not fit the report area are dropped
-        whole, the total still counts them).  Returns how many were dropped."""
+        whole, the total still counts them), and how many of its samples decoded
+        with harmless warnings.  Returns how many records were dropped."""
         slot = self.slots[ticket % self.layout.nslots]
         data, dropped = encode_failures(records, REPORT_BYTES)
         meta = slot.meta
@@ -755,6 +757,7 @@ class Ring:
         meta["count"] = count
         meta["error"] = error
         meta["failures"] = _saturate("failures", int(failures_total))
+        meta["warned"] = _saturate("warned", int(warned))
         meta["report_len"] = len(data)
         meta["ticket"] = ticket
         slot.report_area[:len(data)] = np.frombuffer(data, np.uint8)
@@ -763,6 +766,10 @@ class Ring:
     def fill_seconds(self, ticket):
         """Time the worker spent filling this ticket's slot."""
         return int(self.slots[ticket % self.layout.nslots].meta["fill_us"]) * 1e-6
+
+    def warned(self, ticket):
+        """Samples of this ticket's slot accepted with harmless decoder warnings."""
+        return int(self.slots[ticket % self.layout.nslots].meta["warned"])
 
     def read_meta(self, ticket):
         """Consumer side: :class:`Meta` (count, error kind, failure total, records)

@@ -235,11 +235,12 @@ class _Filler:
         t0 = time.perf_counter()
         plan, slot = self.plan, self.ring.slots[ticket % self.ring.layout.nslots]
         epoch, ids = self.epochs.ticket(ticket)
-        count, failures, records = 0, 0, []
+        count, failures, warned, records = 0, 0, 0, []
         for sid in ids:
             sid = int(sid)
             try:
                 self._produce(sid, epoch, slot, count)
+                warned += self.dec.harmless_warnings > 0
                 status, used = OK, sid
             except _SampleFailure as f:
                 failures += 1
@@ -261,7 +262,7 @@ class _Filler:
                 slot.reason[count] = 0
             count += 1
         self.ring.write_meta(ticket, count, ERR_NONE, failures, records,
-                             time.perf_counter() - t0)
+                             time.perf_counter() - t0, warned)
 
     def _replace(self, epoch, sid, slot, i):
         for attempt in range(_MAX_REPLACEMENTS):

@@ -573,3 +573,26 @@ def test_png_pixel_damage_still_refused(images):
             with pytest.raises(en.DecodeError):
                 en.decode(bad, strict=strict)
     assert ImageFile.LOAD_TRUNCATED_IMAGES is False
+
+
+# ---------------------------------------------------------------------------
+# through a ring: accepted files are delivered and counted, refused ones replaced
+
+
+@pytest.mark.parametrize("placement", ["before_augment", "after_augment"])
+def test_ring_counts_files_accepted_with_warnings(images, sequential, plain, placement):
+    """In strict mode a ring delivers files with header junk as themselves (fresh, never
+    replaced), counts each of them once in stats()["accepted_with_warnings"], and
+    replaces a truncated file, counted apart as a failure."""
+    junk = insert_before(images, sequential, 0xDB)
+    truncated = plain[:len(plain) // 2]
+    blobs = [plain, junk, sequential, junk, truncated, plain, junk, sequential]
+    labels = np.arange(len(blobs))
+    with en.EchoRing(en.Samples(blobs, labels), 4, echo=en.Echo(2, placement=placement),
+                     image_size=32, workers=2, seed=1, timeout=60) as ring:
+        with pytest.warns(en.SampleFailureWarning):
+            fresh = sorted(int(s) for b in ring for s, f in zip(b.sample_ids, b.fresh) if f)
+        stats = ring.stats()
+    assert fresh == [0, 1, 2, 3, 5, 6, 7]
+    assert stats["accepted_with_warnings"] == 3
+    assert sum(stats["failures"].values()) == 1

@@ -49,6 +49,7 @@ const en_ring_field en_ring_slot_fields[] = {
     FIELD(en_ring_slot, failures, 4),
     FIELD(en_ring_slot, report_len, 4),
     FIELD(en_ring_slot, fill_us, 4),
+    FIELD(en_ring_slot, warned, 4),
     FIELD(en_ring_slot, report, 1),
     {NULL, 0, 0, 0},
 };

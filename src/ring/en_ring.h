@@ -42,7 +42,7 @@ extern "C" {
 #define EN_RING_MAGIC UINT64_C(0x31474E4952484345) /* "ECHRING1" as little-endian bytes */
 /* Bumped whenever a byte moves, so that a process built from other sources
  * refuses a segment instead of misreading it. */
-#define EN_RING_VERSION 3u
+#define EN_RING_VERSION 4u
 #define EN_RING_PAGE 4096u
 #define EN_RING_HEADER_BYTES EN_RING_PAGE
 /* Claim words in the header; worker indexes run 0 .. EN_RING_MAX_WORKERS-1. */
@@ -107,7 +107,10 @@ typedef struct en_ring_slot {
     uint32_t failures;     /* samples that failed, whether or not report[] names them */
     uint32_t report_len;   /* bytes of report[] in use */
     uint32_t fill_us;      /* microseconds the worker spent filling the slot */
-    uint64_t reserved[4];
+    uint32_t warned;       /* samples decoded with harmless warnings only (header junk,
+                            * odd metadata): accepted, even in strict mode, and counted */
+    uint32_t reserved0;
+    uint64_t reserved[3];
     /* A sequence of en_ring_failure records (see below), in the order the
      * samples failed.  ERR_DECODE: the last record is the sample to raise
      * for.  ERR_WORKER: one record, sample_id EN_RING_NO_SAMPLE, empty path,
