@@ -140,10 +140,12 @@ def test_python_offsets_equal_the_c_struct_offsets(demo, geometry):
 
 
 def test_slot_meta_lands_where_c_reads_it():
-    """write_meta stores count, error, failures, ticket and report length at the C offsets."""
+    """write_meta stores count, error, failures, ticket, fill time, warned count and report
+    length at the C offsets."""
     ring = Ring.create(2, 3, 8)
     try:
-        ring.write_meta(5, 3, rg.ERR_DECODE, 9, [Failure(1, 1, "a", "b")], fill_s=0.25)
+        ring.write_meta(5, 3, rg.ERR_DECODE, 9, [Failure(1, 1, "a", "b")], fill_s=0.25,
+                        warned=2)
         base = ring.layout.slot(5)
 
         def word(name, width):
@@ -153,6 +155,7 @@ def test_slot_meta_lands_where_c_reads_it():
         assert word("ticket", 8) == 5 and word("fill_us", 4) == 250000
         assert word("report_len", 4) == len(encode_failures([Failure(1, 1, "a", "b")])[0])
         assert ring.fill_seconds(5) == pytest.approx(0.25)
+        assert word("warned", 4) == ring.warned(5) == 2
     finally:
         ring.unlink()
 

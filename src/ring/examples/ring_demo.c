@@ -76,6 +76,7 @@ static void fill(en_ring_slot *s, const en_ring_layout *l, uint64_t t) {
     s->error = EN_RING_ERR_NONE;
     s->failures = 1;
     s->fill_us = 0;
+    s->warned = 0;
     s->report_len = put_failure(s->report, 0, t * l->batch, EN_RING_REASON_DECODE, path,
                                 (uint32_t)n, message);
 }
@@ -196,7 +197,8 @@ static int print_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes) 
     FIELD(stdout, en_ring_slot, seq); FIELD(stdout, en_ring_slot, count);
     FIELD(stdout, en_ring_slot, ticket); FIELD(stdout, en_ring_slot, error);
     FIELD(stdout, en_ring_slot, failures); FIELD(stdout, en_ring_slot, report_len);
-    FIELD(stdout, en_ring_slot, fill_us); FIELD(stdout, en_ring_slot, report);
+    FIELD(stdout, en_ring_slot, fill_us); FIELD(stdout, en_ring_slot, warned);
+    FIELD(stdout, en_ring_slot, report);
     printf("\"sizeof\": %zu}, \"failure\": {", sizeof(en_ring_slot));
     FIELD(stdout, en_ring_failure, sample_id); FIELD(stdout, en_ring_failure, path_len);
     FIELD(stdout, en_ring_failure, message_len); FIELD(stdout, en_ring_failure, reason);
