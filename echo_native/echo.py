@@ -19,6 +19,7 @@ are produced (NumPy + native kernel on CPU, CuPy on GPU).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -292,26 +293,135 @@ class BatchWindow:
 
 
 class AutoEcho:
-    """Echo factor from what the consumer experiences.
+    """The echo factor of ``echo="auto"``: the e that keeps the accelerator busy with
+    data that still teaches, measured while training.
 
-    Upstream-bound (the consumer had to wait for fresh data): raise e.
-    Consumer-bound (fresh data was ready but the buffer had no room, so
-    repeats were evicted): lower e towards 1.  The paper's rule e ~ R is the
-    fixed point: at that e the consumer neither waits nor leaves fresh data
-    unused.  Capped by ``max_echo`` (the paper validated up to ~4-5 on images).
+    **Rate model.**  ``t_up`` is the upstream's time per fresh batch (worker fill
+    time / workers: its capacity, not counting time the workers sat on a full
+    ring) and ``t_down`` the consumer's time per delivered batch, including the
+    ring's own emission work (re-augmentation, normalisation) but not the time it
+    blocked on the upstream.  At e = R = t_up / t_down the consumer is exactly fed;
+    below it the accelerator waits, above it repeats stand in for fresh data that
+    was never short.  Because the rates wander (a slow file, a busy core) and a
+    stall costs a whole step while a surplus repeat costs little, the target is
+    ``headroom`` x R (1.25), and repeats are kept rather than evicted while the
+    buffer has room: the upstream then fills the ring and waits, and the
+    consumer never does.  Each stall that still happens raises a correction
+    factor (up to 1.5) that decays by 0.5% per batch.
+
+    **Loss feedback** (optional, :meth:`EchoRing.report`).  With per-example
+    losses the controller compares echoed rows with fresh ones.  While a repeat
+    is about as hard as a fresh example (smoothed loss ratio >= 0.9) it teaches
+    about as much, and the cap on e rises back towards ``max_echo``; once repeats
+    are clearly easier (< 0.8: the model is fitting them), the cap falls by 3%
+    per report, down to 1.  Without feedback the cap is ``max_echo``.
+
+    Every change of more than 0.05 is recorded in :attr:`trace` (at most the
+    last 256) with its reason: ``"stall"`` (before the rates are known, or the
+    correction), ``"rates"`` or ``"loss"``.
     """
 
-    def __init__(self, max_echo=4.0, start=1.0):
+    HEADROOM = 1.25
+    SMOOTHING = 0.2        # weight of a new observation in the running means
+    WARM = 3               # observations of each rate before the model is used
+    TRACE = 256
+
+    def __init__(self, max_echo=4.0, start=1.0, headroom=HEADROOM, clock=None):
         if max_echo < 1:
             raise ValueError(f"max_echo must be >= 1, got {max_echo}")
+        if headroom < 1:
+            raise ValueError(f"headroom must be >= 1, got {headroom}")
         self.max_echo = float(max_echo)
+        self.headroom = float(headroom)
         self.value = float(min(max(start, 1.0), max_echo))
+        self.cap = self.max_echo
+        self.t_up = self.t_down = None
+        self._n_up = self._n_down = self._n_loss = 0
+        self._boost = 1.0
+        self._loss_ratio = None
+        self._clock = clock or time.perf_counter
+        self._t0 = self._clock()
+        self.batches = 0
+        self.trace = []
+
+    # -- observations ------------------------------------------------------------------
+    def upstream(self, seconds):
+        """A fresh batch took the upstream ``seconds`` of capacity (fill time / workers)."""
+        if seconds > 0:
+            self.t_up = self._mean(self.t_up, seconds)
+            self._n_up += 1
+            self._update("rates")
+
+    def consumer(self, seconds):
+        """The consumer (with the ring's own work) spent ``seconds`` on a batch."""
+        self.batches += 1
+        if seconds > 0:
+            self.t_down = self._mean(self.t_down, seconds)
+            self._n_down += 1
+        self._boost = max(1.0, self._boost * 0.995)
+        self._update("rates")
 
     def stalled(self):
-        self.value = min(self.max_echo, self.value * 1.15 + 0.05)
+        """The consumer waited for fresh data with no repeat left to emit."""
+        if self._warm:
+            self._boost = min(1.5, self._boost * 1.1)
+            self._update("stall")
+        else:  # no rates yet: climb quickly, as a stall costs a whole step
+            self._set(min(self.max_echo, self.cap, self.value * 1.15 + 0.05), "stall")
 
-    def surplus(self):
-        self.value = max(1.0, self.value * 0.85)
+    def losses(self, losses, echo_index):
+        """Per-example losses of a delivered batch and the echo index of each row."""
+        losses = np.asarray(losses, dtype=np.float64)
+        echo_index = np.asarray(echo_index)
+        ok = np.isfinite(losses)
+        fresh, echoed = losses[ok & (echo_index == 0)], losses[ok & (echo_index > 0)]
+        if not len(fresh) or not len(echoed) or fresh.mean() <= 0:
+            return
+        self._loss_ratio = self._mean(self._loss_ratio, echoed.mean() / fresh.mean())
+        self._n_loss += 1
+        if self._n_loss < 5:
+            return
+        if self._loss_ratio >= 0.9:
+            self.cap = min(self.max_echo, self.cap * 1.03 + 0.01)
+        elif self._loss_ratio < 0.8:
+            self.cap = max(1.0, self.cap * 0.97)
+        self._update("loss")
+
+    # -- the decision -------------------------------------------------------------------
+    @property
+    def _warm(self):
+        return self._n_up >= self.WARM and self._n_down >= self.WARM
+
+    @property
+    def R(self):
+        """t_up / t_down as measured so far (nan before both are known)."""
+        if self.t_up is None or not self.t_down:
+            return float("nan")
+        return self.t_up / self.t_down
+
+    @property
+    def loss_ratio(self):
+        """Smoothed mean loss of echoed rows / fresh rows (None without feedback)."""
+        return self._loss_ratio
+
+    def _mean(self, old, new):
+        return new if old is None else old + self.SMOOTHING * (new - old)
+
+    def _update(self, reason):
+        if self._warm:
+            target = self.headroom * self._boost * self.R
+            self._set(min(self.max_echo, self.cap, max(1.0, target)), reason)
+        elif self.value > self.cap:
+            self._set(self.cap, reason)
+
+    def _set(self, value, reason):
+        value = max(1.0, value)
+        if abs(value - self.value) > 0.05:
+            self.trace.append({"t_s": round(self._clock() - self._t0, 3), "batch": self.batches,
+                               "echo": round(value, 3), "reason": reason,
+                               "R": None if math.isnan(self.R) else round(self.R, 3)})
+            del self.trace[:-self.TRACE]
+        self.value = value
 
     def counts(self, rng, n):
         base = int(math.floor(self.value))

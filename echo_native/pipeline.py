@@ -134,6 +134,7 @@ class EchoRing:
         self._window = None        # (epoch, BatchWindow) of batch echo
         self._unfinished = None    # epoch of an echo iteration left early
         self._stash = []           # its emissions made but not delivered, oldest first
+        self._last_echo_index = None  # of the batch delivered last, for report()
         self._yielded = None       # ticket of the last batch passed straight through
         self._outputs = {}
         self._books = _Books()
@@ -231,13 +232,20 @@ class EchoRing:
             gen = self._batch_echo()
         else:
             gen = self._example_echo()
-        books = self._books
+        books, auto = self._books, self._auto
+        last = waited = None
         for batch in gen:
+            now = time.perf_counter()
+            if auto is not None and last is not None:
+                # From one hand-out to the next: the consumer's step and the ring's own
+                # work, less the time the ring blocked on the upstream.
+                auto.consumer(now - last - (books.wait_s - waited))
+            last, waited = now, books.wait_s
             books.delivered += len(batch)
             books.batches += 1
-            t = time.perf_counter()
+            self._last_echo_index = batch.echo_index
             yield batch
-            books.consumer_s += time.perf_counter() - t
+            books.consumer_s += time.perf_counter() - now
 
     def _passthrough(self):
         loader = self.loader
@@ -269,8 +277,13 @@ class EchoRing:
 
     def _note_fill(self):
         """Add the upstream cost (worker fill time) of the batch just taken."""
-        ticket = self.loader.position - 1
-        self._books.fill_s += self.loader.ring.fill_seconds(ticket)
+        self._observe_upstream(self.loader.position - 1)
+
+    def _observe_upstream(self, ticket):
+        fill_s = self.loader.ring.fill_seconds(ticket)
+        self._books.fill_s += fill_s
+        if self._auto is not None:
+            self._auto.upstream(fill_s / max(1, self.loader.workers))
 
     # -- example echo (before / after augmentation) -----------------------------------
     def _open_epoch(self):
@@ -350,28 +363,22 @@ class EchoRing:
     def _fill(self, buf, counts, rng, fresh_left, fixed):
         """Move fresh batches from the ring into the buffer; returns how many were moved.
 
-        Fixed e: keep the buffer as full as a whole slot allows, blocking for
-        data, so the emission order depends only on the seed.  Auto: take
-        what is ready without waiting while enough is buffered, evict repeats
-        to make room for fresh data, and wait only when the buffer runs dry.
+        Keep the buffer as full as a whole slot allows, blocking for data: with
+        a fixed e the emission order then depends only on the seed, and every
+        batch is drawn from a full buffer of distinct examples.  Auto echo does
+        the same (repeats are kept, never evicted for fresh data; taking fresh
+        data early would leave a few examples to fill whole batches back to
+        back) and tells its controller when the consumer stalls: less than a
+        batch left to emit and no fresh batch ready.  Waiting early costs no
+        throughput: upstream-bound, the rate is the upstream's times e either
+        way; consumer-bound, the buffer is full anyway.
         """
         moved, B = 0, self.batch_size
         while fresh_left - moved > 0:
-            if self.auto:
-                ready = self.loader.ready()
-                if buf.free < B:
-                    if not ready:
-                        break
-                    buf.evict_emitted(B - buf.free)
-                    self._auto.surplus()
-                    if buf.free < B:
-                        break
-                if not ready:
-                    if buf.pending >= B:
-                        break
-                    self._auto.stalled()
-            elif buf.free < B:
+            if buf.free < B:
                 break
+            if self.auto and buf.pending < B and not self.loader.ready():
+                self._auto.stalled()
             t0 = time.perf_counter()
             filled = self.loader.next_filled()
             self._books.wait_s += time.perf_counter() - t0
@@ -414,7 +421,7 @@ class EchoRing:
         self._sent[filled.ticket] = []
         self._books.fresh += int(np.count_nonzero(buf.ok[live]))
         self._books.fresh_batches += 1
-        self._books.fill_s += self.loader.ring.fill_seconds(filled.ticket)
+        self._observe_upstream(filled.ticket)
 
     def _emit(self, buf, entries, epoch):
         """Emit buffer ``entries``: book the echo and start making the pixels (a host
@@ -611,19 +618,13 @@ class EchoRing:
             self._unsent[ticket], self._sent[ticket] = 1, []
 
     def _want_fresh_batch(self, window):
-        """Batch echo: pull the next fresh batch now?  Fixed e keeps the window full;
-        auto takes fresh data when it is ready (making room by dropping repeats) and
-        waits for it only when no repeat is left to emit."""
-        if not self.auto:
-            return len(window) < window.size
-        if self.loader.ready():
-            if len(window) >= window.size:
-                window.evict_emitted()
-                self._auto.surplus()
-            return len(window) < window.size
-        if len(window):
+        """Batch echo: pull the next fresh batch now?  While the window has room (as
+        in :meth:`_fill`: repeats are kept); auto echo counts a stall when no
+        batch is left to repeat and no fresh one is ready."""
+        if len(window) >= window.size:
             return False
-        self._auto.stalled()
+        if self.auto and not len(window) and not self.loader.ready():
+            self._auto.stalled()
         return True
 
     # -- output ------------------------------------------------------------------------------
@@ -641,6 +642,26 @@ class EchoRing:
                                        np.asarray(flips, bool), epoch))
 
     # -- books --------------------------------------------------------------------------------
+    def report(self, losses):
+        """Per-example training losses of the batch delivered last (``echo="auto"``).
+
+        ``losses`` has one value per row, e.g. ``F.cross_entropy(logits, y,
+        reduction="none")``: a PyTorch tensor (on any device), a JAX, CuPy or NumPy
+        array, or a list.  Auto echo compares the loss of echoed rows with fresh
+        ones and lowers e once repeats have become clearly easier than fresh data
+        (see :class:`echo_native.echo.AutoEcho`).  With a fixed e it does nothing.
+        Call it after the step, before taking the next batch.
+        """
+        if self._last_echo_index is None:
+            raise RuntimeError("report(): no batch has been delivered yet")
+        values = _host_floats(losses)
+        n = len(self._last_echo_index)
+        if values.shape != (n,):
+            raise ValueError(f"report() takes one loss per row of the last batch ({n}), got "
+                             f"shape {values.shape} (use reduction='none')")
+        if self._auto is not None:
+            self._auto.losses(values, self._last_echo_index)
+
     def stats(self):
         """Rates and counters since start (see README, "Reading stats()")."""
         s = self._books
@@ -656,6 +677,9 @@ class EchoRing:
             "delivered_per_s": s.delivered / elapsed if elapsed else 0.0,
             "effective_echo": s.delivered / s.fresh if s.fresh else 0.0,
             "echo_factor": self._e(),
+            # echo="auto": every change of e, when (t_s, batch), to what, and why.
+            "echo_trace": list(self._auto.trace) if self._auto else [],
+            "echo_loss_ratio": self._auto.loss_ratio if self._auto else None,
             "estimated_R": t_up / t_down if t_down > 0 else float("nan"),
             "stall_s": s.wait_s,
             "consumer_s": s.consumer_s,
@@ -667,6 +691,18 @@ class EchoRing:
             "worker_restarts": low["worker_restarts"],
             "device": self.device.describe(),
         }
+
+
+def _host_floats(values):
+    """A 1-D float64 NumPy copy of losses from any framework, without importing one."""
+    if hasattr(values, "detach"):       # torch: leave autograd, then the device
+        values = values.detach()
+    if hasattr(values, "cpu"):
+        values = values.cpu()
+    elif hasattr(values, "get") and hasattr(values, "__cuda_array_interface__"):  # CuPy
+        values = values.get()
+    values = np.asarray(values, dtype=np.float64)
+    return values.reshape(-1) if values.ndim else values
 
 
 class _Emission:

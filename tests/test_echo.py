@@ -11,7 +11,10 @@ copied from the implementation):
   distinct examples is left, repeats spread over several batches, more so with
   a bigger buffer;
 - batch echo (BatchWindow): whole batches repeated, 2 or 3 times for e=2.5;
-- auto echo (AutoEcho) follows the ratio of upstream to consumer speed.
+- auto echo (AutoEcho): its decisions on simulated rates, stalls and losses
+  (headroom x R, bounds, the stall correction, the loss cap, the trace), and in a
+  ring: it follows the ratio of upstream to consumer speed and takes losses
+  through ``EchoRing.report``.
 
 How EchoRing places, copies and hands out the echoes is in ``test_pipeline.py``.
 """
@@ -27,6 +30,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
+from echo_native.echo import AutoEcho
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -244,3 +248,190 @@ def test_auto_echo_falls_back_when_consumer_slows(small):
                 break
     assert trace[-1][0] <= 1.2, (high, trace)
     assert trace[-1][0] < high
+
+
+# ---- auto echo decisions on simulated rates and losses ---------------------------------
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _run(auto, t_up, t_down, batches, clock=None, e=None):
+    """Feed ``batches`` steady observations: a fresh batch every ~e delivered ones."""
+    for i in range(batches):
+        if clock is not None:
+            clock.t += t_down
+        auto.consumer(t_down)
+        if i % max(1, round(e or auto.value)) == 0:
+            auto.upstream(t_up)
+    return auto.value
+
+
+@pytest.mark.parametrize("R,max_echo,want", [(3.0, 4.0, 3.75), (2.0, 4.0, 2.5), (6.0, 4.0, 4.0),
+                                             (6.0, 10.0, 7.5), (0.5, 4.0, 1.0),
+                                             (1.0, 4.0, 1.25)])
+def test_auto_targets_headroom_times_R_within_bounds(R, max_echo, want):
+    """With steady rates auto settles at 1.25 x R = 1.25 t_up / t_down, at least 1 and
+    at most max_echo: the consumer is fed with slack and never waits."""
+    auto = AutoEcho(max_echo)
+    assert _run(auto, t_up=R * 0.02, t_down=0.02, batches=60) == pytest.approx(want)
+    assert auto.R == pytest.approx(R)
+
+
+def test_auto_counts_the_rings_own_work_as_consumer_time():
+    """A consumer that spends more per batch (its step plus the ring's re-augmentation)
+    lowers R and with it e: the model uses what consumer() is told, nothing else."""
+    lean, busy = AutoEcho(8.0), AutoEcho(8.0)
+    _run(lean, t_up=0.1, t_down=0.020, batches=40)
+    _run(busy, t_up=0.1, t_down=0.025, batches=40)
+    assert lean.value == pytest.approx(6.25) and busy.value == pytest.approx(5.0)
+
+
+def test_auto_tracks_a_change_of_rates():
+    """The upstream slows down mid-run: e follows from ~1.25 to ~3.75 within a few dozen
+    batches, and the trace says why and when."""
+    clock = _Clock()
+    auto = AutoEcho(4.0, clock=clock)
+    _run(auto, 0.02, 0.02, 40, clock)
+    assert auto.value == pytest.approx(1.25, abs=0.01)
+    _run(auto, 0.06, 0.02, 80, clock)
+    assert auto.value == pytest.approx(3.75, abs=0.05)
+    last = auto.trace[-1]
+    assert auto.R == pytest.approx(3.0, abs=0.01)
+    assert last["reason"] == "rates" and 2.5 < last["R"] <= 3.0
+    assert [t["t_s"] for t in auto.trace] == sorted(t["t_s"] for t in auto.trace)
+    assert last["t_s"] > 40 * 0.02 and last["batch"] > 40
+
+
+def test_auto_stalls_before_rates_climb_fast_and_after_add_a_bounded_correction():
+    auto = AutoEcho(4.0)
+    for _ in range(5):
+        auto.stalled()
+    early = auto.value
+    assert early > 1.9 and all(t["reason"] == "stall" for t in auto.trace)
+    _run(auto, 0.04, 0.02, 30)
+    assert auto.value == pytest.approx(2.5, abs=0.01)
+    for _ in range(50):  # stalls despite the model: the correction, capped at 1.5x
+        auto.stalled()
+    assert auto.value == pytest.approx(2.5 * 1.5, abs=0.01)
+    assert auto.trace[-1]["reason"] == "stall"
+    _run(auto, 0.04, 0.02, 400)  # no more stalls: the correction decays away
+    assert auto.value == pytest.approx(2.5, abs=0.05)
+
+
+def _losses(rng, n, ratio):
+    """Per-example losses of a batch: half fresh (mean 1), half echoed (mean ``ratio``)."""
+    echo_index = np.arange(n) % 2
+    losses = rng.gamma(20.0, 1 / 20.0, n) * np.where(echo_index > 0, ratio, 1.0)
+    return losses, echo_index
+
+
+def test_auto_loss_feedback_lowers_e_when_repeats_are_learnt_and_raises_it_back():
+    """Repeats as hard as fresh data keep e at the rate target; repeats clearly easier
+    (the model fits them) pull the cap, and e, down to 1; once they are hard again
+    e climbs back."""
+    rng = np.random.default_rng(0)
+    auto = AutoEcho(4.0)
+    _run(auto, 0.06, 0.02, 30)
+    for _ in range(40):
+        auto.losses(*_losses(rng, 64, 0.97))
+    assert auto.value == pytest.approx(3.75) and auto.loss_ratio == pytest.approx(0.97, abs=0.03)
+    for _ in range(200):
+        auto.losses(*_losses(rng, 64, 0.5))
+    assert auto.value == 1.0 and auto.trace[-1]["reason"] == "loss"
+    for _ in range(200):
+        auto.losses(*_losses(rng, 64, 1.0))
+    _run(auto, 0.06, 0.02, 5)
+    assert auto.value == pytest.approx(3.75)
+
+
+def test_auto_loss_feedback_ignores_batches_without_both_kinds():
+    auto = AutoEcho(4.0)
+    _run(auto, 0.06, 0.02, 30)
+    for _ in range(50):
+        auto.losses(np.full(8, 0.1), np.zeros(8))          # all fresh
+        auto.losses(np.full(8, 0.1), np.ones(8))           # all echoed
+        auto.losses(np.array([np.nan, 1.0]), np.array([0, 1]))  # no finite fresh loss
+    assert auto.loss_ratio is None and auto.value == pytest.approx(3.75)
+
+
+def test_auto_never_leaves_its_bounds_and_keeps_a_short_trace():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=100, deadline=None, database=None, derandomize=True)
+    @given(st.floats(1.0, 16.0), st.lists(st.tuples(
+        st.sampled_from(["up", "down", "stall", "loss"]), st.floats(0.0, 10.0)), max_size=300))
+    def check(max_echo, events):
+        auto = AutoEcho(max_echo)
+        rng = np.random.default_rng(1)
+        for kind, x in events:
+            if kind == "up":
+                auto.upstream(x)
+            elif kind == "down":
+                auto.consumer(x)
+            elif kind == "stall":
+                auto.stalled()
+            else:
+                auto.losses(*_losses(rng, 16, x))
+            assert 1.0 <= auto.value <= max_echo
+            assert 1.0 <= auto.cap <= max_echo
+        assert len(auto.trace) <= AutoEcho.TRACE
+    check()
+
+
+def test_auto_spec_errors():
+    with pytest.raises(ValueError, match="max_echo must be >= 1"):
+        AutoEcho(0.5)
+    with pytest.raises(ValueError, match="headroom must be >= 1"):
+        AutoEcho(4.0, headroom=0.9)
+
+
+# ---- report(): losses into a ring ------------------------------------------------------------
+def test_report_takes_per_example_losses_from_any_framework(small):
+    torch = pytest.importorskip("torch")
+    with _ring(small, echo="auto", placement="before_augment") as ring:
+        with pytest.raises(RuntimeError, match="no batch has been delivered yet"):
+            ring.report([1.0])
+        for batch in ring:
+            n = len(batch)
+            ring.report(torch.ones(n, requires_grad=True) * 2)   # autograd, like a real loss
+            ring.report(np.ones(n, np.float32))
+            ring.report([0.5] * n)
+            with pytest.raises(ValueError, match=rf"one loss per row of the last batch \({n}\), "
+                                                 r"got shape \(\) \(use reduction='none'\)"):
+                ring.report(torch.tensor(1.0))
+            with pytest.raises(ValueError, match="one loss per row"):
+                ring.report(np.ones(n + 1))
+            break
+    with _ring(small, echo=2) as ring:  # a fixed e takes losses and ignores them
+        batch = next(iter(ring))
+        ring.report(np.ones(len(batch)))
+        assert ring.stats()["echo_trace"] == [] and ring.stats()["echo_loss_ratio"] is None
+
+
+def test_report_lowers_auto_echo_when_repeats_are_learnt(small):
+    """A slow upstream makes auto echo rise; a consumer whose echoed rows have a much
+    lower loss than fresh ones (a model memorising them) brings e back down to 1, and
+    the trace says it was the loss."""
+    n = 48
+    src = eh.SleepySource(small[0][:n], small[1][:n], delay=0.02)
+    with en.EchoRing(src, batch_size=8, image_size=16, echo="auto", placement="before_augment",
+                     workers=1, seed=0, timeout=60) as ring:
+        eh.collect(ring, epochs=1, step=lambda b: time.sleep(0.005), copy_images=False)
+        high = ring.stats()["echo_factor"]
+        assert high > 2.0, ring.stats()
+
+        def memorising(batch):
+            time.sleep(0.005)
+            ring.report(np.where(np.asarray(batch.echo_index) > 0, 0.2, 1.0))
+        for _ in range(12):  # epochs shrink as e falls: 6 fresh batches each
+            eh.collect(ring, epochs=1, step=memorising, copy_images=False)
+            if ring.stats()["echo_factor"] <= 1.05:
+                break
+        s = ring.stats()
+    assert s["echo_factor"] <= 1.05 and s["echo_loss_ratio"] < 0.5, s
+    assert any(t["reason"] == "loss" for t in s["echo_trace"]), s["echo_trace"]
