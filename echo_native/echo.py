@@ -155,9 +155,7 @@ class ExampleBuffer:
         self.scale = np.ones((c, 2), np.float32)
         self.box = np.zeros((c, 4), np.float32)
         self.flip = np.zeros(c, bool)
-        self.age = np.zeros(c, np.int64)         # insertion order, for eviction
         self.last = np.zeros(c, bool)            # emitted in the previous batch
-        self._clock = 0
         self._free = list(range(c - 1, -1, -1))
 
     def __len__(self):
@@ -180,8 +178,6 @@ class ExampleBuffer:
         if n > len(self._free):
             raise RuntimeError(f"echo buffer full: {n} entries asked, {len(self._free)} free")
         entries = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
-        self.age[entries] = self._clock + np.arange(n)
-        self._clock += n
         return entries
 
     def retire(self, entries):
@@ -237,16 +233,6 @@ class ExampleBuffer:
             self._free = list(range(self.capacity - 1, -1, -1))
             self.last[:] = False
 
-    def evict_emitted(self, n):
-        """Free up to ``n`` entries that were emitted at least once, oldest first
-        (auto echo: fresh examples take precedence over further repeats)."""
-        cand = np.flatnonzero((self.remaining > 0) & (self.next_echo > 0))
-        if len(cand) == 0:
-            return 0
-        victims = cand[np.argsort(self.age[cand])[:n]]
-        self.retire(victims)
-        return len(victims)
-
     def clear(self):
         self.retire(self.active())
 
@@ -264,14 +250,6 @@ class BatchWindow:
 
     def add(self, batch, count, ticket=None):
         self.batches.append([batch, int(count), 0, ticket])
-
-    def evict_emitted(self):
-        """Drop the oldest batch that was emitted at least once (auto echo: fresh first)."""
-        for i, entry in enumerate(self.batches):
-            if entry[2] > 0:
-                del self.batches[i]
-                return True
-        return False
 
     def take(self, rng, fresh_first=False):
         """A random batch of the window, not the one just emitted when there is a choice
