@@ -2,8 +2,9 @@
 
 ``echo-native profile DIR --step-ms T`` (or ``--model-fn module:function``)
 measures the upstream rate and the consumer's step time and recommends an echo
-factor (the paper's rule e ~ R = t_upstream / t_downstream, capped) and placement
-(:mod:`echo_native.profile` holds the measurements).
+factor (the paper's rule e ~ R = t_upstream / t_downstream, capped) and placement,
+then runs ``echo="auto"`` against the consumer for ``--auto-seconds`` and shows how
+its e moved and why (:mod:`echo_native.profile` holds the measurements).
 
 Benchmarks, data-set builders and the training demo are lab tooling: they live in
 ``echo-native-lab`` (:mod:`echo_native.lab.cli`).  The small helpers here
@@ -16,8 +17,9 @@ import argparse
 import json
 import os
 import sys
+import time
 
-from echo_native.profile import measure_upstream, recommend, time_step
+from echo_native.profile import measure_upstream, recommend, time_step, trial_auto
 
 __all__ = ["UsageError", "open_folder", "check_device", "echo_list", "run", "build_parser",
            "main", "recommend"]
@@ -119,6 +121,8 @@ def cmd_profile(args):
         raise UsageError(f"--step-ms must be positive, got {args.step_ms}")
     if args.max_echo < 1:
         raise UsageError(f"--max-echo must be >= 1, got {args.max_echo}")
+    if args.auto_seconds < 0:
+        raise UsageError(f"--auto-seconds must be >= 0, got {args.auto_seconds}")
     folder = open_folder(args.dir, args.batch_size)
     check_device(args.device)
     fn = _load_callable(args.model_fn) if args.model_fn else None
@@ -159,11 +163,40 @@ def cmd_profile(args):
               f"training steps/s x{steps_e / steps_e1:.2f}")
     else:
         print("the consumer is the bottleneck: no echo needed (echo=1)")
+    if args.auto_seconds > 0:
+        result["auto_trial"] = _auto_trial(args, folder, fn, t_down)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         print(f"JSON: {args.json}")
     return 0
+
+
+def _auto_trial(args, folder, fn, t_down):
+    """echo="auto" against the consumer for --auto-seconds: where e went and why."""
+    deadline = time.perf_counter() + args.auto_seconds
+
+    def sleep_step(batch):  # --step-ms: the step is a sleep, cut at the deadline
+        time.sleep(max(0.0, min(t_down, deadline - time.perf_counter())))
+    print(f"\nrunning echo='auto' for {args.auto_seconds:g} s against the consumer ...",
+          file=sys.stderr)
+    s = trial_auto(fn or sleep_step, folder, args.batch_size, args.image_size, args.workers,
+                   seconds=args.auto_seconds, max_echo=args.max_echo, seed=args.seed,
+                   device=args.device)
+    trace = s["echo_trace"]
+    print(f"echo='auto' for {args.auto_seconds:g} s: e = {s['echo_factor']:.2f} after "
+          f"{s['batches']} batches ({s['fresh']} fresh, {s['delivered']} delivered, "
+          f"{s['stall_s']:.2f} s waiting for data); {len(trace)} changes of e:")
+    shown = trace if len(trace) <= 8 else trace[:4] + [None] + trace[-3:]
+    for t in shown:
+        if t is None:
+            print("    ...")
+            continue
+        r = f", R = {t['R']:.2f}" if t["R"] is not None else ""
+        print(f"  {t['t_s']:7.2f} s  batch {t['batch']:5d}  e -> {t['echo']:.2f}  "
+              f"({t['reason']}{r})")
+    return {"echo": s["echo_factor"], "batches": s["batches"], "fresh": s["fresh"],
+            "delivered": s["delivered"], "stall_s": s["stall_s"], "trace": trace}
 
 
 def build_parser():
@@ -187,6 +220,9 @@ def build_parser():
     pr.add_argument("--min-batches", type=int, default=8)
     pr.add_argument("--max-echo", type=float, default=4.0, help="cap on the recommended e")
     pr.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    pr.add_argument("--auto-seconds", type=float, default=5.0,
+                    help="then run echo='auto' against the consumer this long and show "
+                         "how e moved (0: skip)")
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--json", default="echo_native_profile.json",
                     help="write the result here ('' for none)")

@@ -4,6 +4,8 @@ Data echoing pays when the input pipeline (upstream) is slower per batch than th
 training step (downstream).  :func:`measure_upstream` measures the pipeline's fresh
 images/s with a null consumer, :func:`time_step` times the user's step on a real
 batch, and :func:`recommend` applies the rule e ~ R = t_upstream / t_downstream.
+:func:`trial_auto` runs ``echo="auto"`` against the consumer for a few seconds and
+returns where it went and why (its trace).
 
 Only the library and the standard library are used here (no torch, no lab).
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 
-__all__ = ["measure_upstream", "time_step", "recommend"]
+__all__ = ["measure_upstream", "time_step", "recommend", "trial_auto"]
 
 
 def measure_upstream(source, batch_size, image_size, workers, seconds=2.0, min_batches=8,
@@ -72,3 +74,22 @@ def recommend(t_up, t_down, cap=4.0):
     e = min(float(cap), max(1.0, R))
     e = math.floor(e * 10 + 1e-9) / 10
     return R, e
+
+
+def trial_auto(step, source, batch_size, image_size, workers, seconds=5.0, max_echo=4.0,
+               seed=0, device="cpu"):
+    """Run ``echo="auto"`` for ``seconds`` with ``step(batch)`` as the consumer and return
+    the ring's ``stats()``: ``echo_factor`` where auto got to, ``echo_trace`` how."""
+    import echo_native as en
+
+    ring = en.EchoRing(source, batch_size=batch_size, image_size=image_size,
+                       echo=en.Echo("auto", max_echo=max_echo), workers=workers, seed=seed,
+                       device=device)
+    with ring:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for batch in ring:
+                step(batch)
+                if time.perf_counter() - t0 >= seconds:
+                    break
+        return ring.stats()

@@ -46,7 +46,8 @@ def _error(capsys, argv, *needles):
 def _profile(folder, tmp_path, *extra):
     js = tmp_path / "p.json"
     rc = main(["profile", folder, "--batch-size", "8", "--image-size", "32", "--workers", "1",
-               "--seconds", "0.3", "--min-batches", "4", "--json", str(js), *extra])
+               "--seconds", "0.3", "--min-batches", "4", "--auto-seconds", "1.5",
+               "--json", str(js), *extra])
     assert rc == 0
     data = json.loads(js.read_text())
     assert PROFILE_KEYS <= set(data)
@@ -60,6 +61,7 @@ def test_profile_consumer_bound(folder, tmp_path, capsys):
     data = _profile(folder, tmp_path, "--step-ms", "100000")
     assert data["R"] < 1 and not data["input_bound"]
     assert data["recommended_echo"] == 1.0
+    assert data["auto_trial"]["echo"] == 1.0  # the trial's step is cut at its deadline
     assert "no echo needed" in capsys.readouterr().out
 
 
@@ -69,6 +71,13 @@ def test_profile_input_bound_is_capped(folder, tmp_path, capsys):
     assert data["recommended_echo"] == 3.0
     out = capsys.readouterr().out
     assert "recommended echo=3" in out and "before_augment" in out
+    # The auto trial: a consumer far faster than the upstream takes e to the cap, and the
+    # trace printed and saved says how it got there.
+    trial = data["auto_trial"]
+    assert trial["echo"] == 3.0 and trial["trace"] and trial["delivered"] > trial["fresh"]
+    assert {t["reason"] for t in trial["trace"]} <= {"stall", "rates"}
+    assert f"echo='auto' for 1.5 s: e = 3.00 after {trial['batches']} batches" in out
+    assert "(stall" in out or "(rates" in out
 
 
 def test_profile_model_fn_file_and_module(folder, tmp_path, monkeypatch, capsys):

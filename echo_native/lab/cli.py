@@ -254,7 +254,7 @@ def cmd_make_dataset(args):
 
 # -- demo -----------------------------------------------------------------------------
 def cmd_demo(args):
-    from echo_native.lab.demo import DemoConfig, run_demo
+    from echo_native.lab.demo import DemoConfig, run_demo, run_sweep
 
     try:
         import torch
@@ -266,8 +266,10 @@ def cmd_demo(args):
         if not torch.cuda.is_available():
             raise UsageError(f"--device {args.device}: torch sees no CUDA GPU "
                              f"(torch {torch.__version__})")
-    if any(e == "auto" or e < 1 for e in args.echo):
-        raise UsageError(f"--echo needs numbers >= 1, got {args.echo}")
+    if any(e != "auto" and e < 1 for e in args.echo):
+        raise UsageError(f"--echo needs numbers >= 1 or 'auto', got {args.echo}")
+    if args.sweep is not None and (not args.sweep or any(r <= 0 for r in args.sweep)):
+        raise UsageError(f"--sweep needs positive ratios R, e.g. 2,4,6, got {args.sweep}")
     from echo_native.echo import PLACEMENTS
 
     bad = [p for p in args.placements if p not in PLACEMENTS]
@@ -280,6 +282,8 @@ def cmd_demo(args):
                              f"{getattr(args, name)}")
     if not 0 < args.target <= 1:
         raise UsageError(f"--target is a test accuracy in (0, 1], got {args.target}")
+    if args.min_step_ms < 0:
+        raise UsageError(f"--min-step-ms must be >= 0, got {args.min_step_ms}")
     if args.R <= 0:
         raise UsageError(f"--R must be positive, got {args.R}")
     if args.data:
@@ -309,14 +313,17 @@ def cmd_demo(args):
                      image_size=args.image_size, workers=args.workers, lr=args.lr,
                      train_subset=args.train_subset, test_limit=args.test_limit,
                      threads=args.threads, device=args.device, out_json=args.json,
-                     upstream_s=args.upstream_seconds,
+                     upstream_s=args.upstream_seconds, min_step_ms=args.min_step_ms,
                      out_chart=args.chart)
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     n = min(len(train), args.train_subset or len(train))
     settings = 1 + sum(1 for e in args.echo if e != 1) * len(args.placements)
     print(f"echo training demo: {n} training JPEGs, {settings} settings x {args.seeds} seeds, "
-          f"target {args.target:.0%} test accuracy, upstream throttled to R = {args.R:g}",
+          f"target {args.target:.0%} test accuracy, upstream throttled to R = "
+          f"{', '.join(f'{r:g}' for r in args.sweep) if args.sweep else f'{args.R:g}'}",
           file=sys.stderr)
+    if args.sweep is not None:
+        return _print_sweep(args, run_sweep(cfg, args.sweep, log=log))
     report = run_demo(cfg, log=log)
     print(f"\nFashion-MNIST, small CNN (PyTorch, {args.device}), batch {args.batch_size}, "
           f"{args.image_size}px RandomResizedCrop(0.35-1) + flip; train step "
@@ -329,6 +336,24 @@ def cmd_demo(args):
         print(f"chart: {report['chart']}")
     else:
         print("no chart: matplotlib is not installed (pip install matplotlib)")
+    print(f"total {report['total_s']:.0f} s")
+    return 0
+
+
+def _print_sweep(args, report):
+    print(f"\nFashion-MNIST, small CNN (PyTorch, {args.device}), batch {args.batch_size}, "
+          f"placement {', '.join(args.placements)}, {args.seeds} seeds; upstream throttled "
+          f"to R = {', '.join(f'{r:g}' for r in args.sweep)}\n")
+    print(report["table"])
+    for block in report["per_R"]:
+        v = block["verdict"]
+        if v["auto_vs_best"]:
+            print(f"R = {block['R']:g}: auto {v['auto_wall']:.1f} s, best fixed e = "
+                  f"{v['best_fixed_echo']} {v['best_fixed_wall']:.1f} s "
+                  f"(auto / best = {v['auto_vs_best']:.2f})")
+    print(f"\nJSON: {args.json}")
+    print(f"chart: {report['chart']}" if report["chart"] else
+          "no chart: matplotlib is not installed (pip install matplotlib)")
     print(f"total {report['total_s']:.0f} s")
     return 0
 
@@ -385,6 +410,11 @@ def build_parser():
     d.add_argument("--seeds", type=int, default=3)
     d.add_argument("--R", type=float, default=4.0,
                    help="upstream time / training step time per batch (throttle)")
+    d.add_argument("--sweep", type=lambda s: [float(v) for v in s.split(",")], default=None,
+                   metavar="R1,R2,...",
+                   help="run every setting at each of these R and compare echo='auto' with "
+                        "the fixed factors (e.g. --sweep 2,4,6 --echo 1,2,3,4,6,auto "
+                        "--placements before_augment)")
     d.add_argument("--target", type=float, default=DEMO_TARGET,
                    help="test accuracy to reach (full test set)")
     d.add_argument("--max-fresh", type=int, default=DEMO_MAX_FRESH,
@@ -398,6 +428,9 @@ def build_parser():
     d.add_argument("--train-subset", type=int, default=None,
                    help="use N training images (default: all 60,000)")
     d.add_argument("--threads", type=int, default=1, help="torch threads")
+    d.add_argument("--min-step-ms", type=float, default=0.0,
+                   help="pad every training step to this many ms with a sleep (a slower "
+                        "accelerator: lets the throttle reach a low R)")
     d.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the model)")
     d.add_argument("--test-limit", type=int, default=None, help=argparse.SUPPRESS)
     d.add_argument("--upstream-seconds", type=float, default=2.0, help=argparse.SUPPRESS)

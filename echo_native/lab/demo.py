@@ -14,6 +14,7 @@ Run it with ``echo-native-lab demo`` (see ``echo-native-lab demo --help``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -23,8 +24,8 @@ import numpy as np
 
 from echo_native.profile import measure_upstream
 
-__all__ = ["ThrottledSource", "DemoConfig", "run_demo", "train_one", "measure_step",
-           "markdown_table", "summarize"]
+__all__ = ["ThrottledSource", "DemoConfig", "run_demo", "run_sweep", "train_one",
+           "measure_step", "markdown_table", "sweep_table", "summarize"]
 
 MEAN, STD = 0.286, 0.353  # Fashion-MNIST pixel statistics in [0, 1]
 
@@ -146,6 +147,8 @@ class DemoConfig:
     train_subset: int | None = None
     test_limit: int | None = None      # tests only: the report says when the test set is cut
     step_s: float | None = None        # measured when None
+    min_step_ms: float = 0.0           # pad each step to this with a sleep (an accelerator's
+                                       # step: time that leaves the host CPU free)
     threads: int = 1
     upstream_s: float = 2.0            # measuring time of the throttled upstream
     device: str = "cpu"                # the model's device (the ring stays on the CPU)
@@ -185,14 +188,19 @@ def train_one(train_src, test_x, test_y, cfg, echo, placement, seed, log=None):
         with ring:
             while reached is None and fresh < cfg.max_fresh:
                 for batch in ring:
+                    t_step = time.perf_counter()
                     if t0 is None:
-                        t0 = time.perf_counter()
+                        t0 = t_step
                     x = to_tensor(batch.images).to(dev)
                     y = torch.from_numpy(np.asarray(batch.labels, dtype=np.int64)).to(dev)
                     fresh += int(np.count_nonzero(batch.fresh))
                     opt.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+                    losses.mean().backward()
                     opt.step()
+                    ring.report(losses)  # echo="auto" learns from it; a fixed e ignores it
+                    if cfg.min_step_ms:
+                        _pad_step(t_step, cfg.min_step_ms)
                     steps += 1
                     if fresh >= next_eval or fresh >= cfg.max_fresh:
                         open(pause, "w").close()
@@ -224,7 +232,14 @@ def train_one(train_src, test_x, test_y, cfg, echo, placement, seed, log=None):
             "final_acc": curve[-1][3] if curve else None,
             "fresh": fresh, "steps": steps, "wall_s": wall,
             "effective_echo": st["effective_echo"], "stall_s": st["stall_s"],
+            "final_echo": st["echo_factor"], "echo_trace": st["echo_trace"],
             "curve": curve}
+
+
+def _pad_step(started, min_ms):
+    left = min_ms / 1000.0 - (time.perf_counter() - started)
+    if left > 0:
+        time.sleep(left)
 
 
 def _mean_std(values):
@@ -254,8 +269,12 @@ def summarize(runs):
             row["wall_speedup"] = base_wall / row["wall_mean"] if base_wall else None
         rows.append(row)
     order = {"none": 0, "before_augment": 1, "after_augment": 2, "batch": 3}
-    rows.sort(key=lambda r: (order.get(r["placement"], 9), r["echo"]))
+    rows.sort(key=lambda r: (order.get(r["placement"], 9), _echo_key(r["echo"])))
     return rows
+
+
+def _echo_key(e):
+    return math.inf if e == "auto" else float(e)
 
 
 def markdown_table(rows, target):
@@ -331,16 +350,21 @@ def run_demo(cfg: DemoConfig, log=None):
     test_x = test_x.to(cfg.device)
     step_s = cfg.step_s if cfg.step_s is not None else measure_step(
         cfg.batch_size, cfg.image_size, cfg.lr, device=cfg.device)
+    step_s = max(step_s, cfg.min_step_ms / 1000.0)
     # t_up per batch = R * t_down: each of `workers` processes sleeps per sample.
     delay = cfg.R * step_s * cfg.workers / cfg.batch_size
     pause_dir = tempfile.mkdtemp(prefix="echo_native_demo_")
     src = ThrottledSource(train, delay, idx, os.path.join(pause_dir, "pause"))
     up = measure_upstream(src, cfg.batch_size, cfg.image_size, cfg.workers,
                               seconds=cfg.upstream_s)
-    # Decode and bookkeeping add to the sleeps: correct for them once.
-    overhead = cfg.batch_size / up - delay * cfg.batch_size / cfg.workers
-    if overhead > 0 and cfg.R * step_s > overhead:
-        src.delay_s = delay = (cfg.R * step_s - overhead) * cfg.workers / cfg.batch_size
+    # Decode and bookkeeping add to the sleeps, and how much depends on the load:
+    # move the sleep by what is missing until t_up is within 5% of R x step (3 tries).
+    for _ in range(3):
+        missing = cfg.R * step_s - cfg.batch_size / up
+        if abs(missing) <= 0.05 * cfg.R * step_s:
+            break
+        sleep = max(0.0, delay * cfg.batch_size / cfg.workers + missing)
+        src.delay_s = delay = sleep * cfg.workers / cfg.batch_size
         up = measure_upstream(src, cfg.batch_size, cfg.image_size, cfg.workers,
                               seconds=cfg.upstream_s)
     measured_R = (cfg.batch_size / up) / step_s
@@ -348,6 +372,7 @@ def run_demo(cfg: DemoConfig, log=None):
         f"{up:,.0f} img/s -> measured R = {measured_R:.2f} (asked {cfg.R})")
     runs = []
     settings = [(1, "none")] + [(e, p) for e in cfg.echo if e != 1 for p in cfg.placements]
+    settings = list(dict.fromkeys(settings))
     t_all = time.perf_counter()
     try:
         for seed in range(cfg.seeds):
@@ -375,3 +400,111 @@ def run_demo(cfg: DemoConfig, log=None):
         json.dump(report, f, indent=2, default=str)
     report["chart"] = cfg.out_chart if chart(rows, runs, cfg.out_chart, cfg.target) else None
     return report
+
+
+# -- the auto-echo sweep -------------------------------------------------------------------
+def run_sweep(cfg: DemoConfig, Rs, log=None):
+    """The demo at each upstream ratio in ``Rs`` (one placement, the echo factors of
+    ``cfg.echo``, which may include "auto"); returns the sweep report (also written to
+    ``cfg.out_json``) with, per R, the wall time to target of every setting and how
+    auto compares with the best fixed e and with e = 1."""
+    log = log or (lambda s: None)
+    base_json, base_chart = cfg.out_json, cfg.out_chart
+    stem = os.path.splitext(base_json)[0]
+    per_R = []
+    t_all = time.perf_counter()
+    for R in Rs:
+        log(f"== R = {R:g}")
+        one = DemoConfig(**{**vars(cfg), "R": float(R), "out_json": f"{stem}-R{R:g}.json",
+                            "out_chart": os.devnull})
+        rep = run_demo(one, log=log)
+        rows = rep["rows"]
+        per_R.append({"R": float(R), "measured_R": rep["measured_R"], "step_ms": rep["step_ms"],
+                      "rows": rows, "verdict": auto_verdict(rows)})
+    report = {"config": {k: v for k, v in vars(cfg).items() if k != "extra"},
+              "Rs": [float(r) for r in Rs], "per_R": per_R,
+              "total_s": time.perf_counter() - t_all}
+    report["table"] = sweep_table(per_R, cfg.target)
+    with open(base_json, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    report["chart"] = base_chart if sweep_chart(per_R, base_chart, cfg.target) else None
+    return report
+
+
+def auto_verdict(rows):
+    """Auto's mean wall time to target against the best fixed e and against e = 1."""
+    wall = {r["echo"]: r.get("wall_mean") for r in rows}
+    fixed = {e: w for e, w in wall.items() if e != "auto" and w is not None}
+    verdict = {"auto_wall": wall.get("auto"), "best_fixed_echo": None, "best_fixed_wall": None,
+               "auto_vs_best": None, "auto_vs_e1": None}
+    if fixed:
+        best = min(fixed, key=fixed.get)
+        verdict.update(best_fixed_echo=best, best_fixed_wall=fixed[best])
+        if verdict["auto_wall"]:
+            verdict["auto_vs_best"] = verdict["auto_wall"] / fixed[best]
+            if 1 in fixed:
+                verdict["auto_vs_e1"] = verdict["auto_wall"] / fixed[1]
+    return verdict
+
+
+def sweep_table(per_R, target):
+    """Markdown: one row per R, wall seconds to target (mean ± std) per e, auto last."""
+    echoes = []
+    for block in per_R:
+        for r in block["rows"]:
+            if r["echo"] not in echoes:
+                echoes.append(r["echo"])
+    echoes.sort(key=_echo_key)
+    head = ["R (measured)"] + [f"e = {e}" for e in echoes] + ["auto / best fixed",
+                                                             "auto / e = 1"]
+    lines = [f"Wall seconds of training to {target:.0%} test accuracy (mean ± std over seeds)",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for block in per_R:
+        by_e = {r["echo"]: r for r in block["rows"]}
+        cells = [f"{block['R']:g} ({block['measured_R']:.2f})"]
+        for e in echoes:
+            r = by_e.get(e)
+            if r is None:
+                cells.append("-")
+            elif "wall_mean" in r:
+                cells.append(f"{r['wall_mean']:.1f} ± {r['wall_std']:.1f}")
+            else:
+                cells.append(f"not reached ({r['reached']}/{r['seeds']})")
+        v = block["verdict"]
+        cells.append(f"{v['auto_vs_best']:.2f} (best e = {v['best_fixed_echo']})"
+                     if v["auto_vs_best"] else "-")
+        cells.append(f"{v['auto_vs_e1']:.2f}" if v["auto_vs_e1"] else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_chart(per_R, path, target):
+    """Wall time to target against fixed e, one line per R, auto marked on each."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, block in enumerate(per_R):
+        c = colors[k % len(colors)]
+        fixed = sorted((float(r["echo"]), r["wall_mean"], r["wall_std"]) for r in block["rows"]
+                       if r["echo"] != "auto" and "wall_mean" in r)
+        if fixed:
+            e, w, s = zip(*fixed)
+            ax.errorbar(e, w, yerr=s, color=c, marker="o", capsize=3,
+                        label=f"fixed e, R = {block['R']:g}")
+        auto = next((r for r in block["rows"] if r["echo"] == "auto" and "wall_mean" in r), None)
+        if auto:
+            ax.axhline(auto["wall_mean"], color=c, ls="--", lw=1)
+            ax.plot([], [], color=c, ls="--", label=f'echo="auto", R = {block["R"]:g}')
+    ax.set_xlabel("echo factor e")
+    ax.set_ylabel(f"wall seconds of training to {target:.0%} accuracy")
+    ax.set_title("lower is better; dashed: auto", fontsize=9)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -18,11 +18,12 @@ pytest.importorskip("torch")
 import echo_native as en  # noqa: E402
 from echo_native.lab import datasets  # noqa: E402
 from echo_native.lab.cli import main  # noqa: E402
-from echo_native.lab.demo import ThrottledSource, markdown_table, summarize  # noqa: E402
+from echo_native.lab.demo import (ThrottledSource, auto_verdict, markdown_table,  # noqa: E402
+                                  summarize, sweep_table)
 
 RUN_KEYS = {"echo", "placement", "seed", "reached", "fresh_to_target", "wall_to_target_s",
             "steps_to_target", "final_acc", "fresh", "steps", "wall_s", "effective_echo",
-            "stall_s", "curve"}
+            "stall_s", "final_echo", "echo_trace", "curve"}
 ROW_KEYS = {"echo", "placement", "seeds", "reached"}
 
 
@@ -146,3 +147,60 @@ def test_summary_marks_unreached_settings():
     assert batch["reached"] == 2 and "fresh_mean" not in batch
     table = markdown_table(rows, 0.8)
     assert "not reached" in table and "2/3" in table and "1,100 ± 100" in table
+
+
+def test_sweep_end_to_end(tiny, tmp_path, capsys):
+    """--sweep runs fixed factors and echo="auto" at each R, with the losses reported to
+    the ring, and prints the wall-time table with auto against the best fixed e."""
+    data, kind = tiny
+    js, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    rc = main(["demo", "--data", str(data), "--seeds", "1", "--echo", "1,2,auto",
+               "--placements", "before_augment", "--sweep", "2,3", "--batch-size", "32",
+               "--max-fresh", "640", "--eval-every", "160", "--target", "0.15",
+               "--min-step-ms", "5", "--upstream-seconds", "0.3", "--quiet",
+               "--json", str(js), "--chart", str(png)])
+    assert rc == 0, kind
+    out = capsys.readouterr().out
+    assert "| R (measured) | e = 1 | e = 2 | e = auto | auto / best fixed | auto / e = 1 |" in out
+    rep = json.loads(js.read_text())
+    assert [b["R"] for b in rep["per_R"]] == [2.0, 3.0]
+    for block in rep["per_R"]:
+        assert {r["echo"] for r in block["rows"]} == {1, 2, "auto"}
+        assert block["step_ms"] >= 5.0
+        one = json.loads((tmp_path / f"sweep-R{block['R']:g}.json").read_text())
+        auto = [r for r in one["runs"] if r["echo"] == "auto"]
+        assert len(auto) == 1 and 1.0 <= auto[0]["final_echo"] <= 4.0
+        assert all(RUN_KEYS <= set(r) for r in one["runs"])
+
+
+def _rows(walls):
+    return [{"echo": e, "placement": "before_augment", "seeds": 3, "reached": 3,
+             "wall_mean": w, "wall_std": 0.1} for e, w in walls.items()]
+
+
+def test_auto_verdict_and_sweep_table():
+    rows = _rows({1: 10.0, 2: 6.0, 4: 4.0, 6: 5.0, "auto": 4.4})
+    v = auto_verdict(rows)
+    assert v["best_fixed_echo"] == 4 and v["auto_vs_best"] == pytest.approx(1.1)
+    assert v["auto_vs_e1"] == pytest.approx(0.44)
+    unreached = rows[:-1] + [{"echo": "auto", "placement": "before_augment", "seeds": 3,
+                              "reached": 1}]
+    assert auto_verdict(unreached)["auto_vs_best"] is None
+    per_R = [{"R": 2.0, "measured_R": 1.98, "rows": rows, "verdict": v},
+             {"R": 6.0, "measured_R": 5.9, "rows": unreached,
+              "verdict": auto_verdict(unreached)}]
+    table = sweep_table(per_R, 0.72)
+    assert "| R (measured) | e = 1 | e = 2 | e = 4 | e = 6 | e = auto |" in table
+    assert "| 2 (1.98) | 10.0 ± 0.1 | 6.0 ± 0.1 | 4.0 ± 0.1 | 5.0 ± 0.1 | 4.4 ± 0.1 | " \
+           "1.10 (best e = 4) | 0.44 |" in table
+    assert "not reached (1/3)" in table
+
+
+def test_sweep_arguments_are_checked(tiny, capsys):
+    data, _ = tiny
+    assert main(["demo", "--data", str(data), "--sweep", "2,-1"]) == 2
+    assert "--sweep needs positive ratios" in capsys.readouterr().err
+    assert main(["demo", "--data", str(data), "--min-step-ms", "-3"]) == 2
+    assert "--min-step-ms must be >= 0" in capsys.readouterr().err
+    assert main(["demo", "--data", str(data), "--echo", "0.5,auto"]) == 2
+    assert "numbers >= 1 or 'auto'" in capsys.readouterr().err
