@@ -39,6 +39,7 @@ from echo_native.workers import Shard
 from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError
 from echo_native.echo import Echo
 from echo_native.output import BFloat16Array, DeviceArray, Output
+from echo_native.mix import Mix
 from echo_native.pipeline import EchoRing
 
 __version__ = "0.2.0"
@@ -56,6 +57,7 @@ __all__ = [
     "FileList",
     "ImageFolder",
     "Loader",
+    "Mix",
     "Output",
     "RandomResizedCrop",
     "RingMemoryError",

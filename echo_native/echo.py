@@ -107,6 +107,7 @@ class Echo:
 
 _TAG_COUNTS = 0x6563686F  # "echo"
 _TAG_SHUFFLE = 0x73687566  # "shuf"
+_TAG_BATCH = 0x62617463  # "batc"
 
 
 def _generator(seed, tag, epoch, extra=0):
@@ -128,6 +129,11 @@ def echo_counts(seed, epoch, num, echo):
 def shuffle_rng(seed, epoch):
     """The generator that orders emissions within an epoch."""
     return _generator(seed, _TAG_SHUFFLE, epoch)
+
+
+def batch_rng(seed, epoch, index):
+    """The generator of the batch ops (MixUp/CutMix) of the ``index``-th batch of an epoch."""
+    return _generator(seed, _TAG_BATCH, epoch, index)
 
 
 class ExampleBuffer:

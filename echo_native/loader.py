@@ -63,6 +63,7 @@ class Batch:
     flips: np.ndarray        # (B,) bool
     epoch: int = 0
     _release: object = None
+    targets: object = None   # (B, classes) float32 soft targets with Mix, else None
 
     def __len__(self):
         return len(self.labels)
@@ -77,7 +78,8 @@ class Batch:
         """A batch that owns its memory (survives the slot's reuse)."""
         return Batch(self.images.copy(), self.labels.copy(), self.sample_ids.copy(),
                      self.fresh.copy(), self.echo_index.copy(), self.boxes.copy(),
-                     self.flips.copy(), self.epoch)
+                     self.flips.copy(), self.epoch,
+                     targets=None if self.targets is None else self.targets.copy())
 
 
 def _is_int(x):

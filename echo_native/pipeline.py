@@ -20,9 +20,10 @@ from echo_native import _kernel
 from echo_native.transforms import CenterCrop, RandomResizedCrop, canvas_for
 from echo_native.ring import OK
 from echo_native.loader import Batch, Loader, fold_shorthands
-from echo_native.echo import (AutoEcho, BatchWindow, Echo, ExampleBuffer, buffer_bytes,
-                              echo_counts, shuffle_rng)
+from echo_native.echo import (AutoEcho, BatchWindow, Echo, ExampleBuffer, batch_rng,
+                              buffer_bytes, echo_counts, shuffle_rng)
 from echo_native.output import BFloat16Array, Output, storage_dtype
+from echo_native.mix import Mix, mix_params
 from echo_native.backends import resolve
 
 
@@ -62,6 +63,17 @@ class EchoRing:
     decode : DecodeLimits, optional
         Strict decoding and decompression-bomb limits.
     slots, timeout, sample_timeout, worker_mode : see :class:`Loader`.
+    mix : Mix, optional
+        MixUp / CutMix with soft targets (timm's ``Mixup``), drawn afresh for every
+        emitted batch; ``batch.targets`` holds the (B, num_classes) float32 targets.
+        Needs a float ``output``.
+    on_batch : callable, optional
+        ``on_batch(images, xp, keys)``: your own op on each batch where it lives
+        (after normalisation and ``mix``), ``xp`` its array module (NumPy or
+        CuPy), ``keys`` a host (B, 4) int64 array of (seed, epoch, sample id, echo
+        index) per row, the key the crop is drawn from, to derive per-emission
+        randomness.  Change ``images`` in place (return None) or return an array
+        of the same shape and dtype.
 
     Shorthands (the flat names of the original contract, still supported):
     ``image_size``, ``scale``, ``ratio``, ``flip_p`` build the
@@ -75,7 +87,8 @@ class EchoRing:
     def __init__(self, source, batch_size=256, *, augment=None, echo=2.0, output=None,
                  workers=None, device="cpu", seed=0, shuffle=True, drop_last=False,
                  on_error="replace", shard=None, decode=None, slots=None, timeout=120.0,
-                 sample_timeout=60.0, worker_mode="process", **shorthands):
+                 sample_timeout=60.0, worker_mode="process", mix=None, on_batch=None,
+                 **shorthands):
         echo = _fold_echo(echo, shorthands)
         output = _fold_output(output, shorthands)
         augment, decode, shard = fold_shorthands("EchoRing", augment, decode, shard, shorthands)
@@ -92,6 +105,16 @@ class EchoRing:
             raise ValueError("CenterCrop is deterministic: echoing it before augmentation would "
                              "repeat identical images at the cost of a canvas each; use echo=1 "
                              "(evaluation) or Echo(..., placement='after_augment')")
+        if mix is not None:
+            if not isinstance(mix, Mix):
+                raise TypeError(f"mix must be an echo_native.Mix or None, got {mix!r}")
+            if not output.normalized or output.dtype == "bfloat16":
+                raise ValueError("Mix needs float images to mix: give output=Output(normalize="
+                                 "True) with dtype 'float32' or 'float16' (got "
+                                 f"{'uint8' if not output.normalized else output.dtype})")
+        if on_batch is not None and not callable(on_batch):
+            raise TypeError(f"on_batch must be callable(images, xp, keys), got {on_batch!r}")
+        self.mix, self.on_batch = mix, on_batch
         self.spec = echo
         self.augment, self.output = augment, output
         self.auto, self.placement = echo.auto, echo.placement
@@ -120,6 +143,8 @@ class EchoRing:
                              sample_timeout=sample_timeout,
                              worker_mode=worker_mode)
         self.seed = self.loader.plan.seed
+        self.num_classes = None if mix is None else (mix.num_classes or _num_classes(source))
+        self._emitted = (None, 0)  # (epoch, batches emitted in it): the key of a batch op
         n, shard_n = len(source), self.loader.plan.num_samples
         if self.batch_size > shard_n:
             where = "the source" if shard_n == n else "this rank's shard"
@@ -342,9 +367,10 @@ class EchoRing:
             made.popleft()  # closed at a yield: the consumer has that batch
             raise
         finally:
-            # Left early (break, Ctrl-C): what was made waits for the next iteration.
-            self.device.synchronize()
+            # Left early (break, Ctrl-C): what was made waits for the next iteration,
+            # kept before the wait for its pixels, which a second Ctrl-C may cut short.
             self._stash = list(made)
+            self.device.synchronize()
 
     def _example_counts(self, epoch):
         """Emissions per sample id this epoch (fixed e).
@@ -377,7 +403,8 @@ class EchoRing:
         while fresh_left - moved > 0:
             if buf.free < B:
                 break
-            if self.auto and buf.pending < B and not self.loader.ready():
+            if self.auto and buf.pending < B and not self.loader.ready() and \
+                    self._books.batches:  # the first fill is start-up, not a stall
                 self._auto.stalled()
             t0 = time.perf_counter()
             filled = self.loader.next_filled()
@@ -623,7 +650,7 @@ class EchoRing:
         batch is left to repeat and no fresh one is ready."""
         if len(window) >= window.size:
             return False
-        if self.auto and not len(window) and not self.loader.ready():
+        if self.auto and not len(window) and not self.loader.ready() and self._books.batches:
             self._auto.stalled()
         return True
 
@@ -638,8 +665,39 @@ class EchoRing:
             images = self.device.normalize(images, mean, std, out_spec.layout, out)
             if out_spec.dtype == "bfloat16":
                 images = BFloat16Array(images, self.device)
+        targets = None
+        if self.mix is not None or self.on_batch is not None:
+            images, targets = self._batch_ops(images, labels, sample_ids, echo_index, epoch)
         return self.device.ready(Batch(images, labels, sample_ids, fresh, echo_index, boxes,
-                                       np.asarray(flips, bool), epoch))
+                                       np.asarray(flips, bool), epoch, targets=targets))
+
+    def _batch_ops(self, images, labels, sample_ids, echo_index, epoch):
+        """MixUp/CutMix, then the user's op, on the batch where it lives.  Their draws
+        are keyed by (seed, epoch, batch index in the epoch): every emission, an echo
+        included, draws afresh, and never depending on workers or timing."""
+        last_epoch, k = self._emitted
+        k = k if last_epoch == epoch else 0
+        self._emitted = (epoch, k + 1)
+        targets = None
+        if self.mix is not None:
+            rng = batch_rng(self.seed, epoch, k)
+            h, w = self.size
+            lam, box = mix_params(self.mix, rng, h, w)
+            self.device.mix(images, lam, box, self.output.layout)
+            targets = self.device.targets(labels, self.num_classes, lam,
+                                          self.mix.label_smoothing)
+        if self.on_batch is not None:
+            keys = np.empty((len(labels), 4), np.int64)
+            keys[:, 0], keys[:, 1] = self.seed, epoch
+            keys[:, 2], keys[:, 3] = sample_ids, echo_index
+            out = self.on_batch(images, self.device.xp, keys)
+            if out is not None:
+                if tuple(out.shape) != tuple(images.shape) or out.dtype != images.dtype:
+                    raise ValueError(f"on_batch returned {out.dtype} {tuple(out.shape)}, "
+                                     f"expected {images.dtype} {tuple(images.shape)} (or None "
+                                     f"after changing images in place)")
+                images = out
+        return images, targets
 
     # -- books --------------------------------------------------------------------------------
     def report(self, losses):
@@ -691,6 +749,14 @@ class EchoRing:
             "worker_restarts": low["worker_restarts"],
             "device": self.device.describe(),
         }
+
+
+def _num_classes(source):
+    classes = getattr(source, "classes", None)
+    if classes is not None and len(classes):
+        return len(classes)
+    labels = np.asarray(source.labels)
+    return int(labels.max()) + 1 if len(labels) else 1
 
 
 def _host_floats(values):

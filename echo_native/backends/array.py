@@ -156,6 +156,28 @@ class ArrayDevice:
             res = xp.einsum("pw,owc->opc", cols, res)
             out[i] = xp.clip(xp.floor(res + 0.5), 0, 255).astype(xp.uint8)
 
+    def mix(self, images, lam, box, layout):
+        """Mix row i with row B-1-i in place: ``lam * x + (1 - lam) * reversed`` (MixUp,
+        ``box`` None) or the reversed batch's ``box`` = (top, bottom, left, right)
+        pasted in (CutMix)."""
+        xp = self.xp
+        if box is None:
+            if lam != 1.0:
+                images[...] = images * xp.asarray(lam, images.dtype) + \
+                    images[::-1] * xp.asarray(1.0 - lam, images.dtype)
+            return images
+        top, bottom, left, right = box
+        rows, cols = slice(top, bottom), slice(left, right)
+        region = (slice(None), rows, cols) if layout == "NHWC" else \
+            (slice(None), slice(None), rows, cols)
+        images[region] = images[::-1][region].copy()
+        return images
+
+    def targets(self, labels, num_classes, lam, smoothing):
+        """Soft targets on the device (see :func:`echo_native.mix.soft_targets`)."""
+        from echo_native.mix import soft_targets
+        return soft_targets(self.xp, labels, num_classes, lam, smoothing)
+
     def normalize(self, images, mean, std, layout, out):
         """(x / 255 - mean) / std into ``out``, NHWC or NCHW: float32, float16, or
         bfloat16 held as its bits in a uint16 array (see :func:`storage_dtype`)."""

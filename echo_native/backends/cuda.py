@@ -266,6 +266,14 @@ class CudaDevice(ArrayDevice):
         with self.device, self.stream:
             super().flip(images, mask)
 
+    def mix(self, images, lam, box, layout):
+        with self.device, self.stream:
+            return super().mix(images, lam, box, layout)
+
+    def targets(self, labels, num_classes, lam, smoothing):
+        with self.device, self.stream:
+            return super().targets(labels, num_classes, lam, smoothing)
+
     def normalize(self, images, mean, std, layout, out):
         cp = self.cupy
         n, h, w, _ = images.shape
