@@ -18,6 +18,7 @@ are produced (NumPy + native kernel on CPU, CuPy on GPU).
 """
 from __future__ import annotations
 
+import collections
 import math
 import time
 from dataclasses import dataclass
@@ -284,7 +285,8 @@ class AutoEcho:
     time / workers: its capacity, not counting time the workers sat on a full
     ring) and ``t_down`` the consumer's time per delivered batch, including the
     ring's own emission work (re-augmentation, normalisation) but not the time it
-    blocked on the upstream.  At e = R = t_up / t_down the consumer is exactly fed;
+    blocked on the upstream; each is the median of its last 15 observations, so
+    an evaluation pass, a checkpoint or a slow file moves neither.  At e = R = t_up / t_down the consumer is exactly fed;
     below it the accelerator waits, above it repeats stand in for fresh data that
     was never short.  Because the rates wander (a slow file, a busy core) and a
     stall costs a whole step while a surplus repeat costs little, the target is
@@ -306,7 +308,8 @@ class AutoEcho:
     """
 
     HEADROOM = 1.25
-    SMOOTHING = 0.2        # weight of a new observation in the running means
+    WINDOW = 15            # the rates are medians of the last WINDOW observations
+    SMOOTHING = 0.2        # weight of a new report in the running loss ratio
     WARM = 3               # observations of each rate before the model is used
     TRACE = 256
 
@@ -320,7 +323,9 @@ class AutoEcho:
         self.value = float(min(max(start, 1.0), max_echo))
         self.cap = self.max_echo
         self.t_up = self.t_down = None
-        self._n_up = self._n_down = self._n_loss = 0
+        self._ups = collections.deque(maxlen=self.WINDOW)
+        self._downs = collections.deque(maxlen=self.WINDOW)
+        self._n_loss = 0
         self._boost = 1.0
         self._loss_ratio = None
         self._clock = clock or time.perf_counter
@@ -332,16 +337,16 @@ class AutoEcho:
     def upstream(self, seconds):
         """A fresh batch took the upstream ``seconds`` of capacity (fill time / workers)."""
         if seconds > 0:
-            self.t_up = self._mean(self.t_up, seconds)
-            self._n_up += 1
+            self._ups.append(seconds)
+            self.t_up = float(np.median(self._ups))
             self._update("rates")
 
     def consumer(self, seconds):
         """The consumer (with the ring's own work) spent ``seconds`` on a batch."""
         self.batches += 1
         if seconds > 0:
-            self.t_down = self._mean(self.t_down, seconds)
-            self._n_down += 1
+            self._downs.append(seconds)
+            self.t_down = float(np.median(self._downs))
         self._boost = max(1.0, self._boost * 0.995)
         self._update("rates")
 
@@ -374,7 +379,7 @@ class AutoEcho:
     # -- the decision -------------------------------------------------------------------
     @property
     def _warm(self):
-        return self._n_up >= self.WARM and self._n_down >= self.WARM
+        return len(self._ups) >= self.WARM and len(self._downs) >= self.WARM
 
     @property
     def R(self):

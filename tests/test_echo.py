@@ -306,6 +306,18 @@ def test_auto_tracks_a_change_of_rates():
     assert last["t_s"] > 40 * 0.02 and last["batch"] > 40
 
 
+
+def test_auto_shrugs_off_a_pause():
+    """An evaluation pass or a checkpoint: one consumer step and one upstream batch take a
+    second each.  The rates are medians, so e does not move."""
+    auto = AutoEcho(4.0)
+    _run(auto, 0.04, 0.02, 40)
+    before = len(auto.trace)
+    auto.consumer(1.0)
+    auto.upstream(1.0)
+    _run(auto, 0.04, 0.02, 5)
+    assert auto.value == pytest.approx(2.5) and len(auto.trace) == before
+
 def test_auto_stalls_before_rates_climb_fast_and_after_add_a_bounded_correction():
     auto = AutoEcho(4.0)
     for _ in range(5):

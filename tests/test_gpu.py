@@ -522,3 +522,26 @@ def test_the_copy_of_the_next_batch_overlaps_the_current_step(source):
         cupy.cuda.Device().synchronize()
     assert len(overlapped) >= 4
     assert all(overlapped[1:]), overlapped
+
+
+@pytest.mark.parametrize("spec", [en.Mix(mixup_alpha=0.4), en.Mix(mixup_alpha=0, cutmix_alpha=1.0)])
+def test_mix_on_the_gpu_matches_the_cpu(source, spec):
+    """MixUp / CutMix on the GPU: the same draws as on the CPU, images within float
+    rounding of the CPU's, soft targets on the device summing to 1."""
+    import cupy
+    out = en.Output(normalize=True, layout="NCHW")
+    got = {}
+    for device in ("cpu", "cuda"):
+        rows = []
+        with en.EchoRing(source, batch_size=16, image_size=64, workers=2, seed=7, echo=2,
+                         placement="after_augment", output=out, mix=spec,
+                         device=device) as ring:
+            for b in ring:
+                if device == "cuda":
+                    assert isinstance(b.targets, cupy.ndarray)
+                rows.append((cupy.asnumpy(b.images), cupy.asnumpy(b.targets)))
+        got[device] = rows
+    for (a, ta), (b, tb) in zip(got["cpu"], got["cuda"], strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(ta, tb, atol=1e-6)
+        np.testing.assert_allclose(tb.sum(1), 1.0, atol=1e-5)
