@@ -302,6 +302,10 @@ class AutoEcho:
     are clearly easier (< 0.8: the model is fitting them), the cap falls by 3%
     per report, down to 1.  Without feedback the cap is ``max_echo``.
 
+    It starts at e = 2 (at most ``max_echo``): the examples stored before the rates
+    are known get their counts from it, and starting at 1 would make the consumer
+    wait for the first buffers (a few repeats too many cost far less).
+
     Every change of more than 0.05 is recorded in :attr:`trace` (at most the
     last 256) with its reason: ``"stall"`` (before the rates are known, or the
     correction), ``"rates"`` or ``"loss"``.
@@ -313,7 +317,7 @@ class AutoEcho:
     WARM = 3               # observations of each rate before the model is used
     TRACE = 256
 
-    def __init__(self, max_echo=4.0, start=1.0, headroom=HEADROOM, clock=None):
+    def __init__(self, max_echo=4.0, start=2.0, headroom=HEADROOM, clock=None):
         if max_echo < 1:
             raise ValueError(f"max_echo must be >= 1, got {max_echo}")
         if headroom < 1:

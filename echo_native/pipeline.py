@@ -130,7 +130,7 @@ class EchoRing:
                              f"({2 * self.batch_size}), got {shuffle_buffer}")
         self.shuffle_buffer = shuffle_buffer
         self.device = resolve(device)
-        self._auto = AutoEcho(echo.max_echo, start=1.0) if self.auto else None
+        self._auto = AutoEcho(echo.max_echo) if self.auto else None
         if echo.placement == "before_augment" and not self.passthrough:
             transform = canvas_for(augment, echo.canvas_side, echo.canvas_max_pixels)
         else:
