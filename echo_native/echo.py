@@ -286,9 +286,9 @@ class AutoEcho:
     ring) and ``t_down`` the consumer's time per delivered batch, including the
     ring's own emission work (re-augmentation, normalisation) but not the time it
     blocked on the upstream; each is the median of its last 15 observations, so
-    an evaluation pass, a checkpoint or a slow file moves neither.  At e = R = t_up / t_down the consumer is exactly fed;
-    below it the accelerator waits, above it repeats stand in for fresh data that
-    was never short.  Because the rates wander (a slow file, a busy core) and a
+    an evaluation pass, a checkpoint or a slow file moves neither.  At e = R =
+    t_up / t_down the consumer is exactly fed; below it the accelerator waits,
+    above it repeats stand in for fresh data that was never short.  Because the rates wander (a slow file, a busy core) and a
     stall costs a whole step while a surplus repeat costs little, the target is
     ``headroom`` x R (1.25), and repeats are kept rather than evicted while the
     buffer has room: the upstream then fills the ring and waits, and the
@@ -298,9 +298,11 @@ class AutoEcho:
     **Loss feedback** (optional, :meth:`EchoRing.report`).  With per-example
     losses the controller compares echoed rows with fresh ones.  While a repeat
     is about as hard as a fresh example (smoothed loss ratio >= 0.9) it teaches
-    about as much, and the cap on e rises back towards ``max_echo``; once repeats
-    are clearly easier (< 0.8: the model is fitting them), the cap falls by 3%
-    per report, down to 1.  Without feedback the cap is ``max_echo``.
+    about as much, so more of them cost little: a gain on the target grows by 2%
+    per report, up to 2 (e up to 2.5 x R, and ``max_echo``).  Once repeats are
+    clearly easier (< 0.8: the model is fitting them) the gain falls back to 1
+    and then a cap on e falls by 3% per report, down to 1; both recover while
+    the ratio is >= 0.9.  Without feedback the gain is 1 and the cap ``max_echo``.
 
     It starts at e = 2 (at most ``max_echo``): the examples stored before the rates
     are known get their counts from it, and starting at 1 would make the consumer
@@ -312,6 +314,7 @@ class AutoEcho:
     """
 
     HEADROOM = 1.25
+    GAIN = 2.0             # most the loss feedback may raise the target by
     WINDOW = 15            # the rates are medians of the last WINDOW observations
     SMOOTHING = 0.2        # weight of a new report in the running loss ratio
     WARM = 3               # observations of each rate before the model is used
@@ -331,6 +334,7 @@ class AutoEcho:
         self._downs = collections.deque(maxlen=self.WINDOW)
         self._n_loss = 0
         self._boost = 1.0
+        self._gain = 1.0
         self._loss_ratio = None
         self._clock = clock or time.perf_counter
         self._t0 = self._clock()
@@ -375,9 +379,15 @@ class AutoEcho:
         if self._n_loss < 5:
             return
         if self._loss_ratio >= 0.9:
-            self.cap = min(self.max_echo, self.cap * 1.03 + 0.01)
+            if self.cap < self.max_echo:
+                self.cap = min(self.max_echo, self.cap * 1.03 + 0.01)
+            else:
+                self._gain = min(self.GAIN, self._gain * 1.02)
         elif self._loss_ratio < 0.8:
-            self.cap = max(1.0, self.cap * 0.97)
+            if self._gain > 1.0:
+                self._gain = max(1.0, self._gain * 0.97)
+            else:
+                self.cap = max(1.0, self.cap * 0.97)
         self._update("loss")
 
     # -- the decision -------------------------------------------------------------------
@@ -402,7 +412,7 @@ class AutoEcho:
 
     def _update(self, reason):
         if self._warm:
-            target = self.headroom * self._boost * self.R
+            target = self.headroom * self._boost * self._gain * self.R
             self._set(min(self.max_echo, self.cap, max(1.0, target)), reason)
         elif self.value > self.cap:
             self._set(self.cap, reason)

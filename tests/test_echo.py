@@ -341,23 +341,28 @@ def _losses(rng, n, ratio):
     return losses, echo_index
 
 
-def test_auto_loss_feedback_lowers_e_when_repeats_are_learnt_and_raises_it_back():
-    """Repeats as hard as fresh data keep e at the rate target; repeats clearly easier
-    (the model fits them) pull the cap, and e, down to 1; once they are hard again
-    e climbs back."""
+def test_auto_loss_feedback_raises_e_while_repeats_teach_and_lowers_it_once_learnt():
+    """Repeats as hard as fresh data raise e above the rate target, up to 2 x (2.5 x R);
+    repeats clearly easier (the model fits them) bring it down to the rate target and
+    then to 1; once they are hard again e climbs back."""
     rng = np.random.default_rng(0)
-    auto = AutoEcho(4.0)
+    auto = AutoEcho(8.0)
     _run(auto, 0.06, 0.02, 30)
-    for _ in range(40):
+    assert auto.value == pytest.approx(3.75)
+    for _ in range(60):
         auto.losses(*_losses(rng, 64, 0.97))
-    assert auto.value == pytest.approx(3.75) and auto.loss_ratio == pytest.approx(0.97, abs=0.03)
+    assert auto.value == pytest.approx(7.5) and auto.loss_ratio == pytest.approx(0.97, abs=0.03)
+    assert auto.trace[-1]["reason"] == "loss"
+    for _ in range(30):
+        auto.losses(*_losses(rng, 64, 0.5))
+    assert 1.0 < auto.value < 3.75 + 1e-9  # the gain is gone, the cap is on its way down
     for _ in range(200):
         auto.losses(*_losses(rng, 64, 0.5))
-    assert auto.value == 1.0 and auto.trace[-1]["reason"] == "loss"
-    for _ in range(200):
+    assert auto.value == 1.0
+    for _ in range(300):
         auto.losses(*_losses(rng, 64, 1.0))
     _run(auto, 0.06, 0.02, 5)
-    assert auto.value == pytest.approx(3.75)
+    assert auto.value == pytest.approx(7.5)
 
 
 def test_auto_loss_feedback_ignores_batches_without_both_kinds():

@@ -233,6 +233,7 @@ def train_one(train_src, test_x, test_y, cfg, echo, placement, seed, log=None):
             "fresh": fresh, "steps": steps, "wall_s": wall,
             "effective_echo": st["effective_echo"], "stall_s": st["stall_s"],
             "final_echo": st["echo_factor"], "echo_trace": st["echo_trace"],
+            "echo_loss_ratio": st["echo_loss_ratio"],
             "curve": curve}
 
 
