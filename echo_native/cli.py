@@ -184,6 +184,11 @@ def _auto_trial(args, folder, fn, t_down):
                    seconds=args.auto_seconds, max_echo=args.max_echo, seed=args.seed,
                    device=args.device)
     trace = s["echo_trace"]
+    if s["batches"] < 8:
+        print(f"echo='auto' for {args.auto_seconds:g} s: only {s['batches']} batches, too few "
+              f"to measure the rates (give --auto-seconds room for a dozen steps)")
+        return {"echo": s["echo_factor"], "batches": s["batches"], "trace": trace,
+                "measured": False}
     print(f"echo='auto' for {args.auto_seconds:g} s: e = {s['echo_factor']:.2f} after "
           f"{s['batches']} batches ({s['fresh']} fresh, {s['delivered']} delivered, "
           f"{s['stall_s']:.2f} s waiting for data); {len(trace)} changes of e:")
@@ -196,7 +201,8 @@ def _auto_trial(args, folder, fn, t_down):
         print(f"  {t['t_s']:7.2f} s  batch {t['batch']:5d}  e -> {t['echo']:.2f}  "
               f"({t['reason']}{r})")
     return {"echo": s["echo_factor"], "batches": s["batches"], "fresh": s["fresh"],
-            "delivered": s["delivered"], "stall_s": s["stall_s"], "trace": trace}
+            "delivered": s["delivered"], "stall_s": s["stall_s"], "trace": trace,
+            "measured": True}
 
 
 def build_parser():

@@ -318,6 +318,7 @@ class AutoEcho:
     WINDOW = 15            # the rates are medians of the last WINDOW observations
     SMOOTHING = 0.2        # weight of a new report in the running loss ratio
     WARM = 3               # observations of each rate before the model is used
+    DEADBAND = 0.05        # a rate-driven change of e smaller than this share is ignored
     TRACE = 256
 
     def __init__(self, max_echo=4.0, start=2.0, headroom=HEADROOM, clock=None):
@@ -413,7 +414,10 @@ class AutoEcho:
     def _update(self, reason):
         if self._warm:
             target = self.headroom * self._boost * self._gain * self.R
-            self._set(min(self.max_echo, self.cap, max(1.0, target)), reason)
+            target = min(self.max_echo, self.cap, max(1.0, target))
+            if reason == "rates" and abs(target - self.value) < self.DEADBAND * self.value:
+                return  # the measured rates jitter; e follows only real changes
+            self._set(target, reason)
         elif self.value > self.cap:
             self._set(self.cap, reason)
 

@@ -61,8 +61,11 @@ def test_profile_consumer_bound(folder, tmp_path, capsys):
     data = _profile(folder, tmp_path, "--step-ms", "100000")
     assert data["R"] < 1 and not data["input_bound"]
     assert data["recommended_echo"] == 1.0
-    assert data["auto_trial"]["echo"] == 1.0  # the trial's step is cut at its deadline
-    assert "no echo needed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no echo needed" in out
+    # A 100 s step: the trial (cut at its deadline) sees one batch and says so.
+    assert data["auto_trial"]["batches"] < 8 and not data["auto_trial"]["measured"]
+    assert "too few to measure the rates" in out
 
 
 def test_profile_input_bound_is_capped(folder, tmp_path, capsys):
@@ -71,12 +74,15 @@ def test_profile_input_bound_is_capped(folder, tmp_path, capsys):
     assert data["recommended_echo"] == 3.0
     out = capsys.readouterr().out
     assert "recommended echo=3" in out and "before_augment" in out
-    # The auto trial: a consumer far faster than the upstream takes e to the cap, and the
-    # trace printed and saved says how it got there.
+    # The auto trial: the consumer's real time per batch is the ring's own work (tiny
+    # images), about what a batch costs the worker, so auto settles above 1 and at most
+    # the cap; the trace printed and saved says how it got there.
     trial = data["auto_trial"]
-    assert trial["echo"] == 3.0 and trial["trace"] and trial["delivered"] > trial["fresh"]
+    assert trial["measured"] and 1.0 < trial["echo"] <= 3.0
+    assert trial["trace"] and trial["delivered"] > trial["fresh"]
     assert {t["reason"] for t in trial["trace"]} <= {"stall", "rates"}
-    assert f"echo='auto' for 1.5 s: e = 3.00 after {trial['batches']} batches" in out
+    assert f"echo='auto' for 1.5 s: e = {trial['echo']:.2f} after {trial['batches']} " \
+           f"batches" in out
     assert "(stall" in out or "(rates" in out
 
 

@@ -331,7 +331,7 @@ def test_auto_stalls_before_rates_climb_fast_and_after_add_a_bounded_correction(
     assert auto.value == pytest.approx(2.5 * 1.5, abs=0.01)
     assert auto.trace[-1]["reason"] == "stall"
     _run(auto, 0.04, 0.02, 400)  # no more stalls: the correction decays away
-    assert auto.value == pytest.approx(2.5, abs=0.05)
+    assert auto.value == pytest.approx(2.5, rel=AutoEcho.DEADBAND)
 
 
 def _losses(rng, n, ratio):
