@@ -2,8 +2,8 @@
 
 Reading order of the pipeline: :mod:`source`, :mod:`decode`, :mod:`transforms`,
 :mod:`ring`, :mod:`workers`, :mod:`loader`, :mod:`echo`, :mod:`output`,
-:mod:`backends`, then this module, which only wires them together from the
-specs and keeps the books (:meth:`EchoRing.stats`).
+:mod:`mix`, :mod:`backends`, then this module, which only wires them together
+from the specs and keeps the books (:meth:`EchoRing.stats`).
 """
 from __future__ import annotations
 
