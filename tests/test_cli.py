@@ -75,10 +75,11 @@ def test_profile_input_bound_is_capped(folder, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "recommended echo=3" in out and "before_augment" in out
     # The auto trial: the consumer's real time per batch is the ring's own work (tiny
-    # images), about what a batch costs the worker, so auto settles above 1 and at most
-    # the cap; the trace printed and saved says how it got there.
+    # images), about what a batch costs the worker, so auto moves from its start (2)
+    # to somewhere in [1, cap] by the measured rates; the trace printed and saved says
+    # how it got there (that auto rises for a slow upstream is test_echo's to show).
     trial = data["auto_trial"]
-    assert trial["measured"] and 1.0 < trial["echo"] <= 3.0
+    assert trial["measured"] and 1.0 <= trial["echo"] <= 3.0
     assert trial["trace"] and trial["delivered"] > trial["fresh"]
     assert {t["reason"] for t in trial["trace"]} <= {"stall", "rates"}
     assert f"echo='auto' for 1.5 s: e = {trial['echo']:.2f} after {trial['batches']} " \
