@@ -87,12 +87,12 @@ def test_every_file_decodes_or_raises(report):
         f"  {n}: {p}" for n, p in sorted(bad.items())[:40])
 
 
-@pytest.mark.timing
-def test_every_call_is_bounded_in_time(report):
-    """Each call on each file returns within CALL_BOUND_S.
+def test_every_call_is_bounded_in_cpu_time(report):
+    """Each call on each file costs at most CALL_BOUND_S of CPU.
 
-    Timing is the behaviour: a hostile file must fail (or decode) quickly, so that a
-    dataset salted with them cannot stall a training job; the child measures each call.
+    A hostile file must fail (or decode) cheaply, so that a dataset salted with them
+    cannot stall a training job; the child measures each call's thread CPU time, which
+    other load on the machine does not inflate.
     """
     slow = [(t, n, c) for n, r in report["files"].items()
             for c, (_, t) in r["calls"].items() if t > CALL_BOUND_S]
