@@ -335,7 +335,7 @@ class EchoRing:
         # Emissions made and not yet delivered, oldest first.  A host device that
         # prepares ahead re-augments the next batch while the consumer works on this
         # one, so one emission stays in flight across each yield.
-        ahead = not fixed and getattr(self.device, "prepares_ahead", False)
+        ahead = not fixed and self.device.prepares_ahead
         keep = 1 if ahead else 0
         made = collections.deque(self._stash)
         self._stash = []
