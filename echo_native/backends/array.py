@@ -13,6 +13,7 @@ import collections
 
 import numpy as np
 
+from echo_native.mix import soft_targets
 from echo_native.output import bfloat16_bits
 
 def pillow_weights(in0, in1, in_size, out_size):
@@ -163,8 +164,9 @@ class ArrayDevice:
         xp = self.xp
         if box is None:
             if lam != 1.0:
-                images[...] = images * xp.asarray(lam, images.dtype) + \
-                    images[::-1] * xp.asarray(1.0 - lam, images.dtype)
+                reverse = images[::-1] * xp.asarray(1.0 - lam, images.dtype)  # a copy
+                images *= xp.asarray(lam, images.dtype)
+                images += reverse
             return images
         top, bottom, left, right = box
         rows, cols = slice(top, bottom), slice(left, right)
@@ -175,7 +177,6 @@ class ArrayDevice:
 
     def targets(self, labels, num_classes, lam, smoothing):
         """Soft targets on the device (see :func:`echo_native.mix.soft_targets`)."""
-        from echo_native.mix import soft_targets
         return soft_targets(self.xp, labels, num_classes, lam, smoothing)
 
     def normalize(self, images, mean, std, layout, out):
