@@ -115,16 +115,28 @@ def _generator(seed, tag, epoch, extra=0):
     return np.random.Generator(np.random.Philox(key=[seed, tag], counter=[epoch, extra, 0, 0]))
 
 
+def echo_draws(seed, epoch, num):
+    """One uniform draw per example (or batch) of an epoch, from which its count follows.
+
+    Fixed and auto echo share these draws: auto echo holding a constant e emits
+    exactly what the fixed e would, and its counts never consume the shuffle
+    generator, so its emission order differs from fixed e's only where e does.
+    """
+    return _generator(seed, _TAG_COUNTS, epoch).random(num)
+
+
+def counts_from(draws, echo):
+    """floor(echo) emissions each, plus one where the draw falls below frac(echo)."""
+    base = int(math.floor(echo))
+    return base + (np.asarray(draws) < echo - base).astype(np.int32)
+
+
 def echo_counts(seed, epoch, num, echo):
     """Emissions per example for ``num`` examples (or batches) of one epoch.
 
     floor(echo) each, plus one with probability frac(echo); exact for integer e.
     """
-    base, frac = int(math.floor(echo)), echo - math.floor(echo)
-    counts = np.full(num, base, dtype=np.int32)
-    if frac > 0:
-        counts += (_generator(seed, _TAG_COUNTS, epoch).random(num) < frac).astype(np.int32)
-    return counts
+    return counts_from(echo_draws(seed, epoch, num), echo)
 
 
 def shuffle_rng(seed, epoch):
@@ -430,9 +442,9 @@ class AutoEcho:
             del self.trace[:-self.TRACE]
         self.value = value
 
-    def counts(self, rng, n):
-        base = int(math.floor(self.value))
-        return base + (rng.random(n) < self.value - base).astype(np.int32)
+    def counts(self, draws):
+        """Emissions at the current e for examples with these :func:`echo_draws`."""
+        return counts_from(draws, self.value)
 
 
 def buffer_bytes(entries, entry_bytes):

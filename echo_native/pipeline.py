@@ -21,7 +21,8 @@ from echo_native.transforms import CenterCrop, RandomResizedCrop, canvas_for
 from echo_native.ring import OK
 from echo_native.loader import Batch, Loader, fold_shorthands
 from echo_native.echo import (AutoEcho, BatchWindow, Echo, ExampleBuffer, batch_rng,
-                              buffer_bytes, echo_counts, shuffle_rng)
+                              buffer_bytes, counts_from, echo_counts, echo_draws,
+                              shuffle_rng)
 from echo_native.output import BFloat16Array, Output, storage_dtype
 from echo_native.mix import Mix, mix_params
 from echo_native.backends import resolve
@@ -241,7 +242,7 @@ class EchoRing:
         if self.auto:
             total = round(self.loader.plan.num_samples * self._auto.value)
         else:
-            counts = self._example_counts(self.epoch)
+            counts = counts_from(self._example_draws(self.epoch), self.echo)
             plan = self.loader.plan
             total = int(counts[plan.epoch_order(self.epoch, self.loader.source)].sum())
         return total // B if self.drop_last else math.ceil(total / B)
@@ -322,7 +323,9 @@ class EchoRing:
     def _example_echo(self):
         loader, buf, B = self.loader, self._buffer, self.batch_size
         epoch = self._open_epoch()
-        counts = None if self.auto else self._example_counts(epoch)
+        counts = self._example_draws(epoch)
+        if not self.auto:
+            counts = counts_from(counts, self.echo)
         rng = shuffle_rng(self.seed, epoch)
         fresh_left = max(0, (epoch + 1) * len(loader) - loader.position)
         fixed = self.placement == "after_augment"
@@ -372,19 +375,19 @@ class EchoRing:
             self._stash = list(made)
             self.device.synchronize()
 
-    def _example_counts(self, epoch):
-        """Emissions per sample id this epoch (fixed e).
+    def _example_draws(self, epoch):
+        """The :func:`echo_draws` of this epoch, per sample id.
 
-        With several ranks the counts are drawn per position in the rank's
-        shard, the same draws on every rank, so that every rank emits the same
-        total and takes the same number of steps under a fractional e.
+        With several ranks they are drawn per position in the rank's shard, the
+        same draws on every rank, so that every rank emits the same total and
+        takes the same number of steps under a fractional e.
         """
-        counts = echo_counts(self.seed, epoch, len(self.loader.source), self.echo)
+        draws = echo_draws(self.seed, epoch, len(self.loader.source))
         plan = self.loader.plan
         if plan.world_size > 1:
             order = plan.epoch_order(epoch, self.loader.source)
-            counts[order] = echo_counts(self.seed, epoch, len(order), self.echo)
-        return counts
+            draws[order] = echo_draws(self.seed, epoch, len(order))
+        return draws
 
     def _fill(self, buf, counts, rng, fresh_left, fixed):
         """Move fresh batches from the ring into the buffer; returns how many were moved.
@@ -415,8 +418,8 @@ class EchoRing:
 
     def _store(self, buf, filled, counts, rng, fixed):
         """A fresh batch into the echo buffer, its slot back to the workers."""
-        k = self._auto.counts(rng, filled.count) if self.auto else \
-            counts[filled.slot.sample_ids[:filled.count]]
+        ids = filled.slot.sample_ids[:filled.count]
+        k = self._auto.counts(counts[ids]) if self.auto else counts[ids]
         with _deferred_interrupts():
             self._add(buf, filled, k, fixed)
             self.device.release_after_copies(self.loader.hand_off())
@@ -588,7 +591,9 @@ class EchoRing:
         loader = self.loader
         epoch = self._open_epoch()
         nb = len(loader)
-        counts = echo_counts(self.seed, epoch, nb, self._e())
+        counts = echo_draws(self.seed, epoch, nb)
+        if not self.auto:
+            counts = counts_from(counts, self.echo)
         rng = shuffle_rng(self.seed, epoch)
         # The window outlives one iteration: leaving the loop early (break, a
         # caught Ctrl-C) and iterating again goes on with the batches it holds.
@@ -640,8 +645,8 @@ class EchoRing:
                   b.epoch)  # owns its memory: the slot goes back to the workers below
         with _deferred_interrupts():
             self.device.release_after_copies(self.loader.hand_off())
-            window.add(batch, self._auto.counts(rng, 1)[0] if self.auto else counts[ticket % nb],
-                       ticket)
+            k = counts[ticket % nb]
+            window.add(batch, self._auto.counts(k) if self.auto else k, ticket)
             self._unsent[ticket], self._sent[ticket] = 1, []
 
     def _want_fresh_batch(self, window):

@@ -206,6 +206,20 @@ def test_auto_echo_rises_when_upstream_is_slow(small):
     assert 4 < s["estimated_R"] < 500, s
 
 
+@pytest.mark.parametrize("placement", EXAMPLE_PLACEMENTS)
+def test_auto_echo_held_at_e_emits_what_fixed_e_does(small, monkeypatch, placement):
+    """Auto and fixed echo share the per-example count draws and never draw counts from
+    the shuffle generator: auto held at e = 2 emits the fixed e = 2 stream, row for row."""
+    streams = {}
+    for echo in (2, "auto"):
+        with monkeypatch.context() as m:
+            m.setattr(AutoEcho, "_set", lambda self, value, reason: None)  # held at start
+            with _ring(small, echo=echo, placement=placement, seed=5) as ring:
+                streams[echo] = [(_flat(b, "ids").tolist(), _flat(b, "echo").tolist())
+                                 for b in eh.collect(ring, epochs=2, copy_images=False)]
+    assert streams["auto"] == streams[2]
+
+
 def test_auto_echo_rises_for_batch_placement(small):
     """Auto echo with placement='batch': a ~32x slower upstream makes e rise above 1.5."""
     n = 48
@@ -223,7 +237,8 @@ def test_auto_echo_stays_near_one_when_upstream_is_fast(small):
     src = _src(small)
     with en.EchoRing(src, batch_size=8, image_size=8, echo="auto", placement="before_augment",
                      workers=2, seed=0) as ring:
-        eh.collect(ring, epochs=3, step=lambda b: time.sleep(0.05), copy_images=False)
+        # auto starts at e = 2: the first buffers' repeats (~40) are spread over 4 epochs
+        eh.collect(ring, epochs=4, step=lambda b: time.sleep(0.05), copy_images=False)
         s = ring.stats()
     assert s["echo_factor"] <= 1.2, s
     assert s["effective_echo"] <= 1.2, s
