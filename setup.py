@@ -13,6 +13,7 @@ import os
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 
 def _flag(name):
@@ -22,7 +23,14 @@ def _flag(name):
 SANITIZE = _flag("ECHO_NATIVE_SANITIZE")
 DEBUG = SANITIZE or _flag("ECHO_NATIVE_DEBUG")
 
-compile_args = ["-std=c11", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+compile_args = ["-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+# Per source language.  The C++ is kernels.cu built for the host (src/kernel/en_ops.cpp):
+# -ffp-contract=off keeps its arithmetic that of NVRTC's --fmad=false, even under
+# -march=native; it needs neither exceptions nor RTTI.
+language_args = {
+    ".c": ["-std=c11"],
+    ".cpp": ["-std=c++14", "-ffp-contract=off", "-fno-exceptions", "-fno-rtti"],
+}
 link_args = []
 if DEBUG:
     compile_args += ["-O1", "-g", "-fno-omit-frame-pointer", "-UNDEBUG"]
@@ -48,8 +56,23 @@ directives = {
 JPEG_DIR = os.environ.get("ECHO_NATIVE_JPEG_DIR")
 
 
-def ext(name, sources, libraries=()):
-    include_dirs = [os.path.dirname(sources[0]), numpy.get_include()]
+class BuildExt(build_ext):
+    """build_ext passing each source the flags of its language (setuptools has one list
+    for every source of an extension)."""
+
+    def build_extensions(self):
+        compile_one = self.compiler._compile
+
+        def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            extra = language_args[os.path.splitext(src)[1]]
+            return compile_one(obj, src, ext, cc_args, list(extra_postargs) + extra, pp_opts)
+
+        self.compiler._compile = _compile
+        super().build_extensions()
+
+
+def ext(name, sources, libraries=(), include_dirs=()):
+    include_dirs = [os.path.dirname(sources[0]), *include_dirs, numpy.get_include()]
     library_dirs = []
     if JPEG_DIR and "jpeg" in libraries:
         include_dirs.append(os.path.join(JPEG_DIR, "include"))
@@ -71,8 +94,10 @@ EXTENSIONS = [
     ext(
         "echo_native._kernel",
         ["src/kernel/_kernel.pyx", "src/kernel/en_jpeg.c", "src/kernel/en_resize.c",
-         "src/kernel/en_augment.c"],
+         "src/kernel/en_augment.c", "src/kernel/en_ops.cpp"],
         libraries=["jpeg", "m"],
+        # en_ops.cpp includes the CUDA kernels' source, one arithmetic for both devices.
+        include_dirs=["echo_native/backends"],
     ),
     ext("echo_native._ring", ["src/ring/_ring.pyx", "src/ring/en_ring.c"], ["rt"]),
     ext("echo_native._dlpack", ["src/dlpack/_dlpack.pyx"]),
@@ -80,4 +105,5 @@ EXTENSIONS = [
 ]
 
 setup(ext_modules=cythonize(EXTENSIONS, compiler_directives=directives,
-                            build_dir="build/cython"))
+                            build_dir="build/cython"),
+      cmdclass={"build_ext": BuildExt})

@@ -1,5 +1,9 @@
 """``echo-native`` command line (also ``python -m echo_native``).
 
+``echo-native make-shards SRC OUT --shard-size 256MB`` packs an ImageFolder (a
+folder) or a FileList (a ``path,label`` file) into tar shards with index
+sidecars, locally or to object storage (:mod:`echo_native.shards`).
+
 ``echo-native profile DIR --step-ms T`` (or ``--model-fn module:function``)
 measures the upstream rate and the consumer's step time and recommends an echo
 factor (the paper's rule e ~ R = t_upstream / t_downstream, capped) and placement,
@@ -22,7 +26,7 @@ import time
 from echo_native.profile import measure_upstream, recommend, time_step, trial_auto
 
 __all__ = ["UsageError", "open_folder", "check_device", "echo_list", "run", "build_parser",
-           "main", "recommend"]
+           "main", "recommend", "storage_option"]
 
 # Commands that moved to the lab's command line (``echo-native-lab``).
 LAB_COMMANDS = ("bench", "make-dataset", "demo")
@@ -205,6 +209,74 @@ def _auto_trial(args, folder, fn, t_down):
             "measured": True}
 
 
+# -- make-shards ------------------------------------------------------------------------
+def storage_option(text):
+    """``KEY=VALUE`` -> (key, value), the value read as JSON when it is JSON (an argparse type)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(value)
+    except ValueError:
+        pass
+    return key, value
+
+
+def cmd_make_shards(args):
+    from echo_native import shards
+    from echo_native.remote import RemoteReadError, is_url
+
+    try:
+        size = shards.parse_size(args.shard_size)
+    except ValueError as e:
+        raise UsageError(f"--shard-size: {e}") from None
+    if size <= 0:
+        raise UsageError(f"--shard-size must be positive, got {args.shard_size}")
+    for flag, value in (("--max-count", args.max_count), ("--max-side", args.max_side)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if not 1 <= args.quality <= 100:
+        raise UsageError(f"--quality must be in 1..100, got {args.quality}")
+    options = dict(args.storage_option or [])
+    src = args.src
+    if not is_url(src):
+        if not os.path.exists(src):
+            raise UsageError(f"{shards.shown(src)}: no such folder or list file")
+        if os.path.isdir(src):
+            src = open_folder(src)
+    progress = not args.quiet and sys.stderr.isatty()
+
+    def report(name, message):
+        line = f"skipped {shards.shown(name)}: {message}"
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            print(line, file=sys.stderr)
+            return
+        with tqdm.external_write_mode(file=sys.stderr):  # above the progress bar
+            print(line, file=sys.stderr)
+    try:
+        result = shards.write_shards(
+            src, args.out, shard_size=size, max_count=args.max_count, max_side=args.max_side,
+            quality=args.quality, verify=not args.no_verify, strict=args.strict,
+            overwrite=args.overwrite, progress=progress, report=report,
+            storage_options=options)
+    except shards.ShardWriteError as e:
+        print(f"echo-native make-shards: {e} (--strict: nothing more written)", file=sys.stderr)
+        return 1
+    except (FileExistsError, FileNotFoundError, RemoteReadError, ImportError) as e:
+        raise UsageError(str(e)) from None
+    except ValueError as e:  # a bad list file, an empty folder
+        raise UsageError(str(e)) from None
+    skipped = len(result.failures)
+    if not args.quiet:
+        extra = f", {result.reencoded} re-encoded" if result.reencoded else ""
+        print(f"wrote {result.samples} samples in {len(result)} shards to "
+              f"{shards.shown(result[0].rsplit('/', 1)[0] if result else args.out)}"
+              f"{extra}; {skipped} inputs skipped")
+    return 0 if result.samples else 1
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="echo-native",
@@ -233,6 +305,36 @@ def build_parser():
     pr.add_argument("--json", default="echo_native_profile.json",
                     help="write the result here ('' for none)")
     pr.set_defaults(func=cmd_profile)
+
+    ms = sub.add_parser("make-shards", help="pack an ImageFolder or FileList into tar shards "
+                                            "(local or object storage)",
+                        description="Pack images into WebDataset-style tar shards (key.jpg + "
+                                    "key.cls, shard-000000.tar, ...) with .idx sidecars, "
+                                    "for TarShards.")
+    ms.add_argument("src", help="an ImageFolder root, or a FileList (path,label rows; a file "
+                                "or a URL)")
+    ms.add_argument("out", help="output folder or URL (s3://bucket/prefix, gs://..., ...)")
+    ms.add_argument("--shard-size", default="256MB",
+                    help="largest shard, e.g. 256MB, 1GiB (default 256MB)")
+    ms.add_argument("--max-count", type=int, default=None, help="most samples per shard")
+    ms.add_argument("--max-side", type=int, default=None,
+                    help="re-encode images whose longer side is over this many pixels "
+                         "(aspect kept) as JPEG")
+    ms.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded "
+                                                            "images (default 90)")
+    ms.add_argument("--no-verify", action="store_true",
+                    help="check image headers only (default: decode each image once)")
+    ms.add_argument("--strict", action="store_true",
+                    help="stop at the first unreadable or corrupt input (default: report, "
+                         "skip and count it)")
+    ms.add_argument("--overwrite", action="store_true",
+                    help="replace shards already in OUT")
+    ms.add_argument("-o", "--storage-option", type=storage_option, action="append",
+                    metavar="KEY=VALUE",
+                    help="fsspec storage option for URLs, e.g. endpoint_url=http://host:9000 "
+                         "(repeatable; JSON values allowed)")
+    ms.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    ms.set_defaults(func=cmd_make_shards)
     return p
 
 

@@ -229,6 +229,16 @@ class ExampleBuffer:
             left[np.searchsorted(active, take)] -= 1
         return np.asarray(picks, dtype=np.int64)
 
+    def recount(self, entries, totals):
+        """Entries owe ``totals`` emissions in all now (auto echo moved e): what is
+        left is the new total less the emissions made, at least the first one;
+        entries with none left are freed."""
+        entries = np.asarray(entries, np.int64)
+        left = np.maximum(np.asarray(totals, np.int32) - self.next_echo[entries], 0)
+        self.remaining[entries] = left
+        self._free.extend(int(e) for e in entries[left == 0])
+        self._settle()
+
     def emit(self, entries):
         """Record one emission of each entry; returns their echo indices."""
         echo = np.empty(len(entries), np.int64)
@@ -310,15 +320,17 @@ class AutoEcho:
     **Loss feedback** (optional, :meth:`EchoRing.report`).  With per-example
     losses the controller compares echoed rows with fresh ones.  While a repeat
     is about as hard as a fresh example (smoothed loss ratio >= 0.9) it teaches
-    about as much, so more of them cost little: a gain on the target grows by 2%
+    about as much, so more of them cost little: a gain on the target grows by 4%
     per report, up to 2 (e up to 2.5 x R, and ``max_echo``).  Once repeats are
     clearly easier (< 0.8: the model is fitting them) the gain falls back to 1
     and then a cap on e falls by 3% per report, down to 1; both recover while
     the ratio is >= 0.9.  Without feedback the gain is 1 and the cap ``max_echo``.
 
-    It starts at e = 2 (at most ``max_echo``): the examples stored before the rates
-    are known get their counts from it, and starting at 1 would make the consumer
-    wait for the first buffers (a few repeats too many cost far less).
+    It starts at e = 2 (at most ``max_echo``): starting at 1 would make the consumer
+    wait for the first buffers (a few repeats too many cost far less).  When e
+    moves, the examples in the echo buffer are recounted at the new e (their
+    per-example draws are fixed), so the buffer follows e at once instead of
+    draining the counts it was filled with.
 
     Every change of more than 0.05 is recorded in :attr:`trace` (at most the
     last 256) with its reason: ``"stall"`` (before the rates are known, or the
@@ -395,7 +407,7 @@ class AutoEcho:
             if self.cap < self.max_echo:
                 self.cap = min(self.max_echo, self.cap * 1.03 + 0.01)
             else:
-                self._gain = min(self.GAIN, self._gain * 1.02)
+                self._gain = min(self.GAIN, self._gain * 1.04)
         elif self._loss_ratio < 0.8:
             if self._gain > 1.0:
                 self._gain = max(1.0, self._gain * 0.97)

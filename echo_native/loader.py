@@ -11,6 +11,7 @@ back to the workers when the next batch is requested (or on
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -25,6 +26,7 @@ from echo_native.decode import DecodeLimits
 from echo_native.errors import DecodeError
 from echo_native.ring import ERR_DECODE, ERR_WORKER, MAX_WORKERS, OK, REASONS, Ring
 from echo_native.transforms import RandomResizedCrop, output_size
+from echo_native.augment import Program, WithOps, split_augment
 from echo_native.workers import (ON_ERROR, Plan, Shard, WorkerPool,  # noqa: F401
                                  distributed_rank, ship)
 
@@ -99,6 +101,7 @@ def fold_shorthands(owner, augment, decode, shard, shorthands):
     ``flip_p``, ``strict``, ``rank``, ``world_size``) folded in.  A shorthand
     given next to the spec it belongs to is an error: which one would win is
     not obvious."""
+    augment, ops = split_augment(owner, augment)
     crop_keys = {"image_size": "size", "scale": "scale", "ratio": "ratio", "flip_p": "flip_p"}
     crop = {crop_keys[k]: shorthands.pop(k) for k in list(shorthands) if k in crop_keys}
     if crop:
@@ -110,6 +113,11 @@ def fold_shorthands(owner, augment, decode, shard, shorthands):
         augment = RandomResizedCrop(**crop)
     if augment is None:
         augment = RandomResizedCrop()
+    if ops:  # a plain Loader: the workers run the ops (EchoRing splits them off first)
+        if not isinstance(augment, RandomResizedCrop):
+            raise ValueError(f"{owner}: per-example ops follow a RandomResizedCrop (training); "
+                             f"got {augment!r} first")
+        augment = WithOps(augment, Program(ops, augment.size))
     if "strict" in shorthands:
         strict = shorthands.pop("strict")
         if decode is not None:
@@ -240,6 +248,11 @@ class Loader:
         # Pickled once, here: a source that cannot reach worker processes is
         # refused at construction, not at the first batch.
         self._job = ship(self.plan, source) if worker_mode == "process" else None
+        # self.plan is the base plan, or for an elastic resume one whose
+        # interrupted epoch reads only what the saved job left (_ResumedPlan);
+        # the workers get its view laid out by ticket, _work.
+        self._base = self._work = self.plan
+        self._history = None       # the merged states that plan was derived from
         self._ring = self._pool = None
         self._ticket = 0           # next ticket the consumer takes
         self._held = None          # ticket whose slot the consumer still reads
@@ -268,7 +281,7 @@ class Loader:
                                   e.limit) from None
         pool, opened = None, []
         try:
-            pool = WorkerPool(ring, self.plan, self.source, self.workers, self._worker_mode,
+            pool = WorkerPool(ring, self._work, self.source, self.workers, self._worker_mode,
                               self._job, sample_timeout=self.sample_timeout)
             # Stages that hold on to the ring's memory (a GPU backend pins it)
             # take it before any worker writes; one that refuses stops the start.
@@ -309,16 +322,30 @@ class Loader:
 
         Workers may already have filled batches past the current position, so
         moving anywhere but the next ticket restarts them at the new position.
+        Moving back, or out of an epoch resumed from all ranks' states
+        (:meth:`load_state_dict`), makes every epoch whole again.
         """
         ticket = int(ticket)
         if ticket < 0:
             raise ValueError(f"ticket must be >= 0, got {ticket}")
-        if ticket == self._ticket:
+        plan = self.plan
+        if plan is not self._base and not (ticket >= self._ticket and plan.covers(ticket)):
+            plan = self._base
+        self._move(ticket, plan, self._history if plan is self.plan else None)
+
+    def _move(self, ticket, plan, history):
+        """Go to ``ticket`` under ``plan``, restarting the workers if they run."""
+        if ticket == self._ticket and plan is self.plan:
             return
         running = self._ring is not None
         if running:
             self.close()
         self._ticket = ticket
+        if plan is not self.plan:
+            self.plan, self._history = plan, history
+            self._work = plan if plan is self._base else plan.for_workers()
+            self._job = ship(self._work, self.source) if self._worker_mode == "process" \
+                else None
         if running:
             self.start()
 
@@ -334,14 +361,83 @@ class Loader:
             self.seek(epoch * len(self))
 
     def state_dict(self):
-        """Where the fresh stream stands: restoring it continues with the next batch."""
-        return {"ticket": self._ticket, "batches_per_epoch": len(self),
-                "seed": self.plan.seed, "world_size": self.plan.world_size,
-                "rank": self.plan.rank}
+        """Where the fresh stream stands: restoring it continues with the next batch.
+
+        A small dict of plain values (JSON and pickle): ``ticket``, ``epoch``, this
+        rank's ``rank`` and ``world_size``, and the plan's ``seed``,
+        ``total_samples``, ``batch_size``, ``batches_per_epoch``, ``shuffle``,
+        ``pad`` and ``drop_last``, which let the states of all ranks be resumed
+        by a job of another size (:func:`merge_states`).  In an epoch resumed
+        that way it also holds the merged states it came from (``resumed``).
+        """
+        return self._state_at(self._ticket)
+
+    def _state_at(self, ticket):
+        """:meth:`state_dict` for a position ``ticket`` (an echo stage's may lag the
+        loader's)."""
+        p = self.plan
+        bpe = p.batches_per_epoch
+        state = {"ticket": int(ticket), "epoch": int(ticket) // bpe, "batches_per_epoch": bpe,
+                 "seed": p.seed, "world_size": p.world_size, "rank": p.rank,
+                 "total_samples": p.total_samples, "batch_size": p.batch_size,
+                 "shuffle": p.shuffle, "pad": p.pad, "drop_last": p.drop_last}
+        if self._history is not None and p.covers(ticket):
+            state["resumed"] = self._history
+        return state
 
     def load_state_dict(self, state):
+        """Continue from saved state (before iterating; any worker count).
+
+        Parameters
+        ----------
+        state : dict or sequence of dict
+            This rank's own :meth:`state_dict`, in a job of the same world size:
+            the rank continues its stream exactly.  Or the states of all ranks of
+            the saved job (a list in any order, or :func:`merge_states` of it),
+            in a job of any world size: the samples of the interrupted epoch that
+            no saved rank had consumed are split over this job's ranks in the
+            epoch's order, with equal steps per rank as in any epoch (the padding
+            or truncation of :class:`Shard`), and the epochs after it are those
+            of a fresh job of this size.
+
+        Raises
+        ------
+        ValueError
+            A state from another seed, source size or batch count; one rank's
+            state given to a job of another world size (all ranks' are needed).
+        """
+        if not isinstance(state, dict) or "ranks" in state:
+            merged = merge_states(state) if not isinstance(state, dict) else state
+            return self._resume_elastic(merged)
         _check_state(self, state)
-        self.seek(state["ticket"])
+        ticket, plan, history = int(state["ticket"]), self._base, state.get("resumed")
+        if history is not None:
+            # A rank of an elastically resumed epoch: its shard came from the history.
+            plan = self._resumed_plan(history)
+            if plan is None or not plan.covers(ticket):
+                plan, history = self._base, None
+        self._move(ticket, plan, history)
+
+    def _resume_elastic(self, merged):
+        base = self._base
+        if merged.get("seed", base.seed) != base.seed:
+            raise ValueError(f"states were saved with seed={merged['seed']}, this loader has "
+                             f"seed={base.seed}; the epoch's order would not be the same")
+        plan = self._resumed_plan(merged)
+        if plan is None:  # nothing of the epoch consumed yet: a whole epoch as usual
+            self._move(merged["epoch"] * base.batches_per_epoch, base, None)
+        else:
+            self._move(plan.first_ticket, plan, merged)
+
+    def _resumed_plan(self, merged):
+        """This rank's plan for what the job of ``merged`` left of its epoch, or None
+        when it had consumed nothing of it."""
+        epoch, left, consumed = _epoch_left(self._base, self.source, merged)
+        if not consumed:
+            return None
+        rest, k = _share(left, self._base)
+        fields = {f.name: getattr(self._base, f.name) for f in dataclasses.fields(Plan)}
+        return _ResumedPlan(**fields, resumed_epoch=epoch, rest=rest, resumed_batches=k)
 
     def __enter__(self):
         return self.start()
@@ -573,12 +669,205 @@ def _image_shape(transform):
 
 
 def _check_state(owner, state):
-    plan = owner.plan
-    for key, mine in (("seed", plan.seed), ("world_size", plan.world_size), ("rank", plan.rank),
-                      ("batches_per_epoch", plan.batches_per_epoch)):
+    plan = owner._base
+    world = state.get("world_size", plan.world_size)
+    if world != plan.world_size:
+        raise ValueError(f"state was saved by rank {state.get('rank')} of world_size={world}, "
+                         f"this loader has world_size={plan.world_size}: resuming in a job "
+                         f"of another size needs the states of all {world} ranks (gather "
+                         f"them, e.g. with torch.distributed.all_gather_object, and pass the "
+                         f"list, or echo_native.merge_states of it, to load_state_dict)")
+    for key, mine in (("seed", plan.seed), ("rank", plan.rank),
+                      ("batches_per_epoch", plan.batches_per_epoch),
+                      ("total_samples", plan.total_samples), ("batch_size", plan.batch_size)):
         if key in state and state[key] != mine:
             raise ValueError(f"state was saved with {key}={state[key]}, this loader has "
                              f"{key}={mine}; the fresh stream would not continue exactly")
+
+
+# ---- elastic resume: the states of all ranks, resumed by a job of any size ------------
+_JOB_KEYS = ("seed", "world_size", "total_samples", "batch_size", "shuffle", "pad",
+             "drop_last", "placement")
+
+
+def merge_states(states):
+    """The states of all ranks of a job, as one state any job can resume from.
+
+    Pass the result (or the list itself) to ``load_state_dict`` of every rank
+    of the resuming job, whatever its world size and worker count: the samples
+    of the interrupted epoch that no saved rank had consumed are split over the
+    new ranks, each sample once (up to :class:`Shard`'s padding), with equal
+    steps per rank, and the epochs after it are a fresh job's.
+
+    Parameters
+    ----------
+    states : sequence of dict
+        The ``state_dict()`` of every rank of one job (a :class:`Loader`'s or an
+        :class:`EchoRing`'s), taken at the same step, in any order: gathered
+        with ``torch.distributed.all_gather_object``, or one file per rank.
+
+    Returns
+    -------
+    dict
+        Plain values (JSON and pickle): the job's ``seed``, ``world_size`` and
+        other plan settings, the interrupted ``epoch``, and ``ranks``, the
+        states ordered by rank.
+
+    Raises
+    ------
+    ValueError
+        When the states are not one job saved at one step: a rank missing or
+        given twice, different seeds, world sizes, plans or placements, or
+        states from different epochs.
+    """
+    if isinstance(states, dict):
+        raise TypeError("merge_states takes the list of every rank's state_dict(), got one "
+                        "dict")
+    states = list(states)
+    if not states:
+        raise ValueError("merge_states: no states given")
+    for s in states:
+        if not isinstance(s, dict) or "ranks" in s or \
+                not {"ticket", "rank", "world_size", "batches_per_epoch"} <= set(s):
+            raise ValueError(f"merge_states takes the state_dict() of each rank, got {s!r:.200}")
+    merged = {}
+    for key in _JOB_KEYS:
+        values = {repr(s[key]) for s in states if key in s}
+        if len(values) > 1:
+            raise ValueError(f"merge_states: the states disagree on {key} "
+                             f"({', '.join(sorted(values))}): they are not from one job")
+        if values:
+            merged[key] = next(s[key] for s in states if key in s)
+    world = merged["world_size"]
+    ranks = sorted(int(s["rank"]) for s in states)
+    if ranks != list(range(world)):
+        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        missing = sorted(set(range(world)) - set(ranks))
+        wrong = [f"missing rank(s) {missing}"] if missing else []
+        wrong += [f"rank(s) {twice} given twice"] if twice else []
+        raise ValueError(f"merge_states needs the state of every rank of the job "
+                         f"(world_size={world}) once: "
+                         f"{'; '.join(wrong) or f'got ranks {ranks}'}")
+    states = sorted(states, key=lambda s: int(s["rank"]))
+    # A rank whose last emission of an epoch is behind it stands at the next epoch's
+    # start while the others finish theirs: that rank has consumed its whole shard.
+    epoch = min(int(s["ticket"]) // int(s["batches_per_epoch"]) for s in states)
+    late = [s for s in states if int(s["ticket"]) > (epoch + 1) * int(s["batches_per_epoch"])]
+    if late:
+        raise ValueError(f"merge_states: the states are from different epochs (rank "
+                         f"{states[0]['rank']} at ticket {states[0]['ticket']}, rank "
+                         f"{late[0]['rank']} at ticket {late[0]['ticket']}); save every "
+                         f"rank's state at the same step")
+    histories = [s.get("resumed") for s in states]
+    histories = [h if h is not None and h.get("epoch") == epoch else None for h in histories]
+    if any(h != histories[0] for h in histories):
+        raise ValueError("merge_states: the states come from different resumed jobs (their "
+                         "'resumed' entries differ)")
+    merged["epoch"] = epoch
+    merged["ranks"] = [{k: v for k, v in s.items() if k != "resumed"} for s in states]
+    if histories[0] is not None:
+        merged["resumed"] = histories[0]
+    return merged
+
+
+@dataclass(frozen=True, eq=False)
+class _ResumedPlan(Plan):
+    """A :class:`Plan` whose epoch ``resumed_epoch`` reads only ``rest``, this rank's
+    share of what an interrupted job left of it, in ``resumed_batches`` batches.
+
+    Tickets keep counting whole epochs (``ticket // batches_per_epoch`` is the
+    epoch), so those batches are the epoch's last tickets.  ``epoch_order`` is
+    what the epoch reads; the workers' view (:meth:`for_workers`) lays it out
+    at the positions of those tickets, as they slice it by batch.
+    """
+
+    resumed_epoch: int = 0
+    rest: np.ndarray = dataclasses.field(default=None, repr=False)
+    resumed_batches: int = 0
+    aligned: bool = False
+
+    @property
+    def first_ticket(self):
+        """The ticket of the resumed epoch's first batch."""
+        return (self.resumed_epoch + 1) * self.batches_per_epoch - self.resumed_batches
+
+    def covers(self, ticket):
+        """Whether ``ticket`` is a position this plan resumed (up to the epoch's end)."""
+        return self.first_ticket <= ticket <= (self.resumed_epoch + 1) * self.batches_per_epoch
+
+    def for_workers(self):
+        return dataclasses.replace(self, aligned=True)
+
+    def epoch_order(self, epoch, source=None):
+        if epoch != self.resumed_epoch:
+            return super().epoch_order(epoch, source)
+        if not self.aligned:
+            return self.rest
+        # Never read: the tickets before first_ticket are not handed out.
+        head = np.zeros((self.batches_per_epoch - self.resumed_batches) * self.batch_size,
+                        np.int64)
+        return np.concatenate([head, self.rest])
+
+    def ticket_size(self, ticket):
+        if ticket // self.batches_per_epoch != self.resumed_epoch:
+            return super().ticket_size(ticket)
+        b = ticket - self.first_ticket
+        return max(0, min(self.batch_size, len(self.rest) - b * self.batch_size))
+
+
+def _share(order, plan):
+    """This rank's part of ``order`` and its batch count, under the rule of ``plan``
+    (its rank, world size, padding, truncation and batch size)."""
+    over = dataclasses.replace(plan, total_samples=len(order), shuffle=False)
+    return np.asarray(order, np.int64)[over.epoch_order(0)], over.batches_per_epoch
+
+
+def _saved_plan(base, state):
+    """The plan one saved rank ran, rebuilt from its state and this loader's plan."""
+    plan = dataclasses.replace(base, rank=int(state["rank"]),
+                               world_size=int(state["world_size"]),
+                               **{k: state[k] for k in ("total_samples", "batch_size",
+                                                        "shuffle", "pad", "drop_last")
+                                  if k in state})
+    if plan.total_samples != base.total_samples:
+        raise ValueError(f"states were saved over {plan.total_samples} samples, this "
+                         f"loader's source has {base.total_samples}")
+    if plan.batches_per_epoch != state["batches_per_epoch"]:
+        raise ValueError(f"the state of rank {plan.rank} has batches_per_epoch="
+                         f"{state['batches_per_epoch']}, its plan rebuilt here has "
+                         f"{plan.batches_per_epoch}: the source, batch size or padding "
+                         f"changed (older states lack them: resume with the saved ones)")
+    return plan
+
+
+def _epoch_left(base, source, merged):
+    """``(epoch, left, consumed)`` for the job of ``merged``: the samples of its
+    interrupted epoch that none of its ranks had consumed (read and, with echo,
+    emitted fresh), in the epoch's order, and whether any of the epoch was
+    consumed (by it or by the job it resumed from)."""
+    epoch, states = int(merged["epoch"]), merged["ranks"]
+    history = merged.get("resumed")
+    plans = [_saved_plan(base, s) for s in states]
+    if history is not None:
+        order = _epoch_left(base, source, history)[1]
+    else:
+        order = plans[0].global_order(epoch, source)
+    read, done = [], []
+    for state, plan in zip(states, plans):
+        bpe, B = plan.batches_per_epoch, plan.batch_size
+        if history is not None:
+            shard, k = _share(order, plan)
+        else:
+            shard, k = plan.epoch_order(epoch, source), bpe
+        # Batches before the state's ticket were all consumed; the ids of later
+        # ones that were (emitted before the save) are its skip list.
+        taken = min(max(int(state["ticket"]) - (epoch + 1) * bpe + k, 0), k)
+        read.append(shard[:k * B])
+        done.append(shard[:taken * B])
+        done.append(np.asarray(state.get("skip", ()), np.int64))
+    read, done = np.concatenate(read), np.concatenate(done)
+    left = order[np.isin(order, read) & ~np.isin(order, done)]
+    return epoch, left, len(done) > 0 or history is not None
 
 
 def _release_in(loader_ref, ring, ticket):

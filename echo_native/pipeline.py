@@ -25,6 +25,7 @@ from echo_native.echo import (AutoEcho, BatchWindow, Echo, ExampleBuffer, batch_
                               shuffle_rng)
 from echo_native.output import BFloat16Array, Output, storage_dtype
 from echo_native.mix import Mix, mix_params
+from echo_native.augment import Program, WithOps, split_augment
 from echo_native.backends import resolve
 
 
@@ -39,9 +40,13 @@ class EchoRing:
     source : ImageFolder, FileList, TarShards, Samples, or any object with ``len``,
         ``labels``, ``read(i) -> bytes`` and ``describe(i)``.
     batch_size : int, default 256
-    augment : RandomResizedCrop or CenterCrop, default RandomResizedCrop(224)
+    augment : RandomResizedCrop, CenterCrop or list, default RandomResizedCrop(224)
         What each sample becomes.  ``CenterCrop(224, resize=256)`` with ``echo=1``
         and ``shuffle=False`` is the evaluation path: every sample once, in order.
+        A list is a RandomResizedCrop followed by per-example ops
+        (:class:`ColorJitter`, :class:`RandomGrayscale`, :class:`TrivialAugmentWide`,
+        :class:`RandomErasing`), drawn afresh for every emission before
+        augmentation (see :mod:`echo_native.augment` for the other placements).
     echo : Echo, float >= 1 or "auto", default 2.0
         A number or "auto" is ``Echo(factor)``; see :class:`Echo` for placement,
         shuffle buffer, ``max_echo`` and the canvas budget.
@@ -92,6 +97,7 @@ class EchoRing:
                  **shorthands):
         echo = _fold_echo(echo, shorthands)
         output = _fold_output(output, shorthands)
+        augment, ops = split_augment("EchoRing", augment)
         augment, decode, shard = fold_shorthands("EchoRing", augment, decode, shard, shorthands)
         if shorthands:
             raise TypeError(f"EchoRing got unexpected keyword argument(s) "
@@ -106,6 +112,9 @@ class EchoRing:
             raise ValueError("CenterCrop is deterministic: echoing it before augmentation would "
                              "repeat identical images at the cost of a canvas each; use echo=1 "
                              "(evaluation) or Echo(..., placement='after_augment')")
+        if ops and not isinstance(augment, RandomResizedCrop):
+            raise ValueError(f"augment: per-example ops follow a RandomResizedCrop (training); "
+                             f"got {augment!r} first")
         if mix is not None:
             if not isinstance(mix, Mix):
                 raise TypeError(f"mix must be an echo_native.Mix or None, got {mix!r}")
@@ -132,8 +141,13 @@ class EchoRing:
         self.shuffle_buffer = shuffle_buffer
         self.device = resolve(device)
         self._auto = AutoEcho(echo.max_echo) if self.auto else None
+        # The ops run per emission where the echo stage makes the pixels, else in the
+        # workers, once per fresh sample.
+        self.program = Program(ops, augment.size, output.mean, output.std)
         if echo.placement == "before_augment" and not self.passthrough:
             transform = canvas_for(augment, echo.canvas_side, echo.canvas_max_pixels)
+        elif self.program:
+            transform = WithOps(augment, self.program)
         else:
             transform = augment
         # Echo stages need every sample of the epoch; echo=1 is the Loader itself.
@@ -323,7 +337,8 @@ class EchoRing:
     def _example_echo(self):
         loader, buf, B = self.loader, self._buffer, self.batch_size
         epoch = self._open_epoch()
-        counts = self._example_draws(epoch)
+        counts = self._example_draws(epoch)  # auto echo: per sample id, for its counts
+        echo_now = self._e()
         if not self.auto:
             counts = counts_from(counts, self.echo)
         rng = shuffle_rng(self.seed, epoch)
@@ -366,6 +381,10 @@ class EchoRing:
                     self._unfinished = None
                     return
                 made.append(self._emit(buf, entries=buf.choose(want, rng), epoch=epoch))
+                if self.auto and self._auto.value != echo_now:
+                    echo_now = self._auto.value
+                    live = buf.active()
+                    buf.recount(live, counts_from(counts[buf.sample_id[live]], echo_now))
         except GeneratorExit:
             made.popleft()  # closed at a yield: the consumer has that batch
             raise
@@ -479,6 +498,10 @@ class EchoRing:
         else:
             boxes, flips, canvas_boxes = self._crop_params(buf, entries, sample_ids, echo_index)
             job = self.device.crop_resize(buf, entries, canvas_boxes, flips, images)
+            if self.program:
+                codes, args = self.program.draw(self.seed, buf.epoch[entries], sample_ids,
+                                                echo_index)
+                job = self.device.augment(images, codes, args) or job
         fresh = (echo_index == 0) & buf.ok[entries]
         return _Emission(
             job=job,
@@ -527,23 +550,45 @@ class EchoRing:
         those batches that were already emitted, so across the save no sample
         is read fresh twice or skipped.  The echo buffer itself is not saved:
         echoes still owed for examples emitted before the save are dropped.
+
+        The dict holds plain values (JSON and pickle): :meth:`Loader.state_dict`'s
+        at that ticket, plus ``skip``, ``echo`` and ``placement``.  The states of
+        all ranks together resume in a job of another world size (see
+        :meth:`load_state_dict`).
         """
         pending = [t for t, left in self._unsent.items() if left]
         ticket = min(pending) if pending else self.loader.position
         skip = {sid for t, ids in self._sent.items() if t >= ticket for sid in ids}
         # Ids skipped since a restore were emitted before the state it came from.
         skip = sorted(skip | self._skip)
-        state = self.loader.state_dict()
-        state.update(ticket=ticket, skip=skip, echo=self.echo, placement=self.placement)
+        state = self.loader._state_at(ticket)
+        state.update(skip=skip, echo=self.echo, placement=self.placement)
         return state
 
     def load_state_dict(self, state):
-        """Continue from a :meth:`state_dict` (before iterating; any worker count)."""
-        if state.get("placement", self.placement) != self.placement:
-            raise ValueError(f"state was saved with placement={state['placement']!r}, this "
-                             f"ring has {self.placement!r}")
+        """Continue from saved state (before iterating; any worker count).
+
+        Parameters
+        ----------
+        state : dict or sequence of dict
+            This rank's own :meth:`state_dict`, in a job of the same world size,
+            or the states of all ranks of the saved job (a list, or
+            :func:`echo_native.merge_states` of it), in a job of any world size:
+            the samples no saved rank had emitted fresh are split over this
+            job's ranks, each read fresh once, with equal steps per rank (see
+            :meth:`Loader.load_state_dict`).
+        """
+        if not isinstance(state, dict):
+            state = list(state)
+        saved = state if isinstance(state, list) else [state] + state.get("ranks", [])
+        for s in saved:
+            if isinstance(s, dict) and s.get("placement", self.placement) != self.placement:
+                raise ValueError(f"state was saved with placement={s['placement']!r}, this "
+                                 f"ring has {self.placement!r}")
         self.loader.load_state_dict(state)
-        self._skip = set(int(s) for s in state.get("skip", ()))
+        # Resumed from all ranks, the plan leaves out what was emitted: nothing to skip.
+        elastic = isinstance(state, list) or "ranks" in state
+        self._skip = set() if elastic else set(int(s) for s in state.get("skip", ()))
         self._unsent, self._sent = {}, {}
         self._drop_stash()
         self._window = self._unfinished = None

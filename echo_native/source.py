@@ -12,10 +12,14 @@ from __future__ import annotations
 import os
 import errno
 import stat
+import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
 
+from echo_native import remote as _remote
+from echo_native import tarindex
 from echo_native.errors import ReadLimitError
 
 #: Same set as torchvision's ``IMG_EXTENSIONS``.
@@ -25,6 +29,26 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 #: training JPEG is about 15 MB; a bigger "image" is a mistake or an attack, and
 #: reading it would take that much memory in a worker.
 DEFAULT_MAX_FILE_BYTES = 64 * 2**20
+
+
+#: Guards the per-process objects sources create lazily (reader threads may race).
+_LAZY = threading.Lock()
+
+#: Block size of the one streaming read that indexes a remote shard without a sidecar.
+_SCAN_BLOCK = 8 * 2**20
+
+
+def _index_cache_dir(index_cache):
+    """Where indexes of scanned remote shards are kept (None: nowhere)."""
+    if index_cache is False:
+        return None
+    if index_cache is not None:
+        return os.fspath(index_cache)
+    base = os.environ.get("ECHO_NATIVE_CACHE")
+    if base:
+        return os.path.join(base, "index")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "echo_native", "index")
 
 
 def _check_max_file_bytes(owner, value):
@@ -91,24 +115,64 @@ class _PackedPaths:
 
 
 class _Files:
-    """A source of files named by packed relative paths under ``root``."""
+    """A source of files named by packed relative paths under ``root`` (a folder or,
+    for :class:`FileList`, a URL), or by URLs."""
 
     root: Path
     labels: np.ndarray
     _paths: _PackedPaths
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    _store = None        # a RemoteStore when some paths are URLs
+    _prefetcher = None   # per process, never pickled
 
     def __len__(self):
         return len(self.labels)
 
     def path(self, i) -> str:
-        return os.path.join(self.root, self._paths[i])
+        p = self._paths[i]
+        if self._store is not None and _remote.is_url(p):
+            return p
+        return os.path.join(self.root, p)
 
     def describe(self, i) -> str:
-        return self.path(i)
+        p = self.path(i)
+        return _remote.redact(p) if self._store is not None and _remote.is_url(p) else p
 
     def read(self, i) -> bytes:
-        return read_file(self.path(i), self.max_file_bytes)
+        p = self.path(i)
+        if self._store is None or not _remote.is_url(p):
+            return read_file(p, self.max_file_bytes)
+        pf = self._prefetcher
+        if pf is not None:
+            opts = self._store.options
+            data = pf.take(i, opts.retry_timeout + opts.request_timeout + 5.0)
+            if data is not None:
+                return data
+        return self._fetch(i)
+
+    def _fetch(self, i):
+        return self._store.read_all(self.path(i), self.max_file_bytes, what=self.describe(i))
+
+    def prefetch(self, ids, upcoming=()):
+        """Hint: the samples this worker reads next, in order (remote ones are fetched
+        ahead).  ``upcoming`` (a guess at the batch after) is not fetched: a wrong guess
+        would cost a whole object each."""
+        if self._store is None:
+            return
+        ids = [int(i) for i in ids if _remote.is_url(self.path(int(i)))]
+        if not ids:
+            return
+        if self._prefetcher is None:
+            self._prefetcher = _remote.Prefetcher(self._fetch, self._store.options)
+        opts = self._store.options
+        # Sizes are unknown before the response: each counts as an equal share of the budget.
+        share = max(1, opts.prefetch_bytes // max(1, opts.prefetch))
+        self._prefetcher.hint(ids, [share] * len(ids))
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_prefetcher", None)
+        return state
 
 
 def _dir_id(path):
@@ -219,16 +283,42 @@ class FileList(_Files):
     (non-comment) line ``path,label`` is taken as a header.  Labels are
     64-bit signed integers.  ``read`` refuses non-regular files and files over
     ``max_file_bytes``.
+
+    The list, ``root`` and the listed paths may also be URLs of any fsspec
+    protocol (``s3://bucket/train.csv``, rows ``s3://bucket/img/1.jpg,3``):
+    each remote sample is one request, fetched ahead and retried as ``remote``
+    (a :class:`~echo_native.remote.RemoteOptions`) says; ``storage_options``
+    go to fsspec.
     """
 
-    def __init__(self, path_or_rows, root=None, max_file_bytes=DEFAULT_MAX_FILE_BYTES):
+    def __init__(self, path_or_rows, root=None, max_file_bytes=DEFAULT_MAX_FILE_BYTES, *,
+                 storage_options=None, remote=None):
         self.max_file_bytes = _check_max_file_bytes("FileList", max_file_bytes)
+        if isinstance(path_or_rows, str):
+            path_or_rows = _remote.local_path(path_or_rows)
+        if isinstance(root, str):
+            root = _remote.local_path(root)
+        list_url = _remote.is_url(path_or_rows)
+        store = None
+        if list_url or _remote.is_url(root):
+            store = _remote.RemoteStore(storage_options, remote)
         if isinstance(path_or_rows, (str, os.PathLike)):
-            list_path = Path(path_or_rows)
-            if not list_path.is_file():
-                raise FileNotFoundError(f"FileList {str(list_path)!r} does not exist")
-            with open(list_path, newline="") as f:
-                lines = f.read().splitlines()
+            if list_url:
+                name = _remote.redact(path_or_rows)
+                try:
+                    text = store.read_all(path_or_rows, 2**31).decode("utf-8")
+                except _remote.RemoteReadError as e:
+                    if e.errno == errno.ENOENT:
+                        raise FileNotFoundError(f"FileList {name!r} does not exist") from None
+                    raise
+                lines = text.splitlines()
+                list_path = name
+            else:
+                list_path = Path(path_or_rows)
+                if not list_path.is_file():
+                    raise FileNotFoundError(f"FileList {str(list_path)!r} does not exist")
+                with open(list_path, newline="") as f:
+                    lines = f.read().splitlines()
             rows = []
             for n, line in enumerate(lines, 1):
                 line = line.strip()
@@ -240,10 +330,22 @@ class FileList(_Files):
                 if not rows and label.strip().lower() == "label":  # header
                     continue
                 rows.append((path.strip(), label.strip(), f"{list_path}:{n}"))
-            self.root = Path(root) if root is not None else list_path.parent
+            if root is not None:
+                self.root = root if _remote.is_url(root) else Path(root)
+            elif list_url:
+                self.root = path_or_rows.split("?", 1)[0].rsplit("/", 1)[0]
+            else:
+                self.root = list_path.parent
         else:
             rows = [(str(p), lab, f"row {n}") for n, (p, lab) in enumerate(path_or_rows)]
-            self.root = Path(root) if root is not None else Path(".")
+            self.root = (root if _remote.is_url(root) else Path(root)) if root is not None \
+                else Path(".")
+        if store is None and any(_remote.is_url(p) for p, _, _ in rows):
+            store = _remote.RemoteStore(storage_options, remote)
+        if store is None and remote is not None and not isinstance(remote,
+                                                                   _remote.RemoteOptions):
+            raise TypeError(f"remote= must be a RemoteOptions, got {remote!r}")
+        self._store = store
         if not rows:
             where = str(path_or_rows) if isinstance(path_or_rows, (str, os.PathLike)) else "rows"
             raise ValueError(f"FileList {where!r} has no samples")
@@ -262,7 +364,8 @@ class FileList(_Files):
         self.labels = np.asarray(labels, dtype=np.int64)
 
     def __repr__(self):
-        return f"FileList({len(self)} samples, root={str(self.root)!r})"
+        root = _remote.redact(self.root) if _remote.is_url(self.root) else str(self.root)
+        return f"FileList({len(self)} samples, root={root!r})"
 
 
 class TarShards:
@@ -275,57 +378,56 @@ class TarShards:
     visited in an order shuffled per epoch and samples are shuffled within a
     window of ``shuffle_buffer`` consecutive samples (like WebDataset's buffer).
     A sample without a ``.cls`` member gets label -1.
+
+    Shards may be local paths or URLs of any fsspec protocol (``s3://``,
+    ``gs://``, ``https://``; ``file://`` is a local path).  Remote shards are
+    read in blocks of many consecutive samples, one byte-range request each
+    (``remote.block_bytes``), kept in a per-process cache bounded in bytes
+    (``remote.cache_bytes``) and fetched ahead by each worker; requests are
+    retried on transient errors as ``remote`` (a
+    :class:`~echo_native.remote.RemoteOptions`) says.  A sample that cannot be
+    read is a sample failure naming ``url:key``, under the pipeline's
+    ``on_error``.  ``storage_options`` go to fsspec (e.g.
+    ``{"endpoint_url": ...}`` for an S3-compatible server); credentials come
+    from the environment as fsspec's backend takes them.
+
+    Each shard's index comes from its ``<shard>.idx`` sidecar when there is a
+    valid one (``echo-native make-shards`` writes them), else from scanning the
+    shard's headers.  A scanned remote shard's index is kept in ``index_cache``
+    (default ``$ECHO_NATIVE_CACHE/index``, else ``$XDG_CACHE_HOME/echo_native/index``,
+    else ``~/.cache/echo_native/index``; ``False``: keep none), under a hash of its
+    URL, size and ETag, so a changed object is indexed again.  ``write_index=True``
+    also writes the sidecar next to each scanned shard, remote ones included.
     """
 
-    IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+    IMAGE_EXTS = tarindex.IMAGE_EXTS
 
-    def __init__(self, urls_or_paths, shuffle_buffer=1000, max_file_bytes=DEFAULT_MAX_FILE_BYTES):
-        import tarfile
-
+    def __init__(self, urls_or_paths, shuffle_buffer=1000, max_file_bytes=DEFAULT_MAX_FILE_BYTES,
+                 *, storage_options=None, remote=None, index_cache=None, write_index=False):
         self.max_file_bytes = _check_max_file_bytes("TarShards", max_file_bytes)
         if isinstance(urls_or_paths, (str, os.PathLike)):
             urls_or_paths = [urls_or_paths]
-        self.shards = [str(p) for p in urls_or_paths]
+        self.shards = [str(_remote.local_path(p)) if not _remote.is_url(str(p)) else str(p)
+                       for p in urls_or_paths]
         if not self.shards:
             raise ValueError("TarShards needs at least one shard")
         self.shuffle_buffer = int(shuffle_buffer)
+        self._remote_shard = [_remote.is_url(s) for s in self.shards]
+        self._store = None
+        if any(self._remote_shard):
+            self._store = _remote.RemoteStore(storage_options, remote)
+        elif remote is not None and not isinstance(remote, _remote.RemoteOptions):
+            raise TypeError(f"remote= must be a RemoteOptions, got {remote!r}")
+        self._names = [_remote.redact(s) if r else s
+                       for s, r in zip(self.shards, self._remote_shard)]
+        indexes = self._indexes(index_cache, write_index)
         shard_of, offsets, sizes, labels, keys, starts = [], [], [], [], [], [0]
-        for s, shard in enumerate(self.shards):
-            if not os.path.isfile(shard):
-                raise FileNotFoundError(f"tar shard {shard!r} does not exist")
-            images, classes = {}, {}
-            try:
-                with tarfile.open(shard, "r:") as tar:
-                    for m in tar:
-                        if not m.isfile():
-                            continue
-                        key, dot, ext = m.name.rpartition(".")
-                        ext = "." + ext.lower()
-                        if ext in self.IMAGE_EXTS:
-                            images[key] = (m.offset_data, m.size)
-                        elif ext == ".cls":
-                            classes[key] = (m.offset_data, m.size)
-            except tarfile.TarError as e:
-                raise ValueError(f"tar shard {shard!r} is not a readable tar file: {e}") from None
-            with open(shard, "rb") as f:
-                for key in sorted(images):
-                    off, size = images[key]
-                    label = -1
-                    if key in classes:
-                        f.seek(classes[key][0])
-                        text = f.read(classes[key][1]).strip()
-                        try:
-                            label = int(text)
-                            if not -2**63 <= label < 2**63:
-                                raise ValueError
-                        except ValueError:
-                            raise ValueError(f"{shard}: {key}.cls holds {text[:20]!r}, not a "
-                                             f"64-bit integer label") from None
-                    shard_of.append(s)
-                    offsets.append(off)
-                    sizes.append(size)
-                    labels.append(label)
-                    keys.append(key)
+        for s, index in enumerate(indexes):
+            shard_of.extend([s] * len(index))
+            offsets.extend(index.offsets)
+            sizes.extend(index.sizes)
+            labels.extend(index.labels)
+            keys.extend(index.keys)
             starts.append(len(offsets))
         if not offsets:
             raise ValueError(f"no image members in the {len(self.shards)} tar shard(s)")
@@ -336,6 +438,92 @@ class TarShards:
         self._keys = _PackedPaths(keys)
         self.labels = np.asarray(labels, np.int64)
         self._files = {}  # shard index -> descriptor, opened on first read in each process
+        self._prefetcher = None  # remote reads ahead, started on first hint in each process
+        self._blocks = None  # remote blocks cached and read ahead, per process
+        self._plans = {}  # shard index -> its blocks, worked out on first use in each process
+
+    def _indexes(self, index_cache, write_index):
+        local = [self._local_index(s, write_index) if not r else None
+                 for s, r in zip(self.shards, self._remote_shard)]
+        remote = [i for i, r in enumerate(self._remote_shard) if r]
+        if remote:
+            cache = _index_cache_dir(index_cache)
+            # One HEAD (and perhaps a sidecar GET) per shard: many in parallel.
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(16, len(remote))) as pool:
+                found = pool.map(lambda i: self._remote_index(i, cache, write_index), remote)
+                for i, index in zip(remote, found):
+                    local[i] = index
+        return local
+
+    def _local_index(self, shard, write_index):
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"tar shard {shard!r} does not exist")
+        side = tarindex.sidecar(shard)
+        size = os.stat(shard).st_size
+        if os.path.isfile(side):
+            try:
+                with open(side, "rb") as f:
+                    return tarindex.TarIndex.from_json(f.read(), size)
+            except (OSError, ValueError) as e:
+                warnings.warn(f"{side}: {e}; scanning the shard instead", RuntimeWarning,
+                              stacklevel=4)
+        index = tarindex.scan_file(shard)
+        if write_index:
+            tarindex.write_atomic(side, index.to_json())
+        return index
+
+    def _remote_index(self, s, cache, write_index):
+        url, name, store = self.shards[s], self._names[s], self._store
+        try:
+            info = store.info(url)
+        except _remote.RemoteReadError as e:
+            if e.errno == errno.ENOENT:
+                raise FileNotFoundError(f"tar shard {name!r} does not exist") from None
+            raise
+        size = info["size"]
+        cached = None
+        if cache:
+            import hashlib
+
+            ident = "\0".join([url, str(size), str(info["etag"])]).encode("utf-8",
+                                                                          "surrogatepass")
+            cached = os.path.join(cache, hashlib.sha256(ident).hexdigest()[:40] + ".idx")
+            try:
+                with open(cached, "rb") as f:
+                    return tarindex.TarIndex.from_json(f.read(), size)
+            except (OSError, ValueError):
+                pass
+        index = None
+        if "?" not in url:  # a signed URL's query does not sign its sidecar
+            try:
+                data = store.read_all(tarindex.sidecar(url), 256 * 2**20,
+                                      what=tarindex.sidecar(name))
+                index = tarindex.TarIndex.from_json(data, size)
+            except _remote.RemoteReadError as e:
+                if e.errno != errno.ENOENT:
+                    warnings.warn(f"{e}; scanning the shard instead", RuntimeWarning,
+                                  stacklevel=5)
+            except ValueError as e:
+                warnings.warn(f"{tarindex.sidecar(name)}: {e}; scanning the shard instead",
+                              RuntimeWarning, stacklevel=5)
+        if index is None:
+            def scan():
+                # Headers only is a request per member; a streaming read of the whole
+                # shard in large blocks is far fewer, and happens once.
+                with store.open(url, block_size=_SCAN_BLOCK, cache_type="readahead") as f:
+                    return tarindex.scan(f, name, size)
+            index = store.retrying(f"indexing {name}", scan, passthrough=(ValueError,))
+            if write_index:
+                store.put_bytes(index.to_json(), tarindex.sidecar(url))
+        if cached:
+            try:
+                os.makedirs(cache, exist_ok=True)
+                tarindex.write_atomic(cached, index.to_json())
+            except OSError:
+                pass  # a read-only cache only costs a scan next time
+        return index
 
     def __len__(self):
         return len(self.labels)
@@ -343,6 +531,8 @@ class TarShards:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_files"] = {}  # open files stay in the process that opened them
+        state["_prefetcher"] = None  # and so do fetch threads (the store drops its connections)
+        state["_blocks"], state["_plans"] = None, {}  # and cached blocks
         return state
 
     def __del__(self):
@@ -353,10 +543,16 @@ class TarShards:
                 pass
 
     def describe(self, i) -> str:
-        return f"{self.shards[self._shard[i]]}:{self._keys[i]}"
+        return f"{self._names[self._shard[i]]}:{self._keys[i]}"
 
     def read(self, i) -> bytes:
         s = int(self._shard[i])
+        size = int(self._size[i])
+        if size > self.max_file_bytes:
+            raise ReadLimitError(errno.EFBIG, f"{size} bytes, over the limit "
+                                              f"max_file_bytes={self.max_file_bytes}")
+        if self._remote_shard[s]:
+            return self._read_remote(i)
         fd = self._files.get(s)
         if fd is None:
             fd = os.open(self.shards[s], os.O_RDONLY)
@@ -364,14 +560,132 @@ class TarShards:
             if self._files.setdefault(s, fd) != fd:
                 os.close(fd)
                 fd = self._files[s]
-        size = int(self._size[i])
-        if size > self.max_file_bytes:
-            raise ReadLimitError(errno.EFBIG, f"{size} bytes, over the limit "
-                                              f"max_file_bytes={self.max_file_bytes}")
         data = os.pread(fd, size, int(self._offset[i]))
         if len(data) != size:
             raise OSError(f"short read: {len(data)} of {size} bytes")
         return data
+
+    def prefetch(self, ids, upcoming=()):
+        """Hint: the samples this worker reads next, in order.  The blocks of remote
+        samples among them are fetched ahead, then those of ``upcoming`` (a guess at
+        the batch after) and the block that follows the last one in its shard, within
+        ``remote``'s limits; local samples need nothing."""
+        if self._store is None:
+            return
+        ids = self._remote_ids(ids)
+        if not self._store.options.block_bytes:
+            if ids:
+                self._hint_samples(ids)
+            return
+        upcoming = self._remote_ids(upcoming)
+        if not ids and not upcoming:
+            return
+        blocks, seen, alone, last = [], set(), [], {}
+        for k, i in enumerate(ids + upcoming):
+            s = int(self._shard[i])
+            b, start, end = self._block(s, i)
+            if b < 0:
+                if k < len(ids):
+                    alone.append(i)
+            elif (s, b) not in seen:
+                seen.add((s, b))
+                blocks.append(((s, start, end), end - start))
+                last[s] = max(last.get(s, -1), b)
+        for s, b in last.items():  # read ahead: the block that follows in the shard
+            plan = self._plans[s]
+            if b + 1 < len(plan[1]) and (s, b + 1) not in seen:
+                start, end = int(plan[1][b + 1]), int(plan[2][b + 1])
+                blocks.append(((s, start, end), end - start))
+        self._block_cache().hint(blocks)
+        if alone:
+            self._hint_samples(alone)
+
+    def _remote_ids(self, ids):
+        return [int(i) for i in ids if self._remote_shard[self._shard[i]]
+                and self._size[i] <= self.max_file_bytes]
+
+    def _hint_samples(self, ids):
+        if self._prefetcher is None:
+            self._prefetcher = _remote.Prefetcher(self._fetch, self._store.options)
+        self._prefetcher.hint(ids, [int(self._size[i]) for i in ids])
+
+    def _fetch(self, i):
+        off, size = int(self._offset[i]), int(self._size[i])
+        return self._store.read_range(self.shards[self._shard[i]], off, off + size,
+                                      what=self.describe(i))
+
+    def _fetch_block(self, key):
+        s, start, end = key
+        return self._store.read_range(self.shards[s], start, end,
+                                      what=f"{self._names[s]} bytes {start}-{end}")
+
+    def _block_cache(self):
+        blocks = self._blocks
+        if blocks is None:
+            with _LAZY:
+                if self._blocks is None:
+                    self._blocks = _remote.BlockCache(self._fetch_block, self._store.options)
+                blocks = self._blocks
+        return blocks
+
+    def _plan(self, s):
+        """Shard ``s`` cut into blocks: (block of each sample or -1 for one read on its
+        own, block starts, block ends), samples taken in byte order.  A block starts
+        at a sample's data and ends at one's end, spans at most ``block_bytes``, and
+        a gap between samples (other members) of over a quarter of that, and over
+        64 KiB, ends it."""
+        plan = self._plans.get(s)
+        if plan is not None:
+            return plan
+        lo, hi = int(self._starts[s]), int(self._starts[s + 1])
+        offs, sizes = self._offset[lo:hi], self._size[lo:hi]
+        limit = self._store.options.block_bytes
+        gap = max(limit // 4, 64 << 10)
+        block_of = np.full(hi - lo, -1, np.int32)
+        starts, ends = [], []
+        for j in np.argsort(offs, kind="stable").tolist():
+            o, n = int(offs[j]), int(sizes[j])
+            if n > limit:
+                continue  # read on its own
+            if starts and max(ends[-1], o + n) - starts[-1] <= limit and o - ends[-1] <= gap:
+                ends[-1] = max(ends[-1], o + n)
+            else:
+                starts.append(o)
+                ends.append(o + n)
+            block_of[j] = len(starts) - 1
+        plan = (block_of, np.asarray(starts, np.int64), np.asarray(ends, np.int64))
+        return self._plans.setdefault(s, plan)
+
+    def _block(self, s, i):
+        """(block number, start, end) of sample ``i`` in shard ``s``; block -1: read alone."""
+        block_of, starts, ends = self._plan(s)
+        b = int(block_of[i - self._starts[s]])
+        if b < 0:
+            return -1, 0, 0
+        return b, int(starts[b]), int(ends[b])
+
+    def _read_remote(self, i):
+        opts = self._store.options
+        wait = opts.retry_timeout + opts.request_timeout + 5.0
+        if opts.block_bytes:
+            s = int(self._shard[i])
+            b, start, end = self._block(s, i)
+            if b >= 0:
+                try:
+                    block = self._block_cache().get((s, start, end), end - start, wait)
+                except OSError as e:
+                    # The block's error, told about this sample.
+                    raise _remote.RemoteReadError(e.errno or errno.EIO,
+                                                  e.strerror or str(e),
+                                                  self.describe(i)) from None
+                off = int(self._offset[i]) - start
+                return bytes(memoryview(block)[off:off + int(self._size[i])])
+        pf = self._prefetcher
+        if pf is not None:
+            data = pf.take(i, wait)
+            if data is not None:
+                return data
+        return self._fetch(i)
 
     def epoch_order(self, seed, epoch):
         """Shards in a per-epoch order, samples shuffled within windows."""

@@ -196,6 +196,9 @@ class _Filler:
         self.dec = Decoder(plan.decode)
         self.epochs = _EpochCache(plan, source)
         self.labels = np.asarray(source.labels, dtype=np.int64)
+        self.prefetch = getattr(source, "prefetch", None)
+        self._ahead = _takes_upcoming(self.prefetch)  # also hint the batch likely next
+        self._last_ticket = None
 
     def _produce(self, sid, epoch, slot, i):
         """Read + decode one sample into position i of the slot, or raise _SampleFailure."""
@@ -235,6 +238,13 @@ class _Filler:
         t0 = time.perf_counter()
         plan, slot = self.plan, self.ring.slots[ticket % self.ring.layout.nslots]
         epoch, ids = self.epochs.ticket(ticket)
+        if self.prefetch is not None:
+            # Remote sources fetch the batch's samples ahead while this thread decodes,
+            # and tar shards also the blocks of the batch this worker likely fills next.
+            if self._ahead:
+                self.prefetch(ids, upcoming=self._upcoming(ticket))
+            else:
+                self.prefetch(ids)
         count, failures, warned, records = 0, 0, 0, []
         for sid in ids:
             sid = int(sid)
@@ -264,6 +274,16 @@ class _Filler:
         self.ring.write_meta(ticket, count, ERR_NONE, failures, records,
                              time.perf_counter() - t0, warned)
 
+    def _upcoming(self, ticket):
+        """The samples of the ticket this worker will likely take next (its last stride
+        of tickets on), or none when that is in another epoch."""
+        last, self._last_ticket = self._last_ticket, ticket
+        stride = ticket - last if last is not None and 0 < ticket - last <= 256 else 1
+        bpe = self.plan.batches_per_epoch
+        if (ticket + stride) // bpe != ticket // bpe:
+            return ()
+        return self.epochs.ticket(ticket + stride)[1]
+
     def _replace(self, epoch, sid, slot, i):
         for attempt in range(_MAX_REPLACEMENTS):
             rid = self.plan.replacement(epoch, sid, attempt)
@@ -273,6 +293,18 @@ class _Filler:
             except _SampleFailure:
                 continue
         return None
+
+
+def _takes_upcoming(prefetch):
+    """Whether a source's ``prefetch`` hook takes ``upcoming=`` (the built-in ones do)."""
+    if prefetch is None:
+        return False
+    import inspect
+
+    try:
+        return "upcoming" in inspect.signature(prefetch).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class _SampleFailure(Exception):

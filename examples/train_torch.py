@@ -6,7 +6,8 @@ What it shows:
     float32 NCHW, handed to torch with ``torch.from_dlpack`` (no copy);
   - ``ring.set_epoch``, ``ring.stats()`` once per epoch, and exact resume:
     ``ring.state_dict()`` is saved with the model and optimizer, and
-    ``ring.load_state_dict()`` continues the fresh stream where it stopped;
+    ``ring.load_state_dict()`` continues the fresh stream where it stopped,
+    also under another number of ranks (every rank's state is saved);
   - DistributedDataParallel under torchrun: each rank's ring reads its own
     shard (EchoRing takes RANK / WORLD_SIZE from torchrun's environment).
 
@@ -136,7 +137,9 @@ if args.resume and os.path.exists(args.checkpoint):
     ckpt = torch.load(args.checkpoint, map_location=device)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-    ring.load_state_dict(ckpt["ring"][rank])  # this rank's position in its fresh stream
+    # Every rank's saved position: the epoch's unread samples are split over this
+    # job's ranks, so a checkpoint of 2 ranks resumes on 1, 2 or 4.
+    ring.load_state_dict(ckpt["ring"])
     # ring.epoch is now ckpt["epoch"], or the next one if the run stopped on an
     # epoch's last batch: the restored position knows which.
     start_epoch, step = ring.epoch, ckpt["step"]

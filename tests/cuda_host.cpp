@@ -20,6 +20,13 @@ static inline unsigned __float_as_uint(float f) {
     return u;
 }
 
+// Threads run one at a time: a plain increment is the atomic.
+static inline int atomicAdd(int* p, int v) {
+    const int old = *p;
+    *p += v;
+    return old;
+}
+
 #include "kernels.cu"
 
 // CUDA's limits on a launch (gridDim.x, gridDim.y, threads per block): a launch
@@ -57,6 +64,26 @@ extern "C" int host_normalize(unsigned long long gx, unsigned long long bx, cons
                               i64 pixels, int hw, int nchw, const float* coef, int kind,
                               void* out) {
     return launch(gx, 1, bx, [&] { normalize(src, pixels, hw, nchw, coef, kind, out); });
+}
+
+extern "C" int host_ops_histogram(unsigned long long gx, unsigned long long bx, const u8* src,
+                                  i64 pixels, int hw, const int* codes, int steps, int k,
+                                  int* hist) {
+    return launch(gx, 1, bx, [&] { ops_histogram(src, pixels, hw, codes, steps, k, hist); });
+}
+
+extern "C" int host_ops_tables(unsigned long long gx, unsigned long long bx, const int* codes,
+                               const float* args, int steps, int k, i64 n, int hw,
+                               const int* hist, u8* luts) {
+    return launch(gx, 1, bx, [&] { ops_tables(codes, args, steps, k, n, hw, hist, luts); });
+}
+
+extern "C" int host_ops_apply(unsigned long long gx, unsigned long long bx, const u8* src,
+                              u8* dst, i64 pixels, int h, int w, const int* codes,
+                              const float* args, int steps, int k, const u8* luts) {
+    return launch(gx, 1, bx, [&] {
+        ops_apply(src, dst, pixels, h, w, codes, args, steps, k, luts);
+    });
 }
 
 extern "C" void host_half_array(const float* in, u16* out, i64 n) {

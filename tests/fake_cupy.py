@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from echo_native import _dlpack
+from echo_native import _dlpack, _kernel
 from echo_native.backends.array import ArrayDevice
 from echo_native.output import bfloat16_bits
 
@@ -538,7 +538,26 @@ def _modules(gpu):
         o = host(out).reshape(v.shape)
         o[...] = v if kind == 0 else v.astype(np.float16) if kind == 1 else bfloat16_bits(v)
 
-    KERNELS = {"crop_resize": (crop_resize, 8), "normalize": (normalize, 6)}
+    # The ops kernels: the stand-in's ops_apply runs its whole step through the native
+    # executor (the same kernel source built for the host); the statistics the real
+    # ops_histogram and ops_tables pass to it are internal to that step.
+    def ops_histogram(src, pixels, hw, codes, steps, k, hist):
+        pass
+
+    def ops_tables(codes, args, steps, k, n, hw, hist, luts):
+        pass
+
+    def ops_apply(src, dst, pixels, h, w, codes, args, steps, k, luts):
+        k = int(k)
+        c, a = host(codes), host(args)
+        img = host(src).reshape(len(c), int(h), int(w), 3).copy()
+        _kernel.apply_ops(img, np.ascontiguousarray(c[:, k:k + 1]),
+                          np.ascontiguousarray(a[:, k:k + 1]))
+        host(dst).reshape(img.shape)[...] = img
+
+    KERNELS = {"crop_resize": (crop_resize, 8), "normalize": (normalize, 6),
+               "ops_histogram": (ops_histogram, 6), "ops_tables": (ops_tables, 7),
+               "ops_apply": (ops_apply, 1)}
 
     class RawModule:
         def __init__(self, code=None, options=(), **kw):

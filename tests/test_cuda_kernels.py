@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
+from echo_native import _kernel
 from echo_native.backends import cuda
 from echo_native.backends.array import ArrayDevice
 from echo_native.backends.cpu import CpuDevice
@@ -43,6 +44,12 @@ class HostKernels:
         lib.host_crop_resize.restype = lib.host_normalize.restype = ctypes.c_int
         for name in ("host_half_array", "host_bfloat16_array"):
             getattr(lib, name).argtypes = [p, p, ctypes.c_int64]
+        i32, i64 = ctypes.c_int, ctypes.c_int64
+        lib.host_ops_histogram.argtypes = [dim] * 2 + [p, i64, i32, p, i32, i32, p]
+        lib.host_ops_tables.argtypes = [dim] * 2 + [p, p, i32, i32, i64, i32, p, p]
+        lib.host_ops_apply.argtypes = [dim] * 2 + [p, p, i64, i32, i32, p, p, i32, i32, p]
+        for name in ("host_ops_histogram", "host_ops_tables", "host_ops_apply"):
+            getattr(lib, name).restype = ctypes.c_int
         self.lib = lib
 
     def crop_resize(self, buffer, entries, boxes, flips, out):
@@ -71,6 +78,37 @@ class HostKernels:
                                      out.ctypes.data)
         assert rc == 0, f"launch refused: grid {gx}, block {bx} (beyond CUDA's limits)"
         return out
+
+    def augment(self, images, codes, args):
+        """CudaDevice.augment's launches, step by step over the whole batch (the CPU
+        path runs image by image): the same plan, grids, buffers and final copy."""
+        _kernel.check_ops(codes, args, images.shape)
+        n, h, w, _ = images.shape
+        steps = codes.shape[1]
+        (gx,), (bx,) = cuda.ops_pixel_launch(n, h, w)
+        (tx,), (tb,) = cuda.ops_table_launch(n)
+        hist = np.empty((n, 3, 256), np.int32)
+        luts = np.full((n, 3, 256), 0xA5, np.uint8)  # read only where written: else it shows
+        src, dst = images, np.full_like(images, 0x5A)
+        for k, count, tables in cuda.ops_steps(codes):
+            if count:
+                hist[...] = 0
+                rc = self.lib.host_ops_histogram(gx, bx, src.ctypes.data, n * h * w, h * w,
+                                                 codes.ctypes.data, steps, k, hist.ctypes.data)
+                assert rc == 0
+            if tables:
+                rc = self.lib.host_ops_tables(tx, tb, codes.ctypes.data, args.ctypes.data,
+                                              steps, k, n, h * w, hist.ctypes.data,
+                                              luts.ctypes.data)
+                assert rc == 0
+            rc = self.lib.host_ops_apply(gx, bx, src.ctypes.data, dst.ctypes.data, n * h * w,
+                                         h, w, codes.ctypes.data, args.ctypes.data, steps, k,
+                                         luts.ctypes.data)
+            assert rc == 0
+            src, dst = dst, src
+        if src is not images:
+            images[...] = src
+        return images
 
     def convert(self, name, values):
         values = np.ascontiguousarray(values, np.float32)
@@ -259,6 +297,38 @@ def test_bfloat16_conversion_matches_torch(host):
     assert np.isnan((got[nan].astype(np.uint32) << 16).view(np.float32)).all()
 
 
+@pytest.mark.parametrize("h,w,n,steps", [(1, 1, 13, 2), (2, 5, 7, 3), (3, 3, 13, 1),
+                                          (23, 37, 9, 4), (48, 40, 6, 5)])
+def test_ops_kernels_are_the_cpu_paths_bytes(host, h, w, n, steps):
+    """The augmentation programs launched as CudaDevice.augment launches them (per step,
+    the whole batch, histogram atomics, one table thread per channel) give exactly the
+    bytes of _kernel.apply_ops (the same source run image by image): every op, odd and
+    even step counts, a step no row uses, images smaller than the sharpness window."""
+    from test_ops_kernels import batch, random_programs
+    rng = np.random.default_rng(h * w + steps)
+    x = batch(h=h, w=w, noise=2, seed=steps)
+    x = np.ascontiguousarray(np.resize(x, (n, h, w, 3)))
+    codes, args = random_programs(rng, n, steps, h, w)
+    if steps > 2:
+        codes[:, 1] = 0  # no launch at all for this step
+    ref = x.copy()
+    _kernel.apply_ops(ref, codes, args)
+    got = host.augment(x.copy(), codes, args)
+    np.testing.assert_array_equal(got, ref)
+    assert (got != x).any()
+
+
+def test_ops_launches_follow_the_program():
+    """Only the steps some row uses are launched; the histogram only where some row's op
+    counts, the tables only where some row's op is a table."""
+    from echo_native.backends import ops_codes as op
+    codes = np.array([[op.NONE, op.HUE, op.CONTRAST, op.POSTERIZE],
+                      [op.NONE, op.NONE, op.NONE, op.ERASE]], np.int32)
+    assert list(cuda.ops_steps(codes)) == [(1, False, False), (2, True, True), (3, False, True)]
+    assert cuda.ops_pixel_launch(128, 224, 224) == ((25088,), (256,))
+    assert cuda.ops_table_launch(128) == ((2,), (256,))
+
+
 # -- the kernels through NVRTC ---------------------------------------------------------------
 def _nvrtc():
     """libnvrtc from the nvidia-cuda-nvrtc wheel (a test dependency on Linux) or the system."""
@@ -308,14 +378,16 @@ def _compile(lib, source, options):
 @pytest.mark.parametrize("arch", ["compute_75", "compute_80", "compute_90"])
 def test_kernels_compile_with_nvrtc(arch):
     """The source CuPy compiles at run time builds, with the backend's own options and
-    without warnings, for Turing, Ampere and Hopper, and exports both kernels under
-    their C names."""
+    without warnings, for Turing, Ampere and Hopper, and exports every kernel it
+    declares under its C name (the augmentation programs' ones among them)."""
     lib = _nvrtc()
     ptx, log = _compile(lib, cuda.kernel_source(), [f"--gpu-architecture={arch}",
                                                     *cuda.NVRTC_OPTIONS])
     assert ptx is not None, log
     assert "warning" not in log.lower(), log
-    for name in ("crop_resize", "normalize"):
+    names = re.findall(r'extern "C" __global__ void (\w+)\(', cuda.kernel_source())
+    assert {"crop_resize", "normalize", "ops_histogram", "ops_tables", "ops_apply"} <= set(names)
+    for name in names:
         assert f".entry {name}(" in ptx
 
 
@@ -327,18 +399,24 @@ def _float_fmas(ptx, entry):
 
 def test_device_arithmetic_is_the_host_builds():
     """With the backend's options NVRTC fuses no multiply and add of its own
-    (--fmad=false): crop_resize has no floating-point fma at all, normalize only the
-    fmaf its source writes, the arithmetic the host build (-ffp-contract=off) checks.
-    NVRTC's default would fuse in crop_resize."""
+    (--fmad=false): crop_resize and the augmentation programs' kernels have no
+    floating-point fma at all, normalize only the fmaf its source writes, the
+    arithmetic the host builds (-ffp-contract=off) check.  NVRTC's default would fuse
+    in crop_resize and ops_apply."""
     lib = _nvrtc()
     ptx, log = _compile(lib, cuda.kernel_source(), ["--gpu-architecture=compute_80",
                                                     *cuda.NVRTC_OPTIONS])
     assert ptx is not None, log
     assert _float_fmas(ptx, "crop_resize") == []
     assert set(_float_fmas(ptx, "normalize")) == {"fma.rn.f32"}
+    # The programs write no fmaf (the host's portable build has no fma instruction):
+    # none at all, in float or in ops_mean's double sums.
+    for name in ("ops_histogram", "ops_tables", "ops_apply"):
+        assert _float_fmas(ptx, name) == [], name
     default, log = _compile(lib, cuda.kernel_source(), ["--gpu-architecture=compute_80",
                                                         "--std=c++11"])
     assert _float_fmas(default, "crop_resize"), "NVRTC's default no longer fuses: recheck"
+    assert _float_fmas(default, "ops_apply"), "NVRTC's default no longer fuses: recheck"
 
 
 def test_nvrtc_reports_errors():

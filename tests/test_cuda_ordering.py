@@ -24,6 +24,7 @@ import pytest
 import echo_helpers as eh
 import echo_native as en
 import fake_cupy
+from echo_native import _kernel
 from echo_native.backends import cuda
 from echo_native.output import BFloat16Array, DeviceArray
 
@@ -95,6 +96,42 @@ def test_cuda_device_on_the_stand_in_delivers_the_cpu_batches(gpu, source, place
         scale = 1.0 if dtype == "uint8" else 1 / (255 * 0.224)
         np.testing.assert_allclose(g, r, rtol=2**-7 if dtype != "float32" else 1e-6,
                                    atol=levels * scale + 1e-6)
+
+
+@pytest.mark.parametrize("placement", ["before", "after"])
+def test_per_example_ops_on_the_stand_in_run_each_emissions_program(gpu, source, placement):
+    """augment=[crop, ops]: before augmentation CudaDevice runs each emission's program
+    on its stream (histogram, tables, apply per step), ordered: its batches are its
+    crop-only batches with the programs of their keys applied, byte for byte; after
+    augmentation the workers ran them, so the bytes equal the CPU backend's."""
+    from echo_native.augment import Program
+
+    ops = [en.ColorJitter(0.4, 0.4, 0.4, 0.1), en.TrivialAugmentWide(), en.RandomErasing()]
+    kw = {k: v for k, v in {**KW, **PLACEMENTS[placement]}.items() if k != "image_size"}
+    crop = en.RandomResizedCrop(24)
+    dev = _device(gpu)
+
+    def run(device, augment):
+        with en.EchoRing(source, device=device, augment=augment, **kw) as ring:
+            return [(_host(b.images), b.sample_ids.copy(), b.echo_index.copy(), b.epoch)
+                    for b in ring]
+
+    got = run(dev, [crop] + ops)
+    assert gpu.violations == []
+    assert ("ops_apply" in {name for name, *_ in gpu.launches}) == (placement == "before")
+    if placement == "before":
+        want = []
+        for images, ids, echo, epoch in run(dev, crop):
+            codes, args = Program(ops, (24, 24)).draw(KW["seed"], epoch, ids, echo)
+            images = images.astype(np.uint8)
+            _kernel.apply_ops(images, codes, args)
+            want.append((images.astype(np.float32), ids, echo, epoch))
+    else:
+        want = run("cpu", [crop] + ops)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for a, b in zip(g[:3], w[:3]):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_the_stand_in_finds_an_unordered_read():

@@ -234,6 +234,33 @@ def test_set_epoch_selects_the_epoch(samples):
 
 
 # ---- a real torchrun run ------------------------------------------------------------------
+def _torchrun(tmp_path, nproc, *args, timeout=180):
+    """Run ``dist_worker.py ARGS`` under ``torchrun --standalone`` with ``nproc`` ranks;
+    fails the test with the log's tail unless every rank exits cleanly in time."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(HERE / "dist_worker.py"), *map(str, args)]
+    proc = subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout} s:\n"
+                    + log.decode(errors="replace")[-4000:])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    return text
+
+
 def test_torchrun_two_ranks_gloo(tmp_path):
     """torchrun 2 ranks, gloo: each epoch's gathered fresh ids cover all once + padding."""
     pytest.importorskip("torch.distributed.run")
@@ -241,26 +268,7 @@ def test_torchrun_two_ranks_gloo(tmp_path):
     root = sh.write_folder(tmp_path / "data", sh.photo_jpegs(n, 36, 44, seed=5),
                            np.arange(n) % 3)
     out = tmp_path / "gathered.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "dist_worker.py"), str(root), str(out), "2", "process"]
-    proc = subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail("torchrun did not finish in 180 s:\n" + log.decode(errors="replace")[-4000:])
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    _torchrun(tmp_path, 2, root, out, "2", "process")
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
     epochs = result["epochs"]
@@ -285,6 +293,37 @@ def test_torchrun_two_ranks_gloo(tmp_path):
         orders.append([r["fresh"] for r in ranks])
     assert orders[0][0] != orders[1][0] and orders[0][1] != orders[1][1]
     assert set(orders[0][0]) != set(orders[1][0])
+
+
+@pytest.mark.parametrize("old,new", [(2, 1), (1, 2)])
+def test_torchrun_elastic_resume(tmp_path, old, new):
+    """torchrun, gloo, echo 2: every rank's state, all-gathered mid-epoch and saved,
+    resumes in a job of another size; the epoch's rest is read fresh once over the
+    new ranks in equal steps, and the next epoch is a fresh job's."""
+    pytest.importorskip("torch.distributed.run")
+    n = 22
+    root = sh.write_folder(tmp_path / "data", sh.photo_jpegs(n, 24, 28, seed=8),
+                           np.arange(n) % 2)
+    saved, resumed, states = (tmp_path / f for f in ("saved.json", "resumed.json",
+                                                     "states.json"))
+    _torchrun(tmp_path, old, "elastic", root, saved, 2)
+    first = json.loads(saved.read_text())["ranks"]
+    states.write_text(json.dumps([r["state"] for r in first]))
+    _torchrun(tmp_path, new, "elastic", root, resumed, -1, states)
+    second = json.loads(resumed.read_text())["ranks"]
+    assert [r["rank"] for r in second] == list(range(new))
+    before = [i for r in first for i in r["fresh"]]
+    assert [r["steps"] for r in first] == [2] * old and len(before) > 0
+    gone = set(before)
+    left = [int(i) for i in plan(n, seed=11).global_order(0) if int(i) not in gone]
+    padded = np.resize(left, math.ceil(len(left) / new) * new)
+    for r in second:
+        assert r["epoch"] == 0
+        assert sorted(r["fresh"]) == sorted(padded[r["rank"]::new].tolist())
+        assert r["steps"] == r["len"] == second[0]["steps"] > 0
+        assert sorted(r["next_fresh"]) == sorted(plan(n, r["rank"], new, seed=11)
+                                                 .epoch_order(1).tolist())
+        assert r["next_steps"] == r["next_len"] == second[0]["next_steps"]
 
 
 # ---- resume --------------------------------------------------------------------------------

@@ -159,6 +159,22 @@ def test_repeat_gaps_are_spread_and_grow_with_buffer(large):
     assert means == sorted(means), f"mean gap does not grow with the buffer: {means}"
 
 
+def test_recount_follows_a_new_e_and_keeps_first_emissions():
+    """Auto echo recounts the buffer when e moves: the new total less the emissions
+    made, never dropping an example's first emission; entries left with none are freed."""
+    from echo_native.echo import ExampleBuffer
+
+    buf = ExampleBuffer(4, 8)
+    entries = buf.allocate(4)
+    buf.remaining[entries] = 2
+    buf.emit(entries[:2])                    # entries 0, 1 made 1 of their 2
+    buf.recount(entries, [4, 1, 1, 3])       # e rose for 0 and 3, fell for 1 and 2
+    assert buf.remaining[entries].tolist() == [3, 0, 1, 3]
+    assert buf.free == 1 and len(buf) == 3   # entry 1 is done and freed
+    buf.recount(buf.active(), [1, 1, 1])
+    assert buf.remaining[entries].tolist() == [0, 0, 1, 1]  # unsent ones keep their first
+
+
 # ---- batch echo ---------------------------------------------------------------------
 def test_batch_echo_repeats_whole_batches(small):
     """Batch echo: echo batches repeat a fresh batch exactly, e times, not all back to back."""

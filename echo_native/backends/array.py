@@ -2,8 +2,8 @@
 
 A backend turns echo-buffer entries into an output batch: ``store`` (ring slot
 -> buffer), ``gather`` (repeat prepared images), ``crop_resize`` (re-augment
-canvases), ``flip``, ``normalize`` and ``to_device`` (a fresh batch that is not
-echoed).  :class:`ArrayDevice` runs on NumPy or CuPy; the CPU backend swaps in
+canvases), ``augment`` (per-image op programs after the crop), ``flip``,
+``normalize`` and ``to_device`` (a fresh batch that is not echoed).  :class:`ArrayDevice` runs on NumPy or CuPy; the CPU backend swaps in
 the native resampler, the CUDA backend adds what only CUDA has.  Which entries
 are emitted is decided by :mod:`echo_native.echo`, the same for every backend.
 """
@@ -13,6 +13,7 @@ import collections
 
 import numpy as np
 
+from echo_native import _kernel
 from echo_native.mix import soft_targets
 from echo_native.output import bfloat16_bits
 
@@ -156,6 +157,24 @@ class ArrayDevice:
             res = xp.einsum("oh,hwc->owc", rows, canvas)
             res = xp.einsum("pw,owc->opc", cols, res)
             out[i] = xp.clip(xp.floor(res + 0.5), 0, 255).astype(xp.uint8)
+
+    def augment(self, images, codes, args, after=None):
+        """Run a program per image on ``images`` (n, h, w, 3) uint8, in place: ``codes``
+        int32 (n, K) and ``args`` float32 (n, K, 8), the ops of
+        :mod:`echo_native.backends.ops_codes`.  Returns a job for :meth:`synchronize`
+        (None: done already).  ``after`` is the job the pixels come from (what
+        :meth:`crop_resize` returned); work here is synchronous, so it is done.
+
+        The native kernel (the CUDA kernels' source built for the host) on host
+        memory; another array module's images go through a host copy."""
+        if self.xp is np:
+            _kernel.apply_ops(images, codes, args)
+            return None
+        _kernel.check_ops(codes, args, images.shape)
+        host = np.ascontiguousarray(self.xp.asnumpy(images))
+        _kernel.apply_ops(host, codes, args)
+        images[...] = self.xp.asarray(host)
+        return None
 
     def mix(self, images, lam, box, layout):
         """Mix row i with row B-1-i in place: ``lam * x + (1 - lam) * reversed`` (MixUp,

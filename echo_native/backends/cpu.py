@@ -51,16 +51,43 @@ class CpuDevice(ArrayDevice):
         out[...] = host
         return out
 
-    def crop_resize(self, buffer, entries, boxes, flips, out):
+    def _executor(self):
         if self._host is None:
             self._host = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="echo_native-reaugment")
+        return self._host
+
+    def crop_resize(self, buffer, entries, boxes, flips, out):
         # One thread runs the jobs in order: waiting for a job waits for those before it.
-        self._last = self._host.submit(
+        self._last = self._executor().submit(
             self._dec.resize_batch, buffer.pixels, np.ascontiguousarray(entries, np.int64),
             buffer.shape, np.ascontiguousarray(boxes, np.float64),
             np.ascontiguousarray(flips, bool).view(np.uint8), out)
         return self._last
+
+    def augment(self, images, codes, args, after=None):
+        """Queue the per-image programs after the batch's crop (the job ``after``; by
+        default the last job queued), on the same thread, so they run on its pixels
+        once it has written them.  The program is checked and copied now: a bad one
+        raises here, and the caller may reuse its arrays.  Returns the job; if
+        ``after`` failed, this job fails with its error rather than augmenting
+        pixels that were never written."""
+        if not (isinstance(images, np.ndarray) and images.dtype == np.uint8 and
+                images.ndim == 4 and images.flags.c_contiguous and images.flags.writeable):
+            raise ValueError(f"images must be a C-contiguous writable (n, h, w, 3) uint8 "
+                             f"array, got {type(images).__name__} "
+                             f"{getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}")
+        _kernel.check_ops(codes, args, images.shape)
+        after = self._last if after is None else after
+        self._last = self._executor().submit(self._augment, images, codes.copy(), args.copy(),
+                                             after)
+        return self._last
+
+    @staticmethod
+    def _augment(images, codes, args, after):
+        if after is not None:
+            after.result()  # queued before us on this one thread: finished; re-raise a failure
+        _kernel.apply_ops(images, codes, args)
 
     def synchronize(self, job=None):
         job = self._last if job is None else job

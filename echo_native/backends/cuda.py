@@ -11,7 +11,8 @@ running on CuPy.  What is here cannot be written against an array module:
   the workers (FFCV's slot/stream/event pattern), so the host never waits for
   a copy it has just queued;
 - re-augmentation of canvases and normalisation are one raw kernel launch
-  each per batch (``kernels.cu``);
+  each per batch, a per-image augmentation program three at most per step
+  (``kernels.cu``);
 - streams are ordered both ways: a consumer sees a batch only after our work
   on it (``ready`` for the current streams; every export of a batch,
   ``__dlpack__(stream=...)``, ``__cuda_array_interface__``, ``get``, ``copy``,
@@ -31,6 +32,8 @@ from importlib import resources
 
 import numpy as np
 
+from echo_native import _kernel
+from echo_native.backends import ops_codes
 from echo_native.backends.array import ArrayDevice, SlotReturns
 from echo_native.output import BFloat16Array, DeviceArray, output_dtype
 
@@ -88,6 +91,27 @@ def normalize_launch(pixels):
     return check_launch(((pixels + THREADS - 1) // THREADS,), (THREADS,))
 
 
+def ops_pixel_launch(n, h, w):
+    """(grid, block) of ``ops_histogram`` and ``ops_apply``: a thread per pixel of the
+    batch."""
+    return check_launch(((n * h * w + THREADS - 1) // THREADS,), (THREADS,))
+
+
+def ops_table_launch(n):
+    """(grid, block) of ``ops_tables``: a thread per (image, channel)."""
+    return check_launch(((3 * n + THREADS - 1) // THREADS,), (THREADS,))
+
+
+def ops_steps(codes):
+    """The launches of a program: (k, count, tables) for every step k that some row
+    runs an op in; ``count``: some row's op reads its histogram (``ops_histogram``
+    first), ``tables``: some row's op is a lookup table (``ops_tables``)."""
+    for k in range(codes.shape[1]):
+        column = set(np.unique(codes[:, k]).tolist())
+        if column - {ops_codes.NONE}:
+            yield k, bool(column & ops_codes.COUNTING), bool(column & ops_codes.TABLES)
+
+
 def normalize_coefficients(mean, std):
     """float32 (scale[3], shift[3]) with x * scale + shift = (x / 255 - mean) / std."""
     std = np.asarray(std, np.float64)
@@ -125,6 +149,9 @@ class CudaDevice(ArrayDevice):
             module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
             self._crop_resize = module.get_function("crop_resize")
             self._normalize = module.get_function("normalize")
+            self._ops_histogram = module.get_function("ops_histogram")
+            self._ops_tables = module.get_function("ops_tables")
+            self._ops_apply = module.get_function("ops_apply")
         self.register = bool(register)
         self.registration = "none"
         self.registration_error = None  # why the system refused to page-lock the ring
@@ -300,6 +327,49 @@ class CudaDevice(ArrayDevice):
                 cp.asarray(np.asarray(entries, np.int64)), cp.asarray(shapes),
                 cp.asarray(np.ascontiguousarray(boxes, np.float64)),
                 cp.asarray(np.asarray(flips, np.uint8)), np.int32(oh), np.int32(ow), out))
+
+    def augment(self, images, codes, args, after=None):
+        """The per-image programs (host ``codes`` int32 (n, K), ``args`` float32
+        (n, K, 8)) on ``images``, a C-contiguous (n, h, w, 3) uint8 array on our device,
+        in place, on our stream (``after`` is already ordered before by the stream).
+
+        The program is checked on the host as the CPU path checks it, then
+        uploaded; each step k is ``ops_histogram`` (when some row's op counts),
+        ``ops_tables`` (when some row's op is a table) and ``ops_apply``, from one
+        buffer into the other; an odd number of steps ends with a copy back.
+        Returns None: the work is ordered by the stream."""
+        cp = self.cupy
+        if images.dtype != np.uint8 or images.ndim != 4 or not images.flags.c_contiguous:
+            raise ValueError(f"images must be a C-contiguous (n, h, w, 3) uint8 array, got "
+                             f"{images.dtype} {images.shape}")
+        _kernel.check_ops(codes, args, images.shape)
+        plan = list(ops_steps(codes))
+        if not plan:
+            return None
+        n, h, w, _ = images.shape
+        steps = codes.shape[1]
+        grid, block = ops_pixel_launch(n, h, w)
+        table_grid, table_block = ops_table_launch(n)
+        pixels, hw, steps = np.int64(n * h * w), np.int32(h * w), np.int32(steps)
+        with self.device, self.stream:
+            d_codes, d_args = cp.asarray(codes), cp.asarray(args)
+            hist = cp.empty((n, 3, 256), dtype=cp.int32)
+            luts = cp.empty((n, 3, 256), dtype=cp.uint8)
+            src, dst = images, cp.empty(images.shape, dtype=cp.uint8)
+            for k, count, tables in plan:
+                k = np.int32(k)
+                if count:
+                    hist.fill(0)
+                    self._ops_histogram(grid, block, (src, pixels, hw, d_codes, steps, k, hist))
+                if tables:
+                    self._ops_tables(table_grid, table_block, (d_codes, d_args, steps, k,
+                                                               np.int64(n), hw, hist, luts))
+                self._ops_apply(grid, block, (src, dst, pixels, np.int32(h), np.int32(w),
+                                              d_codes, d_args, steps, k, luts))
+                src, dst = dst, src
+            if src is not images:
+                images[...] = src
+        return None
 
     # -- ordering against the consumer ----------------------------------------------------
     def _mark(self, stream=None):

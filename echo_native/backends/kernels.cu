@@ -1,15 +1,17 @@
 // The CUDA kernels of the GPU backend (loaded by echo_native/cuda.py through NVRTC).
 //
-// The same text is also built by the host C++ compiler in the tests
-// (tests/cuda_host.h maps the CUDA keywords and runs the grid in loops), so
+// The same text is also built by the host C++ compiler: in the tests
+// (tests/cuda_host.cpp maps the CUDA keywords and runs the grid in loops), so
 // that every kernel is checked on the CPU against the NumPy and native paths
-// even where no GPU is present.  That is why the code only uses what both
-// sides have: fixed-size integer types, float math from <math.h> and bit
-// casts through __float_as_uint (an intrinsic on the device, memcpy on the host).
-// Neither side fuses a multiply and an add on its own: NVRTC runs with
-// --fmad=false (NVRTC_OPTIONS in cuda.py), the host build with
-// -ffp-contract=off, so the only fused operation is the fmaf written below and
-// both sides round alike.
+// even where no GPU is present, and in the package, where the augmentation
+// programs' functions are the CPU path too (src/kernel/en_ops.cpp).  That is
+// why the code only uses what both sides have: fixed-size integer types, float
+// math from <math.h>, bit casts through __float_as_uint (an intrinsic on the
+// device, memcpy on the host) and integer atomicAdd (a plain add where threads
+// run one at a time).  Neither side fuses a multiply and an add on its own:
+// NVRTC runs with --fmad=false (NVRTC_OPTIONS in cuda.py), the host builds with
+// -ffp-contract=off, so the only fused operation is the fmaf written in
+// normalize and both sides round alike.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -133,4 +135,294 @@ extern "C" __global__ void normalize(
         else if (kind == 1) ((u16*)out)[o] = half_bits(v);
         else ((u16*)out)[o] = bfloat16_bits(v);
     }
+}
+
+// ---- per-image augmentation programs -------------------------------------------------
+//
+// Row b of a batch carries a program of `steps` operations: codes[b * steps + k]
+// and eight float arguments args[(b * steps + k) * 8 ...].  Step k of every row
+// is three launches (cuda.py, CudaDevice.augment): ops_histogram, where some
+// row's op reads its image's histogram; ops_tables, where some row's op is a
+// per-channel lookup table; ops_apply, from one buffer into the other, so that
+// AFFINE and SHARPNESS read unmodified neighbours.  The CPU path
+// (src/kernel/en_ops.cpp) runs each image's whole program with the same
+// functions, one image at a time; a row's result never depends on another row,
+// so the two give the same bytes.
+//
+// The histogram is counted with integer atomics and the tables are derived by
+// one thread per (image, channel) from it: no float is ever summed in an order
+// that depends on the schedule, and no launch needs shared memory or a barrier
+// (the test harness runs a grid one thread at a time).
+//
+// Rounding: every op that makes a non-integer value computes it in float and
+// rounds it half up (floor(x + 0.5)), clamped to 0 .. 255.  Pillow truncates
+// in its blends, so Brightness, Contrast, Color and Sharpness sit up to one
+// level above Pillow's.
+//
+// No fmaf, floorf, fminf or fmaxf in these kernels: a portable x86-64 build
+// has no fma or round instruction, and fminf's NaN rule is not minss's, so the
+// host compiler calls libm for each, which costs more than the rest of a pixel.
+// Products and sums are written out (neither compiler fuses them), clamps are
+// comparisons, and floors are conversions of values known to be >= 0.
+
+// The op codes; echo_native/backends/ops_codes.py holds the same numbers
+// (tests/test_ops_kernels.py checks them against en_op_name).
+enum {
+    OP_NONE = 0, OP_BRIGHTNESS = 1, OP_CONTRAST = 2, OP_SATURATION = 3, OP_HUE = 4,
+    OP_GRAYSCALE = 5, OP_ERASE = 6, OP_SHARPNESS = 7, OP_POSTERIZE = 8, OP_SOLARIZE = 9,
+    OP_AUTOCONTRAST = 10, OP_EQUALIZE = 11, OP_AFFINE = 12, OP_COUNT = 13
+};
+#define OP_ARGS 8  // floats of arguments per step
+
+// floor(x + 0.5) clamped to 0 .. 255 (NaN -> 0): clamped first, the floor of a
+// value >= 0 is its truncation.
+__device__ __forceinline__ u8 round_u8(float x) {
+    x = x + 0.5f;
+    x = x > 0.0f ? x : 0.0f;
+    x = x < 255.0f ? x : 255.0f;
+    return (u8)(int)x;
+}
+
+// The op reads its image's per-channel histogram.
+__device__ __forceinline__ bool op_counts(int code) {
+    return code == OP_CONTRAST || code == OP_AUTOCONTRAST || code == OP_EQUALIZE;
+}
+
+// The op is a lookup table per channel (made by ops_table).
+__device__ __forceinline__ bool op_maps(int code) {
+    return code == OP_BRIGHTNESS || code == OP_CONTRAST || code == OP_POSTERIZE ||
+           code == OP_SOLARIZE || code == OP_AUTOCONTRAST || code == OP_EQUALIZE;
+}
+
+// ITU-R 601 luma in float, one evaluation order on both sides.
+__device__ __forceinline__ float luma(const u8* px) {
+    return 0.299f * (float)px[0] + 0.587f * (float)px[1] + 0.114f * (float)px[2];
+}
+
+// One pixel into its image's (3, 256) histogram.
+__device__ __forceinline__ void ops_count(const u8* px, int* hist) {
+    atomicAdd(hist + px[0], 1);
+    atomicAdd(hist + 256 + px[1], 1);
+    atomicAdd(hist + 512 + px[2], 1);
+}
+
+// The mean luma of an image from its integer channel sums: exact sums, one
+// double expression, so the value cannot depend on how the pixels were counted.
+__device__ __forceinline__ float ops_mean(const int* hist, i64 hw) {
+    i64 s[3] = {0, 0, 0};
+    for (int c = 0; c < 3; c++)
+        for (int v = 1; v < 256; v++) s[c] += (i64)v * hist[256 * c + v];
+    const double m = 0.299 * (double)s[0] + 0.587 * (double)s[1] + 0.114 * (double)s[2];
+    return (float)(m / (double)hw);
+}
+
+// The 256-entry lookup table of channel c for a table op with arguments a,
+// from the image's histogram (ops that count) of hw pixels.
+__device__ __forceinline__ void ops_table(int code, const float* a, const int* hist, i64 hw,
+                                          int c, u8* lut) {
+    const int* h = hist + 256 * c;
+    if (code == OP_BRIGHTNESS) {
+        const float f = a[0];
+        for (int v = 0; v < 256; v++) lut[v] = round_u8((float)v * f);
+    } else if (code == OP_CONTRAST) {
+        const float f = a[0], m = ops_mean(hist, hw);
+        for (int v = 0; v < 256; v++) lut[v] = round_u8(m + f * ((float)v - m));
+    } else if (code == OP_POSTERIZE) {
+        // Bits outside 1 .. 8 are refused by the bindings; clamped here so that a
+        // bad argument can never shift out of range.
+        const int bits = a[0] >= 8.0f ? 8 : a[0] >= 1.0f ? (int)a[0] : 1;
+        const int mask = (0xff << (8 - bits)) & 0xff;
+        for (int v = 0; v < 256; v++) lut[v] = (u8)(v & mask);
+    } else if (code == OP_SOLARIZE) {
+        const float t = a[0];
+        for (int v = 0; v < 256; v++) lut[v] = (u8)((float)v >= t ? 255 - v : v);
+    } else if (code == OP_AUTOCONTRAST) {
+        // ImageOps.autocontrast(cutoff=0): stretch the occupied range lo .. hi.
+        int lo = 0, hi = 255;
+        while (lo < 256 && h[lo] == 0) lo++;
+        while (hi >= 0 && h[hi] == 0) hi--;
+        if (hi <= lo) {
+            for (int v = 0; v < 256; v++) lut[v] = (u8)v;
+        } else {
+            const float scale = 255.0f / (float)(hi - lo);
+            for (int v = 0; v < 256; v++) lut[v] = round_u8((float)(v - lo) * scale);
+        }
+    } else if (code == OP_EQUALIZE) {
+        // ImageOps.equalize: integer steps over the histogram but its last occupied bin.
+        int last = 255;
+        while (last > 0 && h[last] == 0) last--;
+        const i64 step = (hw - h[last]) / 255;
+        if (step == 0) {
+            for (int v = 0; v < 256; v++) lut[v] = (u8)v;
+        } else {
+            i64 n = step / 2;
+            for (int v = 0; v < 256; v++) {
+                const i64 q = n / step;
+                lut[v] = (u8)(q > 255 ? 255 : q);
+                n += h[v];
+            }
+        }
+    } else {
+        for (int v = 0; v < 256; v++) lut[v] = (u8)v;
+    }
+}
+
+// torchvision's adjust_hue on one pixel, in the 0 .. 255 scale: RGB -> HSV,
+// h = (h + shift) mod 1, back.  The hue is kept in sixths (h6 = 6 h, the HSV
+// sector and the position in it), its difference of channels divided once by
+// max - min; with v = max and s = (max - min) / max the HSV -> RGB corners
+// v (1 - s), v (1 - s f) and v (1 - s (1 - f)) are min, max - (max - min) f
+// and max - (max - min) (1 - f): no division by v.
+__device__ __forceinline__ void ops_hue(const u8* px, float shift, u8* o) {
+    const int ri = px[0], gi = px[1], bi = px[2];
+    const int hii = ri > gi ? (ri > bi ? ri : bi) : (gi > bi ? gi : bi);
+    const int loi = ri < gi ? (ri < bi ? ri : bi) : (gi < bi ? gi : bi);
+    const float r = (float)ri, g = (float)gi, b = (float)bi;
+    const float hi = (float)hii, lo = (float)loi, cr = (float)(hii - loi);
+    if (hii == loi) {  // grey: no hue to turn
+        o[0] = px[0];
+        o[1] = px[1];
+        o[2] = px[2];
+        return;
+    }
+    float h6;  // in -1 .. 5
+    if (hi == r) h6 = (g - b) / cr;
+    else if (hi == g) h6 = 2.0f + (b - r) / cr;
+    else h6 = 4.0f + (r - g) / cr;
+    if (h6 < 0.0f) h6 += 6.0f;
+    h6 += 6.0f * shift;  // -3 .. 3
+    if (h6 < 0.0f) h6 += 6.0f;
+    if (h6 >= 6.0f) h6 -= 6.0f;
+    // 0 <= h6 < 6 here: truncation is the floor (the test keeps an unchecked NaN
+    // shift from converting).
+    const int sector = h6 > 0.0f ? (int)h6 : 0;
+    const float f = h6 - (float)sector;
+    const float q = hi - cr * f, t = hi - cr * (1.0f - f);
+    float rr, gg, bb;
+    switch (sector) {
+        case 0: rr = hi; gg = t; bb = lo; break;
+        case 1: rr = q; gg = hi; bb = lo; break;
+        case 2: rr = lo; gg = hi; bb = t; break;
+        case 3: rr = lo; gg = q; bb = hi; break;
+        case 4: rr = t; gg = lo; bb = hi; break;
+        default: rr = hi; gg = lo; bb = q; break;
+    }
+    o[0] = round_u8(rr);
+    o[1] = round_u8(gg);
+    o[2] = round_u8(bb);
+}
+
+// Output pixel (y, x) of an h x w image after op `code` with arguments a:
+// read from img, write to out (another buffer), lut = the image's (3, 256)
+// tables for table ops.
+__device__ __forceinline__ void ops_pixel(int code, const float* a, const u8* img, u8* out,
+                                          const u8* lut, int h, int w, int y, int x) {
+    const i64 p = (i64)y * w + x;
+    const u8* s = img + 3 * p;
+    u8* o = out + 3 * p;
+    if (op_maps(code)) {
+        o[0] = lut[s[0]];
+        o[1] = lut[256 + s[1]];
+        o[2] = lut[512 + s[2]];
+    } else if (code == OP_SATURATION) {
+        const float f = a[0], g = luma(s);
+        for (int c = 0; c < 3; c++) o[c] = round_u8(g + f * ((float)s[c] - g));
+    } else if (code == OP_HUE) {
+        ops_hue(s, a[0], o);
+    } else if (code == OP_GRAYSCALE) {
+        const u8 g = round_u8(luma(s));
+        o[0] = o[1] = o[2] = g;
+    } else if (code == OP_ERASE) {
+        // a = (top, left, height, width, r, g, b): compared in float, so a
+        // rectangle reaching past the image is clipped without ever indexing.
+        const float fy = (float)y, fx = (float)x;
+        if (fy >= a[0] && fy < a[0] + a[2] && fx >= a[1] && fx < a[1] + a[3]) {
+            o[0] = round_u8(a[4]);
+            o[1] = round_u8(a[5]);
+            o[2] = round_u8(a[6]);
+        } else {
+            o[0] = s[0];
+            o[1] = s[1];
+            o[2] = s[2];
+        }
+    } else if (code == OP_SHARPNESS) {
+        // ImageEnhance.Sharpness: blend with Pillow's SMOOTH (3x3, centre 5, /13,
+        // rounded; the border is its own smooth image).  13 is odd: the integer
+        // rounding (sum + 6) / 13 never meets a tie.
+        if (y == 0 || x == 0 || y == h - 1 || x == w - 1) {
+            o[0] = s[0];
+            o[1] = s[1];
+            o[2] = s[2];
+            return;
+        }
+        const i64 row = 3 * (i64)w;
+        const float f = a[0];
+        for (int c = 0; c < 3; c++) {
+            const u8* q = s + c;
+            const int sum = q[-row - 3] + q[-row] + q[-row + 3] + q[-3] + 5 * q[0] + q[3] +
+                            q[row - 3] + q[row] + q[row + 3];
+            const int d = (sum + 6) / 13;
+            o[c] = round_u8((float)d + f * (float)(q[0] - d));
+        }
+    } else if (code == OP_AFFINE) {
+        // Image.transform(AFFINE, (a0 .. a5), NEAREST): the output pixel centre maps
+        // to source (sx, sy); the pixel there, or fill a6 outside the image.  The
+        // range test comes before any conversion to int (NaN fails it too).
+        const float xc = (float)x + 0.5f, yc = (float)y + 0.5f;
+        const float sx = a[0] * xc + a[1] * yc + a[2];
+        const float sy = a[3] * xc + a[4] * yc + a[5];
+        if (sx >= 0.0f && sx < (float)w && sy >= 0.0f && sy < (float)h) {
+            int xi = (int)sx, yi = (int)sy;
+            xi = xi < w ? xi : w - 1;
+            yi = yi < h ? yi : h - 1;
+            const u8* q = img + 3 * ((i64)yi * w + xi);
+            o[0] = q[0];
+            o[1] = q[1];
+            o[2] = q[2];
+        } else {
+            o[0] = o[1] = o[2] = round_u8(a[6]);
+        }
+    } else {  // OP_NONE
+        o[0] = s[0];
+        o[1] = s[1];
+        o[2] = s[2];
+    }
+}
+
+// Step k, histograms: one thread per pixel of the (n, hw) batch; rows whose op
+// counts add their pixel to hist[b] (zeroed before the launch).
+extern "C" __global__ void ops_histogram(
+        const u8* __restrict__ src, i64 pixels, int hw, const int* __restrict__ codes,
+        int steps, int k, int* __restrict__ hist) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= pixels) return;
+    const i64 b = i / hw;
+    if (!op_counts(codes[b * steps + k])) return;
+    ops_count(src + 3 * i, hist + 768 * b);
+}
+
+// Step k, tables: one thread per (image, channel) of the n images.
+extern "C" __global__ void ops_tables(
+        const int* __restrict__ codes, const float* __restrict__ args, int steps, int k,
+        i64 n, int hw, const int* __restrict__ hist, u8* __restrict__ luts) {
+    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= 3 * n) return;
+    const i64 b = t / 3, row = b * steps + k;
+    const int code = codes[row];
+    if (!op_maps(code)) return;
+    ops_table(code, args + OP_ARGS * row, hist + 768 * b, hw, (int)(t - 3 * b), luts + 256 * t);
+}
+
+// Step k, pixels: one thread per output pixel, src -> dst.
+extern "C" __global__ void ops_apply(
+        const u8* __restrict__ src, u8* __restrict__ dst, i64 pixels, int h, int w,
+        const int* __restrict__ codes, const float* __restrict__ args, int steps, int k,
+        const u8* __restrict__ luts) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= pixels) return;
+    const i64 hw = (i64)h * w, b = i / hw, p = i - b * hw;
+    const int y = (int)(p / w), x = (int)(p - (i64)y * w);
+    const i64 row = b * steps + k;
+    ops_pixel(codes[row], args + OP_ARGS * row, src + 3 * hw * b, dst + 3 * hw * b,
+              luts + 768 * b, h, w, y, x);
 }

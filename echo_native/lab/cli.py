@@ -254,7 +254,7 @@ def cmd_make_dataset(args):
 
 # -- demo -----------------------------------------------------------------------------
 def cmd_demo(args):
-    from echo_native.lab.demo import DemoConfig, run_demo, run_sweep
+    from echo_native.lab.demo import AUGMENTS, DemoConfig, run_demo, run_sweep
 
     try:
         import torch
@@ -307,7 +307,12 @@ def cmd_demo(args):
     if args.train_subset is not None and args.train_subset < args.batch_size:
         raise UsageError(f"--train-subset {args.train_subset} is smaller than --batch-size "
                          f"{args.batch_size}")
+    bad = [a for a in args.augment if a not in AUGMENTS]
+    if bad:
+        raise UsageError(f"--augment: unknown {', '.join(bad)} (choose from "
+                         f"{', '.join(AUGMENTS)})")
     cfg = DemoConfig(data=data, echo=tuple(args.echo), placements=tuple(args.placements),
+                     augments=tuple(args.augment),
                      seeds=args.seeds, R=args.R, target=args.target, max_fresh=args.max_fresh,
                      eval_every=args.eval_every, batch_size=args.batch_size,
                      image_size=args.image_size, workers=args.workers, lr=args.lr,
@@ -317,7 +322,8 @@ def cmd_demo(args):
                      out_chart=args.chart)
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     n = min(len(train), args.train_subset or len(train))
-    settings = 1 + sum(1 for e in args.echo if e != 1) * len(args.placements)
+    settings = (1 + sum(1 for e in args.echo if e != 1) * len(args.placements)) * \
+        len(args.augment)
     print(f"echo training demo: {n} training JPEGs, {settings} settings x {args.seeds} seeds, "
           f"target {args.target:.0%} test accuracy, upstream throttled to R = "
           f"{', '.join(f'{r:g}' for r in args.sweep) if args.sweep else f'{args.R:g}'}",
@@ -326,7 +332,9 @@ def cmd_demo(args):
         return _print_sweep(args, run_sweep(cfg, args.sweep, log=log))
     report = run_demo(cfg, log=log)
     print(f"\nFashion-MNIST, small CNN (PyTorch, {args.device}), batch {args.batch_size}, "
-          f"{args.image_size}px RandomResizedCrop(0.35-1) + flip; train step "
+          f"{args.image_size}px RandomResizedCrop(0.35-1) + flip"
+          f"{' (rich: + ColorJitter 0.4 + RandomErasing 0.5)' if 'rich' in args.augment else ''}"
+          f"; train step "
           f"{report['step_ms']:.1f} ms, upstream {report['upstream_img_per_s']:,.0f} img/s, "
           f"measured R = {report['measured_R']:.2f}; {report['train_images']} training / "
           f"{report['test_images']} test images; {args.seeds} seeds (mean ± std)\n")
@@ -407,6 +415,9 @@ def build_parser():
     d.add_argument("--echo", type=echo_list, default=[1, 2, 4])
     d.add_argument("--placements", type=lambda s: s.split(","),
                    default=["before_augment", "after_augment", "batch"])
+    d.add_argument("--augment", type=lambda s: s.split(","), default=["basic"],
+                   help="basic (crop + flip), rich (+ ColorJitter and RandomErasing), or "
+                        "both: basic,rich")
     d.add_argument("--seeds", type=int, default=3)
     d.add_argument("--R", type=float, default=4.0,
                    help="upstream time / training step time per batch (throttle)")

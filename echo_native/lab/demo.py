@@ -135,6 +135,7 @@ class DemoConfig:
     data: str | None = None            # JPEG tree with train/ and test/ (default: cached build)
     echo: tuple = (1, 2, 4)
     placements: tuple = ("before_augment", "after_augment", "batch")
+    augments: tuple = ("basic",)       # "basic": crop + flip; "rich": + jitter and erasing
     seeds: int = 3
     R: float = 4.0
     target: float = 0.80
@@ -158,7 +159,26 @@ class DemoConfig:
     extra: dict = field(default_factory=dict)
 
 
-def train_one(train_src, test_x, test_y, cfg, echo, placement, seed, log=None):
+AUGMENTS = ("basic", "rich")
+
+
+def augment_spec(name, image_size):
+    """The demo's augmentations: "basic" is RandomResizedCrop (0.35-1) + flip; "rich"
+    adds ColorJitter (brightness and contrast: the images are grey) and RandomErasing,
+    drawn afresh for every emission before augmentation."""
+    import echo_native as en
+
+    crop = en.RandomResizedCrop(image_size, scale=(0.35, 1.0))
+    if name == "basic":
+        return crop
+    if name == "rich":
+        return [crop, en.ColorJitter(brightness=0.4, contrast=0.4),
+                en.RandomErasing(p=0.5, scale=(0.02, 0.2))]
+    raise ValueError(f"augment must be one of {', '.join(AUGMENTS)}, got {name!r}")
+
+
+def train_one(train_src, test_x, test_y, cfg, echo, placement, seed, log=None,
+              augment="basic"):
     """One training run; returns a dict with fresh/wall/steps to target (None if not reached)."""
     import torch
 
@@ -169,9 +189,9 @@ def train_one(train_src, test_x, test_y, cfg, echo, placement, seed, log=None):
     opt = torch.optim.Adam(model.parameters(), cfg.lr)
     pause = train_src.pause_path
     open(pause, "w").close()  # workers wait until the clock starts
-    ring = en.EchoRing(train_src, batch_size=cfg.batch_size, image_size=cfg.image_size,
-                       echo=echo, placement=placement, workers=cfg.workers, seed=seed,
-                       scale=(0.35, 1.0))
+    ring = en.EchoRing(train_src, batch_size=cfg.batch_size,
+                       augment=augment_spec(augment, cfg.image_size),
+                       echo=echo, placement=placement, workers=cfg.workers, seed=seed)
     fresh = steps = 0
     wall = 0.0
     next_eval = cfg.eval_every
@@ -208,7 +228,7 @@ def train_one(train_src, test_x, test_y, cfg, echo, placement, seed, log=None):
                         acc = evaluate(model, test_x, test_y)
                         curve.append((fresh, wall, steps, acc))
                         if log:
-                            log(f"  e={echo} {placement} seed={seed}: {fresh} fresh, "
+                            log(f"  e={echo} {placement} {augment} seed={seed}: {fresh} fresh, "
                                 f"{wall:.1f} s, acc {acc:.4f}")
                         next_eval = (fresh // cfg.eval_every + 1) * cfg.eval_every
                         if acc >= cfg.target:
@@ -225,6 +245,7 @@ def train_one(train_src, test_x, test_y, cfg, echo, placement, seed, log=None):
         if os.path.exists(pause):
             os.unlink(pause)
     return {"echo": echo, "placement": placement if echo != 1 else "none", "seed": seed,
+            "augment": augment,
             "reached": reached is not None,
             "fresh_to_target": reached[0] if reached else None,
             "wall_to_target_s": reached[1] if reached else None,
@@ -249,19 +270,21 @@ def _mean_std(values):
 
 
 def summarize(runs):
-    """Per (echo, placement): mean/std over seeds of fresh and wall to target."""
+    """Per (echo, placement, augment): mean/std over seeds of fresh and wall to
+    target; the ratios are against e = 1 with the same augmentation."""
     groups = {}
     for r in runs:
-        groups.setdefault((r["echo"], r["placement"]), []).append(r)
-    base = groups.get((1, "none"))
-    base_fresh = base_wall = None
-    if base and all(r["reached"] for r in base):
-        base_fresh = _mean_std([r["fresh_to_target"] for r in base])[0]
-        base_wall = _mean_std([r["wall_to_target_s"] for r in base])[0]
+        groups.setdefault((r["echo"], r["placement"], r.get("augment", "basic")), []).append(r)
     rows = []
-    for (e, p), rs in groups.items():
+    for (e, p, aug), rs in groups.items():
+        base = groups.get((1, "none", aug))
+        base_fresh = base_wall = None
+        if base and all(r["reached"] for r in base):
+            base_fresh = _mean_std([r["fresh_to_target"] for r in base])[0]
+            base_wall = _mean_std([r["wall_to_target_s"] for r in base])[0]
         ok = [r for r in rs if r["reached"]]
-        row = {"echo": e, "placement": p, "seeds": len(rs), "reached": len(ok)}
+        row = {"echo": e, "placement": p, "augment": aug, "seeds": len(rs),
+               "reached": len(ok)}
         if len(ok) == len(rs):
             row["fresh_mean"], row["fresh_std"] = _mean_std([r["fresh_to_target"] for r in ok])
             row["wall_mean"], row["wall_std"] = _mean_std([r["wall_to_target_s"] for r in ok])
@@ -270,7 +293,8 @@ def summarize(runs):
             row["wall_speedup"] = base_wall / row["wall_mean"] if base_wall else None
         rows.append(row)
     order = {"none": 0, "before_augment": 1, "after_augment": 2, "batch": 3}
-    rows.sort(key=lambda r: (order.get(r["placement"], 9), _echo_key(r["echo"])))
+    rows.sort(key=lambda r: (AUGMENTS.index(r["augment"]) if r["augment"] in AUGMENTS else 9,
+                             order.get(r["placement"], 9), _echo_key(r["echo"])))
     return rows
 
 
@@ -281,6 +305,9 @@ def _echo_key(e):
 def markdown_table(rows, target):
     head = ("echo", "placement", "reached", f"fresh examples to {target:.0%}",
             "x fewer fresh", "wall s to target", "x faster", "steps")
+    augs = len({r.get("augment", "basic") for r in rows}) > 1
+    if augs:
+        head = ("augment",) + head
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "fresh_mean" in r:
@@ -292,7 +319,8 @@ def markdown_table(rows, target):
         else:
             fr = wa = "not reached"
             red = sp = steps = "-"
-        lines.append(f"| {r['echo']} | {r['placement']} | {r['reached']}/{r['seeds']} | {fr} | "
+        lines.append(("| " + r["augment"] + " " if augs else "") +
+                     f"| {r['echo']} | {r['placement']} | {r['reached']}/{r['seeds']} | {fr} | "
                      f"{red} | {wa} | {sp} | {steps} |")
     return "\n".join(lines)
 
@@ -306,7 +334,9 @@ def chart(rows, runs, path, target):
         return False
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     done = [r for r in rows if "fresh_mean" in r]
-    labels = [f"e={r['echo']}\n{r['placement'].replace('_augment', ' aug.')}" for r in done]
+    augs = len({r.get("augment", "basic") for r in done}) > 1
+    labels = [f"e={r['echo']}\n{r['placement'].replace('_augment', ' aug.')}"
+              + (f"\n{r['augment']}" if augs else "") for r in done]
     colors = {"none": "grey", "before_augment": "tab:green", "after_augment": "tab:blue",
               "batch": "tab:orange"}
     c = [colors.get(r["placement"], "k") for r in done]
@@ -377,11 +407,11 @@ def run_demo(cfg: DemoConfig, log=None):
     t_all = time.perf_counter()
     try:
         for seed in range(cfg.seeds):
-            for e, p in settings:
+            for aug, (e, p) in ((a, s) for a in cfg.augments for s in settings):
                 runs.append(train_one(src, test_x, test_y, cfg, e,
-                                      "after_augment" if e == 1 else p, seed, log))
+                                      "after_augment" if e == 1 else p, seed, log, aug))
                 r = runs[-1]
-                log(f"e={e} {r['placement']} seed={seed}: "
+                log(f"e={e} {r['placement']} {aug} seed={seed}: "
                     + (f"{r['fresh_to_target']} fresh, {r['wall_to_target_s']:.1f} s"
                        if r["reached"] else f"not reached (final acc {r['final_acc']:.3f})"))
     finally:

@@ -72,6 +72,16 @@ cdef extern from "en_kernel.h" nogil:
                                    uint8_t *out, size_t stride, en_box *box, int *flip)
 
 
+cdef extern from "en_ops.h" nogil:
+    int EN_OP_ARGS
+    int en_op_count()
+    const char *en_op_name(int code)
+    int en_ops_check(const int32_t *codes, const float *args, int64_t n, int steps, int h,
+                     int w, char *msg, size_t cap)
+    void en_ops_apply(uint8_t *images, int64_t n, int h, int w, const int32_t *codes,
+                      const float *args, int steps, uint8_t *scratch)
+
+
 DEFAULT_MAX_PIXELS = EN_DEFAULT_MAX_PIXELS
 DEFAULT_MAX_SCANS = EN_DEFAULT_MAX_SCANS
 DEFAULT_MAX_MEMORY = EN_DEFAULT_MAX_MEMORY
@@ -514,3 +524,74 @@ def philox4x64(ctr, key):
     k[0], k[1] = key[0], key[1]
     en_philox4x64(c, k, o)
     return o[0], o[1], o[2], o[3]
+
+
+# -- augmentation programs (kernels.cu on the host, src/kernel/en_ops.cpp) -------------------
+
+OP_ARGS = EN_OP_ARGS
+
+
+def op_names():
+    """The op codes' names, indexed by code, as the kernels number them."""
+    return tuple(en_op_name(c).decode() for c in range(en_op_count()))
+
+
+def _array(x, name, dtype, ndim, writable=False):
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype != dtype or x.ndim != ndim or not x.flags.c_contiguous or \
+            (writable and not x.flags.writeable):
+        raise ValueError(f"{name} must be a C-contiguous{' writable' if writable else ''} "
+                         f"{ndim}-d {np.dtype(dtype).name} array, got {x.dtype} shape {x.shape} "
+                         f"contiguous={x.flags.c_contiguous} writeable={x.flags.writeable}")
+    return x
+
+
+def check_ops(codes, args, shape):
+    """ValueError (TypeError for a non-array) unless ``codes`` (int32 (n, K)) and ``args``
+    (float32 (n, K, 8)) are valid programs for images of ``shape`` = (n, h, w, 3): every
+    code one of the ops and every argument in its op's range.  The message names the row,
+    the step and the value."""
+    _array(codes, "codes", np.int32, 2)
+    _array(args, "args", np.float32, 3)
+    try:
+        n, h, w, c = (int(v) for v in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"images must be (n, h, w, 3), got shape {shape!r}") from None
+    steps = codes.shape[1]
+    if c != 3 or codes.shape[0] != n or args.shape[0] != n or args.shape[1] != steps or \
+            args.shape[2] != EN_OP_ARGS:
+        raise ValueError(f"images (n, h, w, 3), codes (n, K) and args (n, K, {EN_OP_ARGS}) "
+                         f"must agree, got {tuple(shape)}, {codes.shape} and {args.shape}")
+    if n == 0 or steps == 0:
+        return
+    cdef const int32_t[:, ::1] cv = codes
+    cdef const float[:, :, ::1] av = args
+    cdef char msg[200]
+    if en_ops_check(&cv[0, 0], &av[0, 0, 0], n, <int>steps, h, w, msg, sizeof(msg)):
+        raise ValueError(msg.decode("utf-8", "replace"))
+
+
+def apply_ops(images, codes, args):
+    """Run a program per image, in place: step k of row i applies op ``codes[i, k]`` with
+    arguments ``args[i, k]`` to ``images[i]`` as steps 0 .. k-1 left it.
+
+    ``images`` is a C-contiguous writable (n, h, w, 3) uint8 array, ``codes`` int32
+    (n, K), ``args`` float32 (n, K, 8); the ops and their arguments are listed in
+    :mod:`echo_native.backends.ops_codes`.  Everything is checked first
+    (:func:`check_ops`); the pixels are then changed with the GIL released, by the
+    CUDA backend's own kernel source, so the bytes equal the GPU's.  Returns ``images``.
+    """
+    _array(images, "images", np.uint8, 4, writable=True)
+    check_ops(codes, args, images.shape)
+    cdef int64_t n = images.shape[0]
+    cdef int h = images.shape[1], w = images.shape[2], steps = codes.shape[1]
+    if n == 0 or steps == 0:
+        return images
+    cdef uint8_t[:, :, :, ::1] iv = images
+    cdef const int32_t[:, ::1] cv = codes
+    cdef const float[:, :, ::1] av = args
+    cdef uint8_t[::1] scratch = np.empty(<Py_ssize_t>h * w * 3, np.uint8)
+    with nogil:
+        en_ops_apply(&iv[0, 0, 0, 0], n, h, w, &cv[0, 0], &av[0, 0, 0], steps, &scratch[0])
+    return images

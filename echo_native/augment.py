@@ -1,0 +1,356 @@
+"""Stage 1c of the pipeline: per-example ops after the crop, drawn per emission.
+
+``augment=[RandomResizedCrop(224), ColorJitter(0.4, 0.4, 0.4), RandomErasing()]``:
+the crop first (fused with the decode), then these ops, each with torchvision's
+semantics:
+
+- :class:`ColorJitter`: brightness, contrast, saturation and hue in a random order.
+- :class:`RandomGrayscale`.
+- :class:`TrivialAugmentWide`: one of its 14 ops at a random magnitude.
+- :class:`RandomErasing`: a random rectangle filled with a constant.
+
+Every random parameter is a pure function of (seed, epoch, sample id, echo
+index), like the crop's, so nothing depends on workers or timing and a resume
+is exact.  The ops compile into a *program* per image (:class:`Program`: op
+codes and arguments, :mod:`echo_native.backends.ops_codes`), which one kernel
+source runs on both devices: natively on the CPU (in the workers for fresh
+examples, in the batched re-augmentation for echoes) and as CUDA kernels on the
+echo buffer's output on a GPU.
+
+Where the ops are drawn depends on the echo placement:
+
+==================  ==========================================================
+``before_augment``  every emission draws every op afresh (echo index in the key)
+``after_augment``   drawn once, by the worker, for the stored example; repeats
+                    are that example (``Echo(flip=True)`` still redraws the flip)
+``batch``           drawn once, by the worker; the batch repeats as it is
+echo = 1            drawn by the worker
+==================  ==========================================================
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from echo_native import _kernel
+from echo_native.backends import ops_codes as op
+from echo_native.transforms import CenterCrop, RandomResizedCrop
+
+__all__ = ["ColorJitter", "RandomGrayscale", "TrivialAugmentWide", "RandomErasing", "Program",
+           "WithOps", "split_augment"]
+
+ARGS = 8  # arguments per program step (op_codes' layout)
+_TAG_OPS = 0x6F707321  # "ops!": the ops' Philox stream, apart from the crop's
+
+
+def _number(owner, name, v, lo=-math.inf, hi=math.inf):
+    if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool) \
+            or not lo <= v <= hi:
+        raise ValueError(f"{owner}: {name} must be a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def _range(owner, name, value, center, bound=(0.0, math.inf)):
+    """torchvision's ``_check_input``: a number v means [center - v, center + v]
+    (clipped at the lower bound), a pair is the range itself."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{owner}: {name} must be a number or a (min, max) pair, "
+                             f"got {value!r}")
+        lo, hi = (_number(owner, name, v, *bound) for v in value)
+        if lo > hi:
+            raise ValueError(f"{owner}: {name} range {value!r} has min > max")
+        return lo, hi
+    v = _number(owner, name, value, 0.0)
+    lo, hi = center - v, center + v
+    if center == 0.0 and hi > bound[1]:
+        raise ValueError(f"{owner}: {name} must be at most {bound[1]}, got {value!r}")
+    return max(lo, bound[0]), hi
+
+
+def _probability(owner, p):
+    return _number(owner, "p", p, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class ColorJitter:
+    """torchvision's ``ColorJitter(brightness, contrast, saturation, hue)``.
+
+    A number b means a factor drawn uniformly from [max(0, 1 - b), 1 + b] (hue:
+    a shift from [-h, h], h <= 0.5); a pair is the range itself.  The four
+    adjustments run in a random order, as torchvision's do; ``p`` is the
+    probability that the jitter applies at all (``RandomApply``).
+    """
+
+    brightness: object = 0.0
+    contrast: object = 0.0
+    saturation: object = 0.0
+    hue: object = 0.0
+    p: float = 1.0
+
+    steps = 4
+
+    def __post_init__(self):
+        name, set_ = type(self).__name__, object.__setattr__
+        for field in ("brightness", "contrast", "saturation"):
+            set_(self, field, _range(name, field, getattr(self, field), 1.0))
+        set_(self, "hue", _range(name, "hue", self.hue, 0.0, (-0.5, 0.5)))
+        set_(self, "p", _probability(name, self.p))
+
+    def draw(self, rng, h, w, fill):
+        out = []
+        if rng.random() >= self.p:
+            return out
+        codes = (op.BRIGHTNESS, op.CONTRAST, op.SATURATION, op.HUE)
+        ranges = (self.brightness, self.contrast, self.saturation, self.hue)
+        identity = ((1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (0.0, 0.0))
+        for k in rng.permutation(4):
+            lo, hi = ranges[k]
+            if (lo, hi) != identity[k]:
+                out.append((codes[k], (rng.uniform(lo, hi),)))
+        return out
+
+
+@dataclass(frozen=True)
+class RandomGrayscale:
+    """torchvision's ``RandomGrayscale(p)``: 0.299 R + 0.587 G + 0.114 B in all channels."""
+
+    p: float = 0.1
+
+    steps = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "p", _probability(type(self).__name__, self.p))
+
+    def draw(self, rng, h, w, fill):
+        return [(op.GRAYSCALE, ())] if rng.random() < self.p else []
+
+
+@dataclass(frozen=True)
+class RandomErasing:
+    """torchvision's ``RandomErasing(p, scale, ratio, value)``.
+
+    With probability ``p`` a rectangle of area ``scale`` x the image's and aspect
+    ratio ``ratio`` (log-uniform; ten tries to fit, else nothing is erased) is
+    filled with ``value``: a number or an (R, G, B) triple in the space the
+    batch is delivered in, as torchvision's after ``Normalize``; with a
+    normalising output 0 is the mean colour, else values are in [0, 1] of 255.
+    """
+
+    p: float = 0.5
+    scale: tuple = (0.02, 0.33)
+    ratio: tuple = (0.3, 3.3)
+    value: object = 0.0
+
+    steps = 1
+
+    def __post_init__(self):
+        name, set_ = type(self).__name__, object.__setattr__
+        set_(self, "p", _probability(name, self.p))
+        for field, lo in (("scale", 0.0), ("ratio", 1e-6)):
+            pair = _range(name, field, tuple(getattr(self, field)), 0.0, (lo, math.inf))
+            set_(self, field, pair)
+        if self.scale[1] > 1:
+            raise ValueError(f"{name}: scale must lie in [0, 1], got {self.scale!r}")
+        value = self.value
+        if isinstance(value, str):
+            raise ValueError(f"{name}: value={value!r} is not supported; give a number or an "
+                             f"(R, G, B) triple")
+        values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * 3
+        if len(values) != 3:
+            raise ValueError(f"{name}: value must be a number or 3 numbers, got {value!r}")
+        set_(self, "value", tuple(_number(name, "value", v) for v in values))
+
+    def draw(self, rng, h, w, fill):
+        if rng.random() >= self.p:
+            return []
+        area = h * w
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            erase_area = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*log_ratio))
+            eh = int(round(math.sqrt(erase_area * aspect)))
+            ew = int(round(math.sqrt(erase_area / aspect)))
+            if not (eh < h and ew < w):
+                continue
+            top = int(rng.integers(0, h - eh + 1))
+            left = int(rng.integers(0, w - ew + 1))
+            return [(op.ERASE, (top, left, eh, ew) + fill(self.value))]
+        return []
+
+
+@dataclass(frozen=True)
+class TrivialAugmentWide:
+    """torchvision's ``TrivialAugmentWide(num_magnitude_bins, fill)`` (its PIL path).
+
+    One op per image, uniformly from Identity, ShearX, ShearY, TranslateX,
+    TranslateY, Rotate, Brightness, Color, Contrast, Sharpness, Posterize,
+    Solarize, AutoContrast and Equalize, at a magnitude bin drawn uniformly
+    (a random sign for the signed ops); the wide magnitude ranges: shear 0.99,
+    translation 32 px, rotation 135 degrees, enhancement factors 1 +- 0.99,
+    posterize 8..2 bits, solarize thresholds 255..0.  Geometric ops sample the
+    nearest pixel and fill uncovered pixels with ``fill`` (0..255).
+    """
+
+    num_magnitude_bins: int = 31
+    fill: int = 0
+
+    steps = 1
+    OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness",
+           "Color", "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast",
+           "Equalize")
+
+    def __post_init__(self):
+        name = type(self).__name__
+        bins = self.num_magnitude_bins
+        if not isinstance(bins, (int, np.integer)) or isinstance(bins, bool) or bins < 2:
+            raise ValueError(f"{name}: num_magnitude_bins must be an integer >= 2, got {bins!r}")
+        object.__setattr__(self, "fill", _number(name, "fill", self.fill, 0, 255))
+
+    def magnitude(self, name, b):
+        """The magnitude of op ``name`` at bin ``b`` (unsigned)."""
+        n = self.num_magnitude_bins
+        span = {"ShearX": 0.99, "ShearY": 0.99, "TranslateX": 32.0, "TranslateY": 32.0,
+                "Rotate": 135.0, "Brightness": 0.99, "Color": 0.99, "Contrast": 0.99,
+                "Sharpness": 0.99}
+        if name in span:
+            return span[name] * b / (n - 1)
+        if name == "Posterize":
+            return float(8 - int(np.round(b / ((n - 1) / 6))))
+        if name == "Solarize":
+            return 255.0 * (1 - b / (n - 1))
+        return 0.0
+
+    def draw(self, rng, h, w, fill):
+        name = self.OPS[int(rng.integers(len(self.OPS)))]
+        m = self.magnitude(name, int(rng.integers(self.num_magnitude_bins)))
+        if name in ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness",
+                    "Color", "Contrast", "Sharpness") and rng.integers(2):
+            m = -m
+        f = self.fill
+        if name == "Identity":
+            return []
+        if name == "ShearX":  # torchvision: affine(shear=(atan(m) in degrees, 0), center (0, 0))
+            return [(op.AFFINE, (1.0, m, 0.0, 0.0, 1.0, 0.0, f))]
+        if name == "ShearY":
+            return [(op.AFFINE, (1.0, 0.0, 0.0, m, 1.0, 0.0, f))]
+        if name == "TranslateX":  # torchvision translates by int(m) pixels
+            return [(op.AFFINE, (1.0, 0.0, -float(int(m)), 0.0, 1.0, 0.0, f))]
+        if name == "TranslateY":
+            return [(op.AFFINE, (1.0, 0.0, 0.0, 0.0, 1.0, -float(int(m)), f))]
+        if name == "Rotate":
+            return [(op.AFFINE, rotation(m, h, w) + (f,))]
+        enhance = {"Brightness": op.BRIGHTNESS, "Color": op.SATURATION,
+                   "Contrast": op.CONTRAST, "Sharpness": op.SHARPNESS}
+        if name in enhance:
+            return [(enhance[name], (1.0 + m,))]
+        if name == "Posterize":
+            return [(op.POSTERIZE, (m,))]
+        if name == "Solarize":
+            return [(op.SOLARIZE, (m,))]
+        return [(op.AUTOCONTRAST if name == "AutoContrast" else op.EQUALIZE, ())]
+
+
+def rotation(degrees, h, w):
+    """Pillow's ``rotate(degrees)`` about the image centre as an inverse affine map."""
+    a = -math.radians(degrees % 360.0)
+    c, s = round(math.cos(a), 15), round(math.sin(a), 15)
+    cx, cy = w / 2.0, h / 2.0
+    return (c, s, c * -cx + s * -cy + cx, -s, c, -s * -cx + c * -cy + cy)
+
+
+OPS = (ColorJitter, RandomGrayscale, TrivialAugmentWide, RandomErasing)
+
+
+def split_augment(owner, augment):
+    """``augment=`` as (crop spec, per-example ops): a list or tuple is the crop
+    followed by ops; a single spec has no ops."""
+    if not isinstance(augment, (list, tuple)):
+        return augment, ()
+    if not augment:
+        raise ValueError(f"{owner}: augment=[] is empty; start it with a RandomResizedCrop")
+    crop, ops = augment[0], tuple(augment[1:])
+    if not isinstance(crop, (RandomResizedCrop, CenterCrop)):
+        raise TypeError(f"{owner}: augment must be an echo_native.RandomResizedCrop or "
+                        f"CenterCrop, or a list that starts with one, got {augment!r} (an "
+                        f"output size is image_size=)")
+    for o in ops:
+        if not isinstance(o, OPS):
+            names = ", ".join(c.__name__ for c in OPS)
+            raise TypeError(f"{owner}: augment[1:] must be per-example ops ({names}), got {o!r}")
+    return crop, ops
+
+
+class Program:
+    """The ops of one ``augment=`` list for images of ``size``, compiled per image.
+
+    ``fill(value)`` maps a :class:`RandomErasing` value to the (R, G, B) pixel
+    it stands for (the output's normalisation decides).
+    """
+
+    def __init__(self, ops, size, mean=None, std=None):
+        self.ops, self.size = tuple(ops), tuple(size)
+        self.steps = sum(o.steps for o in self.ops)
+        self.mean, self.std = mean, std
+
+    def __bool__(self):
+        return bool(self.ops)
+
+    def _fill(self, value):
+        if self.mean is None:  # the [0, 1] scale of ToTensor
+            px = [v * 255.0 for v in value]
+        else:
+            px = [(m + v * s) * 255.0 for v, m, s in zip(value, self.mean, self.std)]
+        return tuple(float(min(255.0, max(0.0, math.floor(p + 0.5)))) for p in px)
+
+    def draw(self, seed, epochs, sample_ids, echo_index):
+        """(codes, args) of the images keyed (seed, epoch, sample id, echo index):
+        int32 (n, steps) and float32 (n, steps, 8)."""
+        n = len(sample_ids)
+        codes = np.zeros((n, self.steps), np.int32)
+        args = np.zeros((n, self.steps, ARGS), np.float32)
+        h, w = self.size
+        epochs = np.broadcast_to(np.asarray(epochs, np.int64), (n,))
+        echo_index = np.broadcast_to(np.asarray(echo_index, np.int64), (n,))
+        for i in range(n):
+            rng = np.random.Generator(np.random.Philox(
+                key=[int(seed), _TAG_OPS],
+                counter=[int(epochs[i]), int(sample_ids[i]), int(echo_index[i]), 0]))
+            k = 0
+            for o in self.ops:
+                for code, a in o.draw(rng, h, w, self._fill):
+                    codes[i, k] = code
+                    args[i, k, :len(a)] = a
+                    k += 1
+        return codes, args
+
+    def __repr__(self):
+        return f"Program({list(self.ops)!r}, size={self.size})"
+
+
+class WithOps:
+    """A crop spec followed by a :class:`Program`, run by the workers: each fresh
+    sample's ops are drawn with echo index 0 and applied where its pixels are."""
+
+    def __init__(self, crop, program):
+        self.crop, self.program = crop, program
+
+    @property
+    def size(self):
+        return self.crop.size
+
+    @property
+    def sample_bytes(self):
+        return self.crop.sample_bytes
+
+    def apply(self, dec, data, key, slot, i):
+        self.crop.apply(dec, data, key, slot, i)
+        seed, epoch, sample_id, echo_index = key
+        codes, args = self.program.draw(seed, epoch, [sample_id], echo_index)
+        h, w = self.crop.size
+        _kernel.apply_ops(slot.pixels[i].reshape(1, h, w, 3), codes, args)
+
+    def __repr__(self):
+        return f"WithOps({self.crop!r}, {list(self.program.ops)!r})"

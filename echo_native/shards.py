@@ -1,0 +1,334 @@
+"""Pack a source into WebDataset-style tar shards that :class:`TarShards` reads.
+
+``write_shards(source, out_dir)`` (and ``echo-native make-shards SRC OUT``)
+writes ``shard-000000.tar``, ``shard-000001.tar``, ... each holding, per
+sample, ``<key>.<ext>`` (the image's bytes, untouched unless re-encoded) and
+``<key>.cls`` (its integer label), plus a ``<shard>.idx`` sidecar
+(:mod:`echo_native.tarindex`) so that readers never scan the shard.  Keys are
+the samples' indices in the source, zero-padded (``000042``), so sorted keys
+are the source's order and a key says which input a sample came from.
+
+Why it is built the way it is:
+
+* Shards are written under a temporary name and renamed when complete (or,
+  for object storage, uploaded when complete: an object appears whole or not
+  at all), so an interrupted run never leaves a truncated shard under a final
+  name.
+* The shards are deterministic: the same input gives the same bytes (member
+  times, owners and modes are fixed), so re-running is harmless and shards can
+  be compared by checksum.
+* Each input is decoded once with the pipeline's own decoder (``verify``), so
+  an image that would fail in training is reported now, with its path, and
+  left out (or, with ``strict``, stops the run) instead of failing every epoch.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import warnings
+
+from echo_native import remote as _remote
+from echo_native import tarindex
+
+__all__ = ["write_shards", "ShardList", "ShardWriteError", "parse_size"]
+
+#: Extensions kept as they are (content sniffed, not trusted from the name).
+_MAGIC = ((b"\xff\xd8\xff", ".jpg"), (b"\x89PNG\r\n\x1a\n", ".png"), (b"BM", ".bmp"),
+          (b"II*\x00", ".tiff"), (b"MM\x00*", ".tiff"))
+
+
+class ShardWriteError(ValueError):
+    """An input could not be packed and ``strict`` was asked for; names the input."""
+
+
+class ShardList(list):
+    """The shards written (paths or URLs, in order), plus what happened on the way:
+    ``samples`` packed, ``failures`` as ``(input name, message)`` pairs, ``reencoded``."""
+
+    samples: int = 0
+    reencoded: int = 0
+
+    def __init__(self, paths=(), failures=None):
+        super().__init__(paths)
+        self.failures = list(failures or [])
+
+
+def parse_size(text) -> int:
+    """``"256MB"`` -> 256_000_000, ``"1GiB"`` -> 2**30, ``"4096"`` -> 4096 (bytes)."""
+    import re
+
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)(b?)\s*", str(text), re.IGNORECASE)
+    if not m or (m.group(3) and not m.group(2)):
+        raise ValueError(f"not a size: {text!r} (e.g. 256MB, 1GiB, 500000)")
+    power = " kmgt".index(m.group(2).lower() or " ")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** power)
+
+
+def shown(name) -> str:
+    """A name as a report shows it: itself when printable, else its repr (a newline
+    or undecodable byte in a file name cannot break or forge a report line)."""
+    name = str(name)
+    return name if name.isprintable() else repr(name)
+
+
+def _image_ext(data, name):
+    for magic, ext in _MAGIC:
+        if data[:len(magic)] == magic:
+            return ext
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return ".webp"
+    if data[:2] in (b"P5", b"P6"):
+        return ".pgm" if data[:2] == b"P5" else ".ppm"
+    ext = os.path.splitext(str(name))[1].lower()
+    return ".jpg" if ext in ("", ".jpeg") or ext not in tarindex.IMAGE_EXTS else ext
+
+
+def _reencode(data, max_side, quality):
+    """``data`` scaled so its longer side is ``max_side`` (aspect kept), as JPEG."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        # draft() lets libjpeg decode at 1/2, 1/4 or 1/8 scale when that is still larger
+        # than the target: far less work for a big photograph, same result after resize.
+        w, h = im.size
+        scale = max_side / max(w, h)
+        im.draft("RGB", (max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale))))
+        im = im.convert("L" if im.mode in ("L", "I;16", "I", "1") else "RGB")
+        w, h = im.size
+        scale = max_side / max(w, h)
+        size = (max(1, round(w * scale)), max(1, round(h * scale)))
+        im = im.resize(size, Image.Resampling.LANCZOS)
+        buf = io.BytesIO()
+        im.save(buf, "JPEG", quality=quality)
+        return buf.getvalue()
+
+
+def _member(name, size):
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def _tar_bytes(size):
+    """A member's bytes in the tar: its header block and its data padded to blocks."""
+    return 512 + -(-size // 512) * 512
+
+
+def _closed_size(members_bytes):
+    """The tar's size once closed: two zero blocks, then padding to tarfile.RECORDSIZE."""
+    return -(-(members_bytes + 1024) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+
+
+class _Output:
+    """Where finished shards go: a local folder (rename into place) or a URL (upload)."""
+
+    def __init__(self, out, storage_options, remote, overwrite):
+        self.url = _remote.is_url(str(out))
+        if self.url:
+            self.base = str(out).rstrip("/")
+            self.store = _remote.RemoteStore(storage_options, remote)
+            self.tmpdir = tempfile.mkdtemp(prefix="echo_native-shards-")
+            fs, path = self.store.filesystem(self.base)
+            existing = fs.glob(f"{path}/shard-*.tar") + fs.glob(f"{path}/shard-*.tar.idx")
+            if existing and not overwrite:
+                raise FileExistsError(f"{_remote.redact(self.base)} already holds shards "
+                                      f"(pass overwrite=True / --overwrite to replace them)")
+            for p in existing:
+                fs.rm_file(p)
+        else:
+            self.base = os.fspath(_remote.local_path(out))
+            os.makedirs(self.base, exist_ok=True)
+            self.tmpdir = self.base
+            existing = [n for n in os.listdir(self.base)
+                        if n.startswith("shard-") and n.endswith((".tar", ".tar.idx"))]
+            if existing and not overwrite:
+                raise FileExistsError(f"{self.base} already holds shards (pass overwrite=True "
+                                      f"/ --overwrite to replace them)")
+            for n in existing:
+                os.unlink(os.path.join(self.base, n))
+
+    def tmp_path(self, name):
+        # Hidden, so a glob for shards never picks up one being written.
+        return os.path.join(self.tmpdir, f".{name}.tmp-{os.getpid()}")
+
+    def final(self, name):
+        return f"{self.base}/{name}" if self.url else os.path.join(self.base, name)
+
+    def publish(self, tmp, name):
+        """Put the finished shard ``tmp`` in place with its index; returns where."""
+        index = tarindex.scan_file(tmp)
+        dest = self.final(name)
+        if self.url:
+            self.store.put_file(tmp, dest)
+            self.store.put_bytes(index.to_json(), tarindex.sidecar(dest))
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, dest)
+            tarindex.write_atomic(tarindex.sidecar(dest), index.to_json())
+        return dest
+
+    def close(self):
+        if self.url:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _open_source(source, storage_options, remote):
+    from echo_native.source import FileList, ImageFolder
+
+    if not isinstance(source, (str, os.PathLike)):
+        return source
+    loc = _remote.local_path(os.fspath(source)) if isinstance(source, str) else source
+    if _remote.is_url(str(loc)):
+        return FileList(str(loc), storage_options=storage_options, remote=remote)
+    if os.path.isdir(loc):
+        return ImageFolder(loc)
+    if os.path.isfile(loc):
+        return FileList(loc)
+    raise FileNotFoundError(f"{shown(loc)}: no such folder or list file")
+
+
+def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max_side=None,
+                 quality=90, verify=True, strict=False, overwrite=False, progress=None,
+                 report=None, storage_options=None, remote=None) -> ShardList:
+    """Pack ``source`` into tar shards in ``out_dir``; returns the shards' paths (or URLs).
+
+    Parameters
+    ----------
+    source : source, or str / os.PathLike
+        Any source (``len``, ``labels``, ``read(i)``, ``describe(i)``); a folder is
+        read as an :class:`~echo_native.ImageFolder`, a file (or a URL) as a
+        :class:`~echo_native.FileList`.
+    out_dir : str or os.PathLike
+        A local folder (created) or an fsspec URL (``s3://bucket/train``).  One that
+        already holds ``shard-*`` files is refused unless ``overwrite``.
+    shard_size : int or str
+        Largest shard in bytes (``"256MB"`` works too); a single larger sample
+        gets a shard of its own.
+    max_count : int, optional
+        Most samples per shard.
+    max_side : int, optional
+        Re-encode images whose longer side is over this (aspect kept, Lanczos,
+        JPEG at ``quality``); others keep their bytes exactly.
+    verify : bool
+        Decode each image with the pipeline's decoder first, so one that would
+        fail in training is reported now (False: check the header only).
+    strict : bool
+        Raise :class:`ShardWriteError` at the first unreadable or corrupt input
+        (default: report it, count it, leave it out).
+    progress : bool, optional
+        A tqdm progress bar on stderr; default: when stderr is a terminal.
+    report : callable, optional
+        ``report(name, message)`` for each input left out, as it happens
+        (default: a RuntimeWarning); the same pairs end in the result's ``failures``.
+    storage_options, remote
+        For URLs (the source's or ``out_dir``), as in :class:`~echo_native.TarShards`.
+    """
+    from echo_native.decode import decode, image_size
+
+    shard_size = parse_size(shard_size)
+    if shard_size <= 0:
+        raise ValueError(f"shard_size must be positive, got {shard_size}")
+    if max_count is not None and (not isinstance(max_count, int) or max_count < 1):
+        raise ValueError(f"max_count must be a positive integer, got {max_count!r}")
+    if max_side is not None and (not isinstance(max_side, int) or max_side < 1):
+        raise ValueError(f"max_side must be a positive integer, got {max_side!r}")
+    if not isinstance(quality, int) or not 1 <= quality <= 100:
+        raise ValueError(f"quality must be an integer in 1..100, got {quality!r}")
+    src = _open_source(source, storage_options, remote)
+    n = len(src)
+    width = max(6, len(str(max(n - 1, 0))))
+    out = _Output(out_dir, storage_options, remote, overwrite)
+    result = ShardList()
+    bar = _progress_bar(n, progress)
+    tar = tmp = None
+    count = size = 0
+    try:
+        for i in range(n):
+            name = src.describe(i)
+            try:
+                data = src.read(i)
+                if verify:
+                    h, w = decode(data).shape[:2]
+                else:
+                    h, w = image_size(data)
+                ext = _image_ext(data, name)
+                if max_side is not None and max(h, w) > max_side:
+                    data, ext = _reencode(data, max_side, quality), ".jpg"
+                    result.reencoded += 1
+            except (Exception, MemoryError) as e:  # noqa: BLE001 - any bad input is reported
+                message = " ".join(str(e).split()) or type(e).__name__
+                if strict:
+                    raise ShardWriteError(f"{shown(name)}: {message}") from e
+                result.failures.append((name, message))
+                if report is not None:
+                    report(name, message)
+                else:
+                    warnings.warn(f"skipped {shown(name)}: {message}", RuntimeWarning,
+                                  stacklevel=2)
+                if bar is not None:
+                    bar.update(1)
+                continue
+            label = f"{int(src.labels[i])}".encode()
+            need = _tar_bytes(len(data)) + _tar_bytes(len(label))
+            if tar is not None and (_closed_size(size + need) > shard_size
+                                    or (max_count is not None and count >= max_count)):
+                tar.close()
+                tar = None
+                result.append(out.publish(tmp, _shard_name(len(result))))
+            if tar is None:
+                tmp = out.tmp_path(_shard_name(len(result)))
+                tar = tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT)
+                count = size = 0
+            key = f"{i:0{width}d}"
+            tar.addfile(_member(key + ext, len(data)), io.BytesIO(data))
+            tar.addfile(_member(key + ".cls", len(label)), io.BytesIO(label))
+            count += 1
+            size += need
+            result.samples += 1
+            if bar is not None:
+                bar.update(1)
+        if tar is not None:
+            tar.close()
+            tar = None
+            result.append(out.publish(tmp, _shard_name(len(result))))
+    except BaseException:
+        # Interrupted or failed: the shard being written never reaches its final name.
+        if tar is not None:
+            try:
+                tar.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        out.close()
+    return result
+
+
+def _shard_name(k):
+    return f"shard-{k:06d}.tar"
+
+
+def _progress_bar(total, progress):
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="img", desc="make-shards", file=sys.stderr)
