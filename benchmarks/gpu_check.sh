@@ -34,7 +34,7 @@ python3 -c "import echo_native._kernel, echo_native._dlpack, echo_native._ring" 
 
 tests=0
 timeout 220 python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_gpu.py tests/test_cuda_ordering.py tests/test_cuda_kernels.py \
+  tests/test_gpu.py tests/test_cuda_ordering.py tests/test_cuda_kernels.py tests/test_ops_kernels.py \
   tests/test_backends.py tests/test_output.py tests/test_pipeline.py \
   2>&1 | tee "$out/gpu_tests.txt" | tail -25 || tests=$?
 bench=0

@@ -326,11 +326,12 @@ class AutoEcho:
     and then a cap on e falls by 3% per report, down to 1; both recover while
     the ratio is >= 0.9.  Without feedback the gain is 1 and the cap ``max_echo``.
 
-    It starts at e = 2 (at most ``max_echo``): starting at 1 would make the consumer
-    wait for the first buffers (a few repeats too many cost far less).  When e
-    moves, the examples in the echo buffer are recounted at the new e (their
-    per-example draws are fixed), so the buffer follows e at once instead of
-    draining the counts it was filled with.
+    When e moves, the examples in the echo buffer are recounted at the new e
+    (their per-example draws are fixed), so the buffer follows e at once instead
+    of draining the counts it was filled with.  That makes a high start cheap:
+    it starts at e = 4 (at most ``max_echo``), so an upstream-bound job runs at
+    a useful e from its first batch, and a job that needs less gives back the
+    surplus repeats once the rates are known, a few batches in.
 
     Every change of more than 0.05 is recorded in :attr:`trace` (at most the
     last 256) with its reason: ``"stall"`` (before the rates are known, or the
@@ -338,6 +339,7 @@ class AutoEcho:
     """
 
     HEADROOM = 1.25
+    START = 4.0            # e before the rates are known (at most max_echo)
     GAIN = 2.0             # most the loss feedback may raise the target by
     WINDOW = 15            # the rates are medians of the last WINDOW observations
     SMOOTHING = 0.2        # weight of a new report in the running loss ratio
@@ -345,7 +347,7 @@ class AutoEcho:
     DEADBAND = 0.05        # a rate-driven change of e smaller than this share is ignored
     TRACE = 256
 
-    def __init__(self, max_echo=4.0, start=2.0, headroom=HEADROOM, clock=None):
+    def __init__(self, max_echo=4.0, start=START, headroom=HEADROOM, clock=None):
         if max_echo < 1:
             raise ValueError(f"max_echo must be >= 1, got {max_echo}")
         if headroom < 1:

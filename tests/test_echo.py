@@ -225,15 +225,15 @@ def test_auto_echo_rises_when_upstream_is_slow(small):
 @pytest.mark.parametrize("placement", EXAMPLE_PLACEMENTS)
 def test_auto_echo_held_at_e_emits_what_fixed_e_does(small, monkeypatch, placement):
     """Auto and fixed echo share the per-example count draws and never draw counts from
-    the shuffle generator: auto held at e = 2 emits the fixed e = 2 stream, row for row."""
+    the shuffle generator: auto held at its start emits that fixed e's stream, row for row."""
     streams = {}
-    for echo in (2, "auto"):
+    for echo in (AutoEcho.START, "auto"):
         with monkeypatch.context() as m:
             m.setattr(AutoEcho, "_set", lambda self, value, reason: None)  # held at start
             with _ring(small, echo=echo, placement=placement, seed=5) as ring:
                 streams[echo] = [(_flat(b, "ids").tolist(), _flat(b, "echo").tolist())
                                  for b in eh.collect(ring, epochs=2, copy_images=False)]
-    assert streams["auto"] == streams[2]
+    assert streams["auto"] == streams[AutoEcho.START]
 
 
 def test_auto_echo_rises_for_batch_placement(small):

@@ -27,6 +27,7 @@ def _run(source, device, **kw):
     import cupy
     args = dict(batch_size=16, image_size=64, workers=2, seed=7)
     args.update(kw)
+    args = {k: v for k, v in args.items() if v is not None}  # image_size=None: augment= has it
     out = []
     with en.EchoRing(source, device=device, **args) as ring:
         for b in ring:
@@ -52,6 +53,40 @@ def test_device_repeats_are_exact(source, placement):
     for (a, ia, ea), (b, ib, eb) in zip(cpu, gpu, strict=True):
         np.testing.assert_array_equal(ia, ib)
         np.testing.assert_array_equal(ea, eb)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gpu_per_example_ops_run_each_emissions_program(source):
+    """augment=[crop, ops] before augmentation on the GPU: each emission is its crop
+    with the program of its (seed, epoch, sample id, echo index), byte for byte
+    the native executor's; after augmentation the workers ran them (CPU bytes)."""
+    from echo_native import _kernel
+    from echo_native.augment import Program
+
+    crop = en.RandomResizedCrop(64)
+    ops = [en.ColorJitter(0.4, 0.4, 0.4, 0.1), en.RandomGrayscale(0.2),
+           en.TrivialAugmentWide(), en.RandomErasing(p=0.5)]
+    def run(augment, **more):
+        import cupy
+        out = []
+        with en.EchoRing(source, device="cuda", augment=augment, batch_size=16, workers=2,
+                         seed=7, **more) as ring:
+            for b in ring:
+                out.append((cupy.asnumpy(b.images), b.sample_ids.copy(),
+                            b.echo_index.copy(), b.epoch))
+        return out
+
+    rich = run([crop] + ops, echo=3, placement="before_augment")
+    plain = run(crop, echo=3, placement="before_augment")
+    for (a, ia, ea, epoch), (b, ib, eb, _) in zip(rich, plain, strict=True):
+        np.testing.assert_array_equal(ia, ib)
+        codes, args = Program(ops, (64, 64)).draw(7, epoch, ib, eb)
+        np.testing.assert_array_equal(a, _kernel.apply_ops(b.copy(), codes, args))
+    after = run([crop] + ops, echo=2, placement="after_augment")
+    cpu = _run(source, "cpu", augment=[crop] + ops, image_size=None, echo=2,
+               placement="after_augment")
+    for (a, ia, *_), (b, ib, _) in zip(after, cpu, strict=True):
+        np.testing.assert_array_equal(ia, ib)
         np.testing.assert_array_equal(a, b)
 
 

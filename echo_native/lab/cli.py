@@ -312,7 +312,7 @@ def cmd_demo(args):
         raise UsageError(f"--augment: unknown {', '.join(bad)} (choose from "
                          f"{', '.join(AUGMENTS)})")
     cfg = DemoConfig(data=data, echo=tuple(args.echo), placements=tuple(args.placements),
-                     augments=tuple(args.augment),
+                     augments=tuple(args.augment), max_echo=args.max_echo,
                      seeds=args.seeds, R=args.R, target=args.target, max_fresh=args.max_fresh,
                      eval_every=args.eval_every, batch_size=args.batch_size,
                      image_size=args.image_size, workers=args.workers, lr=args.lr,
@@ -419,6 +419,7 @@ def build_parser():
                    help="basic (crop + flip), rich (+ ColorJitter and RandomErasing), or "
                         "both: basic,rich")
     d.add_argument("--seeds", type=int, default=3)
+    d.add_argument("--max-echo", type=float, default=8.0, help="echo='auto''s cap")
     d.add_argument("--R", type=float, default=4.0,
                    help="upstream time / training step time per batch (throttle)")
     d.add_argument("--sweep", type=lambda s: [float(v) for v in s.split(",")], default=None,

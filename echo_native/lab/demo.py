@@ -136,6 +136,7 @@ class DemoConfig:
     echo: tuple = (1, 2, 4)
     placements: tuple = ("before_augment", "after_augment", "batch")
     augments: tuple = ("basic",)       # "basic": crop + flip; "rich": + jitter and erasing
+    max_echo: float = 8.0              # echo="auto"'s cap (the sweep compares it with e = 6)
     seeds: int = 3
     R: float = 4.0
     target: float = 0.80
@@ -191,7 +192,9 @@ def train_one(train_src, test_x, test_y, cfg, echo, placement, seed, log=None,
     open(pause, "w").close()  # workers wait until the clock starts
     ring = en.EchoRing(train_src, batch_size=cfg.batch_size,
                        augment=augment_spec(augment, cfg.image_size),
-                       echo=echo, placement=placement, workers=cfg.workers, seed=seed)
+                       echo=en.Echo(echo, placement=placement,
+                                    **({"max_echo": cfg.max_echo} if echo == "auto" else {})),
+                       workers=cfg.workers, seed=seed)
     fresh = steps = 0
     wall = 0.0
     next_eval = cfg.eval_every

@@ -7,6 +7,18 @@ install beside the CPU torch wheel used here), so the comparison is
 Pillow-per-sample in DataLoader workers against our fused kernel in ring
 workers.
 
+With ``rich=True`` the same dataset adds, after the crop and flip, the per-example
+ops of ``ColorJitter(0.4, 0.4, 0.4, 0.1)`` and ``RandomErasing(p=0.5)`` as
+torchvision runs them (:func:`color_jitter`, :func:`random_erasing`):
+``ColorJitter.forward`` is a random order of the four adjustments with factors
+drawn first, brightness, contrast and saturation are
+``PIL.ImageEnhance.Brightness / Contrast / Color`` and hue is torchvision's
+Pillow ``adjust_hue`` (HSV, ``int(hue * 255)`` added to H with uint8
+wrap-around, back to RGB); then ``PILToTensor`` and ``RandomErasing`` on the
+uint8 CHW tensor, torchvision's tensor path (ten tries for a box that fits,
+filled with 0 on a copy).  These are torchvision's Pillow and tensor calls,
+with every random draw taken from the sample's own ``random.Random``.
+
 NVIDIA DALI's CPU pipeline (``pip install nvidia-dali-cuda120``; runs without a
 GPU): ``fn.readers.file`` -> ``fn.decoders.image_random_crop`` -> ``fn.resize``
 -> ``fn.flip``, every operator on the CPU, in DALI's thread pool
@@ -43,23 +55,88 @@ def rrc_params(rng, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-class PillowImageFolder:
-    """torchvision-style dataset over an :class:`echo_native.ImageFolder` listing."""
+def adjust_hue(im, hue):
+    """torchvision's Pillow ``adjust_hue``: to HSV, ``int(hue * 255)`` added to H as uint8
+    (wrapping around), back to RGB."""
+    from PIL import Image
 
-    def __init__(self, folder, size=224, draft=False, seed=0):
+    if not -0.5 <= hue <= 0.5:
+        raise ValueError(f"hue factor {hue} is not in [-0.5, 0.5]")
+    mode = im.mode
+    h, s, v = im.convert("HSV").split()
+    np_h = np.array(h, dtype=np.uint8)
+    np_h += np.uint8(int(hue * 255) % 256)          # uint8 addition wraps around
+    return Image.merge("HSV", (Image.fromarray(np_h, "L"), s, v)).convert(mode)
+
+
+def color_jitter(rng, im, brightness=(0.6, 1.4), contrast=(0.6, 1.4), saturation=(0.6, 1.4),
+                 hue=(-0.1, 0.1)):
+    """torchvision ``ColorJitter(0.4, 0.4, 0.4, 0.1).forward`` on a Pillow image: a random
+    order of the four, the factors drawn (in the order b, c, s, h) before any is applied."""
+    from PIL import ImageEnhance
+
+    order = list(range(4))
+    rng.shuffle(order)                              # torch.randperm(4)
+    b, c, s, h = (rng.uniform(*r) for r in (brightness, contrast, saturation, hue))
+    for k in order:
+        if k == 0:
+            im = ImageEnhance.Brightness(im).enhance(b)
+        elif k == 1:
+            im = ImageEnhance.Contrast(im).enhance(c)
+        elif k == 2:
+            im = ImageEnhance.Color(im).enhance(s)
+        else:
+            im = adjust_hue(im, h)
+    return im
+
+
+def random_erasing(rng, img, p=0.5, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0):
+    """torchvision ``RandomErasing(p, scale, ratio, value).forward`` on a (C, H, W) tensor:
+    with probability ``p``, up to ten tries for a box that fits, filled on a copy."""
+    if rng.random() >= p:
+        return img
+    img_h, img_w = img.shape[-2], img.shape[-1]
+    area = img_h * img_w
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        erase_area = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        h = int(round(math.sqrt(erase_area * aspect)))
+        w = int(round(math.sqrt(erase_area / aspect)))
+        if not (h < img_h and w < img_w):
+            continue
+        i, j = rng.randint(0, img_h - h), rng.randint(0, img_w - w)
+        out = img.clone()                           # F.erase(inplace=False)
+        out[..., i:i + h, j:j + w] = value
+        return out
+    return img.clone()                              # no fit: erase() copies the image onto itself
+
+
+class PillowImageFolder:
+    """torchvision-style dataset over an :class:`echo_native.ImageFolder` listing.
+
+    ``rich=True`` adds ColorJitter(0.4, 0.4, 0.4, 0.1) before and RandomErasing(p=0.5)
+    after ``PILToTensor`` (see the module docstring).  ``passes`` repeats the files as
+    one longer dataset (index k is file k mod N, with its own draws), so one iterator
+    streams several epochs without a DataLoader restart between them.
+    """
+
+    def __init__(self, folder, size=224, draft=False, seed=0, rich=False, passes=1):
         self.paths = [folder.path(i) for i in range(len(folder))]
         self.labels = np.asarray(folder.labels)
         self.size, self.draft, self.seed = int(size), draft, seed
+        self.rich, self.passes = bool(rich), int(passes)
 
     def __len__(self):
-        return len(self.paths)
+        return len(self.paths) * self.passes
 
     def __getitem__(self, i):
         import torch
         from PIL import Image
 
         rng = random.Random(self.seed * 1_000_003 + i)
-        with Image.open(self.paths[i]) as im:
+        f = i % len(self.paths)
+        with Image.open(self.paths[f]) as im:
             top, left, h, w = rrc_params(rng, im.height, im.width)
             box = (left, top, left + w, top + h)
             if self.draft and im.format == "JPEG":
@@ -70,19 +147,28 @@ class PillowImageFolder:
             im = im.convert("RGB").resize((self.size, self.size), Image.BILINEAR, box=box)
         if rng.random() < 0.5:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        if self.rich:
+            im = color_jitter(rng, im)
         # PILToTensor copies the pixels into a tensor: so do we.
-        return torch.from_numpy(np.array(im)).permute(2, 0, 1), int(self.labels[i])
+        img = torch.from_numpy(np.array(im)).permute(2, 0, 1)
+        if self.rich:
+            img = random_erasing(rng, img)
+        return img, int(self.labels[f])
 
 
-def torch_loader(folder, batch_size, workers, size=224, seed=0):
-    """A torch DataLoader over :class:`PillowImageFolder`, shuffled like a training run."""
+def torch_loader(folder, batch_size, workers, size=224, seed=0, rich=False, passes=1,
+                 drop_last=False):
+    """A torch DataLoader over :class:`PillowImageFolder`, shuffled like a training run
+    (``rich``: with ColorJitter + RandomErasing; ``passes``: the files that many times
+    over in one epoch)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.DataLoader(PillowImageFolder(folder, size, seed=seed),
-                                       batch_size=batch_size, shuffle=True, generator=g,
+    ds = PillowImageFolder(folder, size, seed=seed, rich=rich, passes=passes)
+    return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, generator=g,
                                        num_workers=workers, persistent_workers=workers > 0,
-                                       prefetch_factor=4 if workers > 0 else None)
+                                       prefetch_factor=4 if workers > 0 else None,
+                                       drop_last=drop_last)
 
 
 # ---- NVIDIA DALI, CPU only ---------------------------------------------------------------
