@@ -100,32 +100,6 @@ def _augment(rich):
     return [crop, en.ColorJitter(0.4, 0.4, 0.4, 0.1), en.RandomErasing(p=0.5)]
 
 
-# ---- the same files for everyone (as bench_pipeline.py) -----------------------------------
-def _files(workload):
-    custom = os.environ.get("ECHO_NATIVE_BENCH_CORPUS")
-    if custom:
-        root = Path(custom).expanduser()
-        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))
-    else:
-        from echo_native.lab import corpus
-
-        files = corpus.corpus_files(workload.root)
-    return files[:workload.n]
-
-
-@pytest.fixture(scope="module")
-def folder(workload, tmp_path_factory):
-    """An ImageFolder tree of symlinks to exactly the workload's files."""
-    root = tmp_path_factory.mktemp("augment_folder")
-    for i, path in enumerate(_files(workload)):
-        d = root / (path.parent.name or "class_0")
-        d.mkdir(exist_ok=True)
-        (d / f"{i:06d}_{path.name}").symlink_to(path.resolve())
-    src = en.ImageFolder(root)
-    assert len(src) == workload.n
-    if len(src) < 2 * BATCH:
-        pytest.skip(f"needs at least {2 * BATCH} files (ECHO_NATIVE_BENCH_N={len(src)})")
-    return src
 
 
 # ---- CPU accounting ---------------------------------------------------------------------------
@@ -288,6 +262,8 @@ class Streams:
 
 @pytest.fixture(scope="module")
 def streams(folder):
+    if len(folder) < 2 * BATCH:
+        pytest.skip(f"needs at least {2 * BATCH} files (ECHO_NATIVE_BENCH_N={len(folder)})")
     s = Streams(folder)
     yield s
     s.close()

@@ -106,21 +106,27 @@ def _canvases(n, h=300, w=400):
     return buf
 
 
-@pytest.mark.benchmark(group="gpu")
-def test_gpu_reaugmentation_rate(benchmark):
-    """Images/s of the crop_resize kernel: 256 RandomResizedCrops (+ flips) of 300x400
-    canvases to 224x224, as echoes draw them."""
+def _echo_batch(B):
+    """A device, an echo buffer of 1024 canvases, a (B, 224, 224, 3) output and the
+    crops (entries, boxes, flips) of B echoes drawn from it."""
     import cupy
     from echo_native.backends.cuda import CudaDevice
     dev = CudaDevice(0)
     buf = _canvases(1024)
-    B = 256
     out = cupy.empty((B, 224, 224, 3), cupy.uint8)
-    rng = np.random.default_rng(0)
-    entries = rng.choice(1024, B, replace=False)
+    entries = np.random.default_rng(0).choice(1024, B, replace=False)
     draws = [en.random_resized_crop_params(0, 0, int(i), 1, 300, 400) for i in entries]
     boxes = np.array([d[0] for d in draws], np.float64)
     flips = np.array([d[1] for d in draws])
+    return dev, buf, out, entries, boxes, flips
+
+
+@pytest.mark.benchmark(group="gpu")
+def test_gpu_reaugmentation_rate(benchmark):
+    """Images/s of the crop_resize kernel: 256 RandomResizedCrops (+ flips) of 300x400
+    canvases to 224x224, as echoes draw them."""
+    dev, buf, out, entries, boxes, flips = _echo_batch(256)
+    B = len(entries)
 
     def run():
         for _ in range(20):
@@ -140,18 +146,9 @@ def test_gpu_reaugmentation_with_ops_rate(benchmark):
     emission's program (ColorJitter 0.4/0.4/0.4/0.1, RandomGrayscale 0.2,
     TrivialAugmentWide, RandomErasing 0.5, drawn for 256 emissions), against the crop
     alone in the same run."""
-    import cupy
     from echo_native.augment import Program
-    from echo_native.backends.cuda import CudaDevice
-    dev = CudaDevice(0)
-    buf = _canvases(1024)
-    B = 256
-    out = cupy.empty((B, 224, 224, 3), cupy.uint8)
-    rng = np.random.default_rng(0)
-    entries = rng.choice(1024, B, replace=False)
-    draws = [en.random_resized_crop_params(0, 0, int(i), 1, 300, 400) for i in entries]
-    boxes = np.array([d[0] for d in draws], np.float64)
-    flips = np.array([d[1] for d in draws])
+    dev, buf, out, entries, boxes, flips = _echo_batch(256)
+    B = len(entries)
     ops = [en.ColorJitter(0.4, 0.4, 0.4, 0.1), en.RandomGrayscale(0.2),
            en.TrivialAugmentWide(), en.RandomErasing(p=0.5)]
     codes, args = Program(ops, (224, 224)).draw(0, 0, entries, 1)

@@ -104,30 +104,6 @@ PAIRED_ROUNDS = env_int("ECHO_NATIVE_BENCH_PAIRED_ROUNDS", 5)
 _results: dict = {}
 
 
-# ---- the same files for everyone ---------------------------------------------------------
-def _files(workload):
-    custom = os.environ.get("ECHO_NATIVE_BENCH_CORPUS")
-    if custom:
-        root = Path(custom).expanduser()
-        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))
-    else:
-        from echo_native.lab import corpus
-
-        files = corpus.corpus_files(workload.root)
-    return files[:workload.n]
-
-
-@pytest.fixture(scope="module")
-def folder(workload, tmp_path_factory):
-    """An ImageFolder tree of symlinks to exactly the workload's files."""
-    root = tmp_path_factory.mktemp("pipeline_folder")
-    for i, path in enumerate(_files(workload)):
-        d = root / (path.parent.name or "class_0")
-        d.mkdir(exist_ok=True)
-        (d / f"{i:06d}_{path.name}").symlink_to(path.resolve())
-    src = en.ImageFolder(root)
-    assert len(src) == workload.n
-    return src
 
 
 def _busy_seconds():

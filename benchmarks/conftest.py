@@ -101,6 +101,20 @@ def workload() -> Workload:
     return Workload(root, tuple(samples), rounds)
 
 
+@pytest.fixture(scope="module")
+def folder(workload, tmp_path_factory):
+    """The workload's files as an ImageFolder tree of symlinks: the same files for every
+    pipeline a benchmark module compares."""
+    root = tmp_path_factory.mktemp("folder")
+    for i, path in enumerate(_corpus_files(workload.n)[1]):
+        d = root / (path.parent.name or "class_0")
+        d.mkdir(exist_ok=True)
+        (d / f"{i:06d}_{path.name}").symlink_to(path.resolve())
+    src = en.ImageFolder(root)
+    assert len(src) == workload.n
+    return src
+
+
 @pytest.fixture
 def out_buffer():
     return np.empty((*SIZE, 3), dtype=np.uint8)

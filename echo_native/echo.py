@@ -310,21 +310,22 @@ class AutoEcho:
     blocked on the upstream; each is the median of its last 15 observations, so
     an evaluation pass, a checkpoint or a slow file moves neither.  At e = R =
     t_up / t_down the consumer is exactly fed; below it the accelerator waits,
-    above it repeats stand in for fresh data that was never short.  Because the rates wander (a slow file, a busy core) and a
-    stall costs a whole step while a surplus repeat costs little, the target is
-    ``headroom`` x R (1.25), and repeats are kept rather than evicted while the
-    buffer has room: the upstream then fills the ring and waits, and the
-    consumer never does.  Each stall that still happens raises a correction
-    factor (up to 1.5) that decays by 0.5% per batch.
+    above it repeats stand in for fresh data that was never short, and each
+    one costs a whole step: in wall time, e above R can at best tie with e = R,
+    when a repeat teaches as much as a fresh example.  The target is therefore
+    just above R, ``headroom`` x R (1.1), against the rates' wander; repeats are
+    kept rather than evicted while the buffer has room, so the upstream fills
+    the ring and waits and the consumer does not.  Each stall that still
+    happens raises a correction factor (up to 1.5) that decays by 0.5% per
+    batch.
 
     **Loss feedback** (optional, :meth:`EchoRing.report`).  With per-example
-    losses the controller compares echoed rows with fresh ones.  While a repeat
-    is about as hard as a fresh example (smoothed loss ratio >= 0.9) it teaches
-    about as much, so more of them cost little: a gain on the target grows by 4%
-    per report, up to 2 (e up to 2.5 x R, and ``max_echo``).  Once repeats are
-    clearly easier (< 0.8: the model is fitting them) the gain falls back to 1
-    and then a cap on e falls by 3% per report, down to 1; both recover while
-    the ratio is >= 0.9.  Without feedback the gain is 1 and the cap ``max_echo``.
+    losses the controller compares echoed rows with fresh ones.  Once repeats
+    are clearly easier (smoothed loss ratio < 0.8: the model is fitting them) a
+    cap on e falls by 3% per report, down to 1, so that fresh data, not
+    memorised repeats, fills the steps; it recovers while the ratio is >= 0.9.
+    It never raises e above the rate target: that would add steps, not
+    progress.  Without feedback the cap is ``max_echo``.
 
     When e moves, the examples in the echo buffer are recounted at the new e
     (their per-example draws are fixed), so the buffer follows e at once instead
@@ -338,9 +339,8 @@ class AutoEcho:
     correction), ``"rates"`` or ``"loss"``.
     """
 
-    HEADROOM = 1.25
+    HEADROOM = 1.1
     START = 4.0            # e before the rates are known (at most max_echo)
-    GAIN = 2.0             # most the loss feedback may raise the target by
     WINDOW = 15            # the rates are medians of the last WINDOW observations
     SMOOTHING = 0.2        # weight of a new report in the running loss ratio
     WARM = 3               # observations of each rate before the model is used
@@ -361,7 +361,6 @@ class AutoEcho:
         self._downs = collections.deque(maxlen=self.WINDOW)
         self._n_loss = 0
         self._boost = 1.0
-        self._gain = 1.0
         self._loss_ratio = None
         self._clock = clock or time.perf_counter
         self._t0 = self._clock()
@@ -406,15 +405,9 @@ class AutoEcho:
         if self._n_loss < 5:
             return
         if self._loss_ratio >= 0.9:
-            if self.cap < self.max_echo:
-                self.cap = min(self.max_echo, self.cap * 1.03 + 0.01)
-            else:
-                self._gain = min(self.GAIN, self._gain * 1.04)
+            self.cap = min(self.max_echo, self.cap * 1.03 + 0.01)
         elif self._loss_ratio < 0.8:
-            if self._gain > 1.0:
-                self._gain = max(1.0, self._gain * 0.97)
-            else:
-                self.cap = max(1.0, self.cap * 0.97)
+            self.cap = max(1.0, self.cap * 0.97)
         self._update("loss")
 
     # -- the decision -------------------------------------------------------------------
@@ -439,7 +432,7 @@ class AutoEcho:
 
     def _update(self, reason):
         if self._warm:
-            target = self.headroom * self._boost * self._gain * self.R
+            target = self.headroom * self._boost * self.R
             target = min(self.max_echo, self.cap, max(1.0, target))
             if reason == "rates" and abs(target - self.value) < self.DEADBAND * self.value:
                 return  # the measured rates jitter; e follows only real changes
