@@ -313,7 +313,8 @@ def cmd_demo(args):
                          f"{', '.join(AUGMENTS)})")
     cfg = DemoConfig(data=data, echo=tuple(args.echo), placements=tuple(args.placements),
                      augments=tuple(args.augment), max_echo=args.max_echo,
-                     seeds=args.seeds, R=args.R, target=args.target, max_fresh=args.max_fresh,
+                     seeds=args.seeds, first_seed=args.first_seed, R=args.R,
+                     target=args.target, max_fresh=args.max_fresh,
                      eval_every=args.eval_every, batch_size=args.batch_size,
                      image_size=args.image_size, workers=args.workers, lr=args.lr,
                      train_subset=args.train_subset, test_limit=args.test_limit,
@@ -419,6 +420,8 @@ def build_parser():
                    help="basic (crop + flip), rich (+ ColorJitter and RandomErasing), or "
                         "both: basic,rich")
     d.add_argument("--seeds", type=int, default=3)
+    d.add_argument("--first-seed", type=int, default=0,
+                   help="run seeds FIRST .. FIRST + SEEDS - 1 (to split a long sweep)")
     d.add_argument("--max-echo", type=float, default=8.0, help="echo='auto''s cap")
     d.add_argument("--R", type=float, default=4.0,
                    help="upstream time / training step time per batch (throttle)")

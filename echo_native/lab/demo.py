@@ -138,6 +138,7 @@ class DemoConfig:
     augments: tuple = ("basic",)       # "basic": crop + flip; "rich": + jitter and erasing
     max_echo: float = 8.0              # echo="auto"'s cap (the sweep compares it with e = 6)
     seeds: int = 3
+    first_seed: int = 0                # seeds first_seed .. first_seed + seeds - 1
     R: float = 4.0
     target: float = 0.80
     max_fresh: int = 40000
@@ -409,7 +410,7 @@ def run_demo(cfg: DemoConfig, log=None):
     settings = list(dict.fromkeys(settings))
     t_all = time.perf_counter()
     try:
-        for seed in range(cfg.seeds):
+        for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):
             for aug, (e, p) in ((a, s) for a in cfg.augments for s in settings):
                 runs.append(train_one(src, test_x, test_y, cfg, e,
                                       "after_augment" if e == 1 else p, seed, log, aug))
