@@ -334,20 +334,25 @@ def chart(rows, runs, path, target):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     done = [r for r in rows if "fresh_mean" in r]
     augs = len({r.get("augment", "basic") for r in done}) > 1
-    labels = [f"e={r['echo']}\n{r['placement'].replace('_augment', ' aug.')}"
-              + (f"\n{r['augment']}" if augs else "") for r in done]
+    names = {"none": "no echo", "before_augment": "before aug", "after_augment": "after aug",
+             "batch": "batch"}
+    labels = [f"e={r['echo']} {names.get(r['placement'], r['placement'])}"
+              + (f", {r['augment']}" if augs else "") for r in done]
     colors = {"none": "grey", "before_augment": "tab:green", "after_augment": "tab:blue",
               "batch": "tab:orange"}
     c = [colors.get(r["placement"], "k") for r in done]
-    axes[0].bar(labels, [r["fresh_mean"] for r in done],
-                yerr=[r["fresh_std"] for r in done], color=c, capsize=3)
+    x = np.arange(len(done))
+    axes[0].bar(x, [r["fresh_mean"] for r in done], yerr=[r["fresh_std"] for r in done],
+                color=c, capsize=3)
+    axes[0].set_xticks(x)
+    axes[0].set_xticklabels(labels, rotation=40, ha="right", fontsize=8)
     axes[0].set_ylabel(f"fresh examples to {target:.0%} test accuracy")
-    axes[0].tick_params(axis="x", labelsize=8)
     axes[0].set_title("mean ± std over seeds (lower is better)", fontsize=9)
     for r in runs:
         if r["curve"]:
@@ -355,8 +360,15 @@ def chart(rows, runs, path, target):
             axes[1].plot(f, a, color=colors.get(r["placement"], "k"),
                          alpha=0.6, lw=1, ls="-" if r["echo"] in (1, 4) else "--")
     axes[1].axhline(target, color="k", lw=0.8)
-    axes[1].set_xlabel("fresh examples (solid: e=1/4, dashed: e=2)")
+    axes[1].set_xlabel("fresh examples")
     axes[1].set_ylabel("test accuracy")
+    axes[1].set_title("every run's test accuracy", fontsize=9)
+    shown = list(dict.fromkeys(r["placement"] for r in runs))
+    handles = [Line2D([], [], color=colors.get(p, "k"), label=names.get(p, p)) for p in shown]
+    handles += [Line2D([], [], color="k", ls="-", label="e = 1 or 4"),
+                Line2D([], [], color="k", ls="--", label="e = 2"),
+                Line2D([], [], color="k", lw=0.8, label=f"target {target:.0%}")]
+    axes[1].legend(handles=handles, fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
