@@ -315,7 +315,10 @@ __device__ __forceinline__ void ops_hue(const u8* px, float shift, u8* o) {
 // Output pixel (y, x) of an h x w image after op `code` with arguments a:
 // read from img, write to out (another buffer), lut = the image's (3, 256)
 // tables for table ops.
-__device__ __forceinline__ void ops_pixel(int code, const float* a, const u8* img, u8* out,
+// img and out are different buffers (every step is out of place): __restrict__
+// lets the host build keep a pixel's channels in registers across the stores.
+__device__ __forceinline__ void ops_pixel(int code, const float* a,
+                                          const u8* __restrict__ img, u8* __restrict__ out,
                                           const u8* lut, int h, int w, int y, int x) {
     const i64 p = (i64)y * w + x;
     const u8* s = img + 3 * p;

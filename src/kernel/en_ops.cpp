@@ -49,7 +49,8 @@ const char* const OP_NAMES[OP_COUNT] = {
 // One op over every pixel of an image; Code is a constant, so the compiler
 // drops ops_pixel's dispatch from the loop.
 template <int Code>
-void apply_image(const float* a, const u8* src, u8* dst, const u8* lut, int h, int w) {
+void apply_image(const float* a, const u8* __restrict__ src, u8* __restrict__ dst,
+                 const u8* __restrict__ lut, int h, int w) {
     for (int y = 0; y < h; y++)
         for (int x = 0; x < w; x++) ops_pixel(Code, a, src, dst, lut, h, w, y, x);
 }
