@@ -77,13 +77,19 @@ class _Wrapped:
 
 
 class SlowSource(_Wrapped):
-    """Every read takes ``delay`` seconds (makes batches slow enough to kill mid-way)."""
+    """Every read takes ``delay`` seconds (makes batches slow enough to kill mid-way).
 
-    def __init__(self, base, delay):
+    With ``log`` (a path), each read first appends its sample id as a line there, from
+    whichever worker process made it."""
+
+    def __init__(self, base, delay, log=None):
         super().__init__(base)
-        self.delay = delay
+        self.delay, self.log = delay, log
 
     def read(self, i):
+        if self.log is not None:
+            with open(self.log, "a") as f:  # one short append: whole lines, any process
+                f.write(f"{int(i)}\n")
         time.sleep(self.delay)
         return self.base.read(i)
 
