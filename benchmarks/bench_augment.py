@@ -47,7 +47,6 @@ Environment (besides the corpus settings in ``conftest.py``):
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ from pathlib import Path
 import pytest
 
 import echo_native as en
-from benchenv import env_int
+from benchenv import env_int, load_mark, load_since, workers_cpu_seconds
 from echo_native.lab import peers
 
 torch = pytest.importorskip("torch")
@@ -102,64 +101,14 @@ def _augment(rich):
 
 
 
-# ---- CPU accounting ---------------------------------------------------------------------------
-def _proc_table():
-    """{pid: (ppid, utime + stime in ticks)} of every process we can read."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-                table[int(entry)] = (int(rest[1]), int(rest[11]) + int(rest[12]),
-                                     int(rest[13]) + int(rest[14]))
-            except (OSError, IndexError, ValueError):
-                pass
-    return table
-
-
-def _tree(table):
-    """This process and its descendants."""
-    out, todo = set(), [os.getpid()]
-    children = {}
-    for pid, row in table.items():
-        children.setdefault(row[0], []).append(pid)
-    while todo:
-        pid = todo.pop()
-        if pid not in out and pid in table:
-            out.add(pid)
-            todo.extend(children.get(pid, ()))
-    return out
-
-
-def _workers_cpu():
-    """CPU seconds of the live descendants of this process (the pipelines' workers)."""
-    table = _proc_table()
-    return sum(table[p][1] for p in _tree(table) if p != os.getpid()) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds():
-    """CPU seconds of this process and every descendant, reaped ones included."""
-    table = _proc_table()
-    return sum(table[p][1] + table[p][2] for p in _tree(table)) / os.sysconf("SC_CLK_TCK")
-
-
-def _busy_seconds():
-    """CPU seconds the whole machine has spent busy since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def settle(timeout=30.0, window=0.15, quiet=0.03):
     """Until every worker process of this run is idle (used under ``quiet`` CPU-s in a
     ``window``-s window): the pipelines not measured have refilled and sleep."""
     deadline = time.monotonic() + timeout
-    c0 = _workers_cpu()
+    c0 = workers_cpu_seconds()
     while time.monotonic() < deadline:
         time.sleep(window)
-        c1 = _workers_cpu()
+        c1 = workers_cpu_seconds()
         if c1 - c0 < quiet:
             return
         c0 = c1
@@ -272,13 +221,9 @@ def streams(folder):
 @pytest.fixture(scope="module", autouse=True)
 def report():
     """Print the table and save the numbers when the module's benchmark is done."""
-    t0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
+    mark = load_mark()
     yield
-    wall = time.perf_counter() - t0
-    other = max(0.0, (_busy_seconds() - busy0) - (_own_seconds() - own0))
-    _results["_machine"] = {"wall_s": wall, "other_cpu_s": other,
-                            "other_cores_avg": other / wall if wall else 0.0,
-                            "cores": len(os.sched_getaffinity(0))}
+    _results["_machine"] = load_since(mark)
     if "rates" in _results:
         _finish(_results)
 

@@ -62,7 +62,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -71,7 +70,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from benchenv import env_int
+from benchenv import env_int, load_mark, load_since
 from echo_native.lab import peers
 
 torch = pytest.importorskip("torch")
@@ -106,51 +105,12 @@ _results: dict = {}
 
 
 
-def _busy_seconds():
-    """CPU seconds the whole machine has spent busy since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds():
-    """CPU seconds of this process and every descendant, reaped ones included."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def stat(pid):
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-        return int(rest[1]), sum(int(x) for x in rest[11:15])   # ppid, u+s+cu+cs
-
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                table[int(entry)] = stat(entry)
-            except (OSError, IndexError, ValueError):
-                pass
-    total, todo, seen = 0, [os.getpid()], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen or pid not in table:
-            continue
-        seen.add(pid)
-        total += table[pid][1]
-        todo.extend(c for c, (pp, _) in table.items() if pp == pid)
-    return total / tick
-
-
 @pytest.fixture(scope="module", autouse=True)
 def report():
     """Print the ratio table and save the numbers when the module's benchmarks are done."""
-    t0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
+    mark = load_mark()
     yield
-    wall = time.perf_counter() - t0
-    other = max(0.0, (_busy_seconds() - busy0) - (_own_seconds() - own0))
-    _results["_machine"] = {"wall_s": wall, "other_cpu_s": other,
-                            "other_cores_avg": other / wall if wall else 0.0,
-                            "cores": len(os.sched_getaffinity(0))}
+    _results["_machine"] = load_since(mark)
     if len(_results) > 1:
         _finish(_results)
 
