@@ -276,6 +276,9 @@ def split_augment(owner, augment):
         raise TypeError(f"{owner}: augment must be an echo_native.RandomResizedCrop or "
                         f"CenterCrop, or a list that starts with one, got {augment!r} (an "
                         f"output size is image_size=)")
+    if ops and not isinstance(crop, RandomResizedCrop):
+        raise ValueError(f"{owner}: per-example ops follow a RandomResizedCrop (training); "
+                         f"got {crop!r} first")
     for o in ops:
         if not isinstance(o, OPS):
             names = ", ".join(c.__name__ for c in OPS)

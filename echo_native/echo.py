@@ -347,13 +347,14 @@ class AutoEcho:
     DEADBAND = 0.05        # a rate-driven change of e smaller than this share is ignored
     TRACE = 256
 
-    def __init__(self, max_echo=4.0, start=START, headroom=HEADROOM, clock=None):
+    def __init__(self, max_echo=4.0, start=None, headroom=HEADROOM, clock=None):
         if max_echo < 1:
             raise ValueError(f"max_echo must be >= 1, got {max_echo}")
         if headroom < 1:
             raise ValueError(f"headroom must be >= 1, got {headroom}")
         self.max_echo = float(max_echo)
         self.headroom = float(headroom)
+        start = self.START if start is None else start
         self.value = float(min(max(start, 1.0), max_echo))
         self.cap = self.max_echo
         self.t_up = self.t_down = None

@@ -113,10 +113,7 @@ def fold_shorthands(owner, augment, decode, shard, shorthands):
         augment = RandomResizedCrop(**crop)
     if augment is None:
         augment = RandomResizedCrop()
-    if ops:  # a plain Loader: the workers run the ops (EchoRing splits them off first)
-        if not isinstance(augment, RandomResizedCrop):
-            raise ValueError(f"{owner}: per-example ops follow a RandomResizedCrop (training); "
-                             f"got {augment!r} first")
+    if ops:  # a plain Loader (uint8): the workers run the ops; EchoRing splits them off first
         augment = WithOps(augment, Program(ops, augment.size))
     if "strict" in shorthands:
         strict = shorthands.pop("strict")

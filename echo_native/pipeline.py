@@ -112,9 +112,6 @@ class EchoRing:
             raise ValueError("CenterCrop is deterministic: echoing it before augmentation would "
                              "repeat identical images at the cost of a canvas each; use echo=1 "
                              "(evaluation) or Echo(..., placement='after_augment')")
-        if ops and not isinstance(augment, RandomResizedCrop):
-            raise ValueError(f"augment: per-example ops follow a RandomResizedCrop (training); "
-                             f"got {augment!r} first")
         if mix is not None:
             if not isinstance(mix, Mix):
                 raise TypeError(f"mix must be an echo_native.Mix or None, got {mix!r}")
@@ -338,7 +335,7 @@ class EchoRing:
         loader, buf, B = self.loader, self._buffer, self.batch_size
         epoch = self._open_epoch()
         counts = self._example_draws(epoch)  # auto echo: per sample id, for its counts
-        echo_now = self._e()
+        echo_now = self._e()  # auto echo: the e the buffer's counts were made at
         if not self.auto:
             counts = counts_from(counts, self.echo)
         rng = shuffle_rng(self.seed, epoch)
@@ -636,9 +633,9 @@ class EchoRing:
         loader = self.loader
         epoch = self._open_epoch()
         nb = len(loader)
-        counts = echo_draws(self.seed, epoch, nb)
-        if not self.auto:
-            counts = counts_from(counts, self.echo)
+        # auto echo: the draws, for counts at the e of the moment
+        counts = echo_draws(self.seed, epoch, nb) if self.auto else \
+            echo_counts(self.seed, epoch, nb, self.echo)
         rng = shuffle_rng(self.seed, epoch)
         # The window outlives one iteration: leaving the loop early (break, a
         # caught Ctrl-C) and iterating again goes on with the batches it holds.

@@ -27,6 +27,7 @@ fsspec is imported only when a URL is used: local data never needs it.
 """
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import random
@@ -374,6 +375,7 @@ class Prefetcher:
         self._jobs = deque()
         self._ready = threading.Condition(self._lock)
         self._threads = []
+        self._idle = 0             # threads waiting for a job
 
     def hint(self, ids, sizes):
         if self.options.prefetch == 0:
@@ -425,7 +427,8 @@ class Prefetcher:
             self._bytes += size
             self._jobs.append((fut, i))
             self._ready.notify()
-        if self._jobs and len(self._threads) < opts.threads:
+        # One new thread for each job that no idle thread will take, up to the limit.
+        for _ in range(min(opts.threads - len(self._threads), len(self._jobs) - self._idle)):
             t = threading.Thread(target=self._run, name="echo_native-prefetch", daemon=True)
             self._threads.append(t)
             t.start()
@@ -434,7 +437,10 @@ class Prefetcher:
         while True:
             with self._lock:
                 while not self._jobs:
-                    if not self._ready.wait(timeout=30.0) and not self._jobs:
+                    self._idle += 1
+                    woken = self._ready.wait(timeout=30.0)
+                    self._idle -= 1
+                    if not woken and not self._jobs:
                         self._threads.remove(threading.current_thread())
                         return  # idle: a thread comes back with the next job
                 fut, i = self._jobs.popleft()
@@ -495,7 +501,7 @@ class BlockCache:
                 return data
             failed = self._failure(key)
             if failed is not None:
-                raise failed
+                raise copy.copy(failed)  # a new object: the cached one's traceback stays short
             entry = self._flying.get(key)
             mine = entry is None
             if mine:

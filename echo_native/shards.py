@@ -137,7 +137,6 @@ class _Output:
         if self.url:
             self.base = str(out).rstrip("/")
             self.store = _remote.RemoteStore(storage_options, remote)
-            self.tmpdir = tempfile.mkdtemp(prefix="echo_native-shards-")
             fs, path = self.store.filesystem(self.base)
             existing = fs.glob(f"{path}/shard-*.tar") + fs.glob(f"{path}/shard-*.tar.idx")
             if existing and not overwrite:
@@ -145,6 +144,7 @@ class _Output:
                                       f"(pass overwrite=True / --overwrite to replace them)")
             for p in existing:
                 fs.rm_file(p)
+            self.tmpdir = tempfile.mkdtemp(prefix="echo_native-shards-")
         else:
             self.base = os.fspath(_remote.local_path(out))
             os.makedirs(self.base, exist_ok=True)

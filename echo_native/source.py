@@ -51,6 +51,26 @@ def _index_cache_dir(index_cache):
     return os.path.join(base, "echo_native", "index")
 
 
+def _prefetcher_of(src, create):
+    """The calling thread's :class:`~echo_native.remote.Prefetcher` of a remote source
+    (made on first use when ``create``).  Thread workers share one source, and each
+    reads exactly the samples it hinted: one wish list per thread, so that a hint
+    never cancels another thread's reads ahead."""
+    table = src._prefetchers
+    if table is None:
+        if not create:
+            return None
+        with _LAZY:
+            if src._prefetchers is None:
+                src._prefetchers = {}
+            table = src._prefetchers
+    me = threading.get_ident()
+    pf = table.get(me)
+    if pf is None and create:
+        pf = table[me] = _remote.Prefetcher(src._fetch, src._store.options)
+    return pf
+
+
 def _check_max_file_bytes(owner, value):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{owner}: max_file_bytes must be a positive integer, got {value!r}")
@@ -123,7 +143,7 @@ class _Files:
     _paths: _PackedPaths
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     _store = None        # a RemoteStore when some paths are URLs
-    _prefetcher = None   # per process, never pickled
+    _prefetchers = None  # per process and thread, never pickled
 
     def __len__(self):
         return len(self.labels)
@@ -142,7 +162,7 @@ class _Files:
         p = self.path(i)
         if self._store is None or not _remote.is_url(p):
             return read_file(p, self.max_file_bytes)
-        pf = self._prefetcher
+        pf = _prefetcher_of(self, create=False)
         if pf is not None:
             opts = self._store.options
             data = pf.take(i, opts.retry_timeout + opts.request_timeout + 5.0)
@@ -162,16 +182,14 @@ class _Files:
         ids = [int(i) for i in ids if _remote.is_url(self.path(int(i)))]
         if not ids:
             return
-        if self._prefetcher is None:
-            self._prefetcher = _remote.Prefetcher(self._fetch, self._store.options)
         opts = self._store.options
         # Sizes are unknown before the response: each counts as an equal share of the budget.
         share = max(1, opts.prefetch_bytes // max(1, opts.prefetch))
-        self._prefetcher.hint(ids, [share] * len(ids))
+        _prefetcher_of(self, create=True).hint(ids, [share] * len(ids))
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.pop("_prefetcher", None)
+        state.pop("_prefetchers", None)
         return state
 
 
@@ -438,7 +456,7 @@ class TarShards:
         self._keys = _PackedPaths(keys)
         self.labels = np.asarray(labels, np.int64)
         self._files = {}  # shard index -> descriptor, opened on first read in each process
-        self._prefetcher = None  # remote reads ahead, started on first hint in each process
+        self._prefetchers = None  # remote reads ahead, per process and thread, on first hint
         self._blocks = None  # remote blocks cached and read ahead, per process
         self._plans = {}  # shard index -> its blocks, worked out on first use in each process
 
@@ -531,7 +549,7 @@ class TarShards:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_files"] = {}  # open files stay in the process that opened them
-        state["_prefetcher"] = None  # and so do fetch threads (the store drops its connections)
+        state["_prefetchers"] = None  # and so do fetch threads (the store drops its connections)
         state["_blocks"], state["_plans"] = None, {}  # and cached blocks
         return state
 
@@ -605,9 +623,7 @@ class TarShards:
                 and self._size[i] <= self.max_file_bytes]
 
     def _hint_samples(self, ids):
-        if self._prefetcher is None:
-            self._prefetcher = _remote.Prefetcher(self._fetch, self._store.options)
-        self._prefetcher.hint(ids, [int(self._size[i]) for i in ids])
+        _prefetcher_of(self, create=True).hint(ids, [int(self._size[i]) for i in ids])
 
     def _fetch(self, i):
         off, size = int(self._offset[i]), int(self._size[i])
@@ -680,7 +696,7 @@ class TarShards:
                                                   self.describe(i)) from None
                 off = int(self._offset[i]) - start
                 return bytes(memoryview(block)[off:off + int(self._size[i])])
-        pf = self._prefetcher
+        pf = _prefetcher_of(self, create=False)
         if pf is not None:
             data = pf.take(i, wait)
             if data is not None:

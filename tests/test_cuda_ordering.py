@@ -103,7 +103,10 @@ def test_per_example_ops_on_the_stand_in_run_each_emissions_program(gpu, source,
     """augment=[crop, ops]: before augmentation CudaDevice runs each emission's program
     on its stream (histogram, tables, apply per step), ordered: its batches are its
     crop-only batches with the programs of their keys applied, byte for byte; after
-    augmentation the workers ran them, so the bytes equal the CPU backend's."""
+    augmentation the workers ran them, so the bytes equal the CPU backend's.  (The
+    stand-in runs each step through the native executor: this checks the order and
+    the step plumbing; the kernels' own arithmetic, launch by launch, is checked on
+    their host build in tests/test_cuda_kernels.py.)"""
     from echo_native.augment import Program
 
     ops = [en.ColorJitter(0.4, 0.4, 0.4, 0.1), en.TrivialAugmentWide(), en.RandomErasing()]

@@ -225,15 +225,19 @@ def test_auto_echo_rises_when_upstream_is_slow(small):
 @pytest.mark.parametrize("placement", EXAMPLE_PLACEMENTS)
 def test_auto_echo_held_at_e_emits_what_fixed_e_does(small, monkeypatch, placement):
     """Auto and fixed echo share the per-example count draws and never draw counts from
-    the shuffle generator: auto held at its start emits that fixed e's stream, row for row."""
+    the shuffle generator: auto held at a fractional start e emits that fixed e's stream,
+    row for row (which examples get the extra emission included)."""
     streams = {}
-    for echo in (AutoEcho.START, "auto"):
+    for echo in (2.5, "auto"):
         with monkeypatch.context() as m:
+            m.setattr(AutoEcho, "START", 2.5)
             m.setattr(AutoEcho, "_set", lambda self, value, reason: None)  # held at start
             with _ring(small, echo=echo, placement=placement, seed=5) as ring:
                 streams[echo] = [(_flat(b, "ids").tolist(), _flat(b, "echo").tolist())
                                  for b in eh.collect(ring, epochs=2, copy_images=False)]
-    assert streams["auto"] == streams[AutoEcho.START]
+    first = np.bincount(streams[2.5][0][0])  # epoch 0: 2 or 3 emissions per example
+    assert set(first.tolist()) == {2, 3}, "the per-example draws were never consulted"
+    assert streams["auto"] == streams[2.5]
 
 
 def test_auto_echo_rises_for_batch_placement(small):
@@ -253,7 +257,8 @@ def test_auto_echo_stays_near_one_when_upstream_is_fast(small):
     src = _src(small)
     with en.EchoRing(src, batch_size=8, image_size=8, echo="auto", placement="before_augment",
                      workers=2, seed=0) as ring:
-        # auto starts at e = 2: the first buffers' repeats (~40) are spread over 4 epochs
+        # auto starts high (AutoEcho.START): the first buffers' surplus repeats, given
+        # back once the rates are known, are spread over 4 epochs
         eh.collect(ring, epochs=4, step=lambda b: time.sleep(0.05), copy_images=False)
         s = ring.stats()
     assert s["echo_factor"] <= 1.2, s

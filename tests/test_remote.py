@@ -403,7 +403,7 @@ def test_s3_shards_equal_local(bucket_shards, local_shards, s3_server, cache):
     blob = pickle.dumps(tar)
     assert b"S3FileSystem" not in blob and b"Thread" not in blob
     clone = pickle.loads(blob)
-    assert clone._store._fs == {} and clone._prefetcher is None
+    assert clone._store._fs == {} and clone._prefetchers is None
     assert clone.read(N - 1) == loc.read(N - 1)
 
 
