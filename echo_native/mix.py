@@ -10,7 +10,9 @@ depend on workers or timing; every emitted batch draws afresh, an echo included.
 
 The pixels are mixed where the batch lives (NumPy on the host, CuPy on a GPU),
 after normalisation: mixing commutes with the affine normalisation, and a
-normalised batch is float, which a mix needs.
+normalised batch is float, which a mix needs.  A bfloat16 output is normalised
+and mixed in float32 and rounded to bfloat16 once at the end (to nearest even),
+bit for bit what mixing in float32 and then casting gives in torch.
 """
 from __future__ import annotations
 
@@ -55,8 +57,10 @@ class Mix:
     correct_lam : bool, default True
         CutMix: lambda is the area actually kept after clipping the box.
 
-    Needs a float output (``Output(normalize=...)`` with float32 or float16).
-    ``batch.targets`` is then (B, num_classes) float32 on the batch's device.
+    Needs a normalised output (``Output(normalize=...)``), float32, float16 or
+    bfloat16; float32 and float16 batches are mixed in their dtype, bfloat16 ones in
+    float32 and rounded once.  ``batch.targets`` is (B, num_classes) float32 on the
+    batch's device, whatever the dtype.
     """
 
     mixup_alpha: float = 1.0

@@ -72,10 +72,13 @@ class EchoRing:
     mix : Mix, optional
         MixUp / CutMix with soft targets (timm's ``Mixup``), drawn afresh for every
         emitted batch; ``batch.targets`` holds the (B, num_classes) float32 targets.
-        Needs a float ``output``.
+        Needs a normalised ``output``.  With dtype "bfloat16" the batch is
+        normalised and mixed in float32, then rounded to bfloat16 once (what
+        mixing in float32 and casting gives in torch).
     on_batch : callable, optional
         ``on_batch(images, xp, keys)``: your own op on each batch where it lives
-        (after normalisation and ``mix``), ``xp`` its array module (NumPy or
+        (after normalisation and ``mix``; a bfloat16 batch as the
+        :class:`BFloat16Array` delivered), ``xp`` its array module (NumPy or
         CuPy), ``keys`` a host (B, 4) int64 array of (seed, epoch, sample id, echo
         index) per row, the key the crop is drawn from, to derive per-emission
         randomness.  Change ``images`` in place (return None) or return an array
@@ -115,13 +118,13 @@ class EchoRing:
         if mix is not None:
             if not isinstance(mix, Mix):
                 raise TypeError(f"mix must be an echo_native.Mix or None, got {mix!r}")
-            if not output.normalized or output.dtype == "bfloat16":
+            if not output.normalized:
                 raise ValueError("Mix needs float images to mix: give output=Output(normalize="
-                                 "True) with dtype 'float32' or 'float16' (got "
-                                 f"{'uint8' if not output.normalized else output.dtype})")
+                                 "True) (got uint8)")
         if on_batch is not None and not callable(on_batch):
             raise TypeError(f"on_batch must be callable(images, xp, keys), got {on_batch!r}")
         self.mix, self.on_batch = mix, on_batch
+        self._mix_in_float32 = mix is not None and output.dtype == "bfloat16"
         self.spec = echo
         self.augment, self.output = augment, output
         self.auto, self.placement = echo.auto, echo.placement
@@ -612,12 +615,13 @@ class EchoRing:
             buf.source_hw[entries], buf.scale[entries], buf.shape[entries], crop.scale,
             crop.ratio, crop.flip_p)
 
-    def _output(self, kind, shape, dtype=np.uint8):
+    def _output(self, kind, shape, dtype=np.uint8, count=None):
         """The next of the device's rotating output buffers of ``kind`` (its
         ``output_buffers``: two on the host, three on a GPU), ``shape[0]`` rows: a
-        delivered batch stays valid until the batch after next either way."""
+        delivered batch stays valid until the batch after next either way.  Scratch
+        that never reaches the consumer needs only ``count=1``."""
         full = (self.batch_size,) + tuple(shape[1:])
-        count = max(2, int(self.device.output_buffers))
+        count = count or max(2, int(self.device.output_buffers))
         slot = self._outputs.get(kind)
         if slot is None or slot[0][0].shape != full or slot[0][0].dtype != dtype or \
                 len(slot[0]) != count:
@@ -708,9 +712,15 @@ class EchoRing:
             mean, std = out_spec.mean, out_spec.std
             n, h, w, _ = images.shape
             shape = (n, h, w, 3) if out_spec.layout == "NHWC" else (n, 3, h, w)
-            out = self._output("normalized", shape, storage_dtype(out_spec.dtype))
+            if self._mix_in_float32:
+                # NumPy and CuPy cannot mix bfloat16, and mixing rounded pixels would
+                # round twice: mix the float32 batch, round once (_batch_ops).  The
+                # scratch never leaves _finish, so one buffer does.
+                out = self._output("mix scratch", shape, np.float32, count=1)
+            else:
+                out = self._output("normalized", shape, storage_dtype(out_spec.dtype))
             images = self.device.normalize(images, mean, std, out_spec.layout, out)
-            if out_spec.dtype == "bfloat16":
+            if out.dtype == np.uint16:
                 images = BFloat16Array(images, self.device)
         targets = None
         if self.mix is not None or self.on_batch is not None:
@@ -733,6 +743,9 @@ class EchoRing:
             self.device.mix(images, lam, box, self.output.layout)
             targets = self.device.targets(labels, self.num_classes, lam,
                                           self.mix.label_smoothing)
+            if self._mix_in_float32:
+                bits = self._output("normalized", images.shape, np.uint16)
+                images = BFloat16Array(self.device.to_bfloat16(images, bits), self.device)
         if self.on_batch is not None:
             keys = np.empty((len(labels), 4), np.int64)
             keys[:, 0], keys[:, 1] = self.seed, epoch

@@ -538,6 +538,9 @@ def _modules(gpu):
         o = host(out).reshape(v.shape)
         o[...] = v if kind == 0 else v.astype(np.float16) if kind == 1 else bfloat16_bits(v)
 
+    def to_bfloat16(src, count, out):
+        host(out).reshape(-1)[:count] = bfloat16_bits(host(src).reshape(-1)[:count])
+
     # The ops kernels: the stand-in's ops_apply runs its whole step through the native
     # executor (the same kernel source built for the host); the statistics the real
     # ops_histogram and ops_tables pass to it are internal to that step.
@@ -556,6 +559,7 @@ def _modules(gpu):
         host(dst).reshape(img.shape)[...] = img
 
     KERNELS = {"crop_resize": (crop_resize, 8), "normalize": (normalize, 6),
+               "to_bfloat16": (to_bfloat16, 2),
                "ops_histogram": (ops_histogram, 6), "ops_tables": (ops_tables, 7),
                "ops_apply": (ops_apply, 1)}
 
@@ -609,6 +613,12 @@ def _modules(gpu):
         np.copyto(out.view(np.ndarray), host_array)
         return out
 
+    def arange(*args, **kw):  # Mix's soft targets
+        return asarray(np.arange(*args, **kw))
+
+    def full(shape, fill_value, dtype=None):
+        return asarray(np.full(shape, fill_value, dtype))
+
     def ascontiguousarray(a, dtype=None):
         a = asarray(a, dtype)
         return a if a.flags.c_contiguous else a.copy()
@@ -638,6 +648,7 @@ def _modules(gpu):
     cupy.__dict__.update(
         ndarray=ndarray, cuda=cuda, RawModule=RawModule, empty=empty, asarray=asarray,
         array=asarray, ascontiguousarray=ascontiguousarray, take=take, asnumpy=asnumpy,
+        arange=arange, full=full,
         is_available=lambda: True, uint8=np.uint8, uint16=np.uint16, int32=np.int32,
         int64=np.int64, float16=np.float16, float32=np.float32, float64=np.float64,
         __version__="0+fake", _fake_gpu=gpu)

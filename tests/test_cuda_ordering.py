@@ -137,6 +137,33 @@ def test_per_example_ops_on_the_stand_in_run_each_emissions_program(gpu, source,
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("placement", ["after", "batch"])
+def test_bfloat16_mix_on_the_stand_in_is_the_float32_mix_rounded_on_the_device(
+        gpu, source, placement):
+    """Mix with bfloat16 output on CudaDevice: normalised and mixed in float32 on its
+    stream, then rounded once by the ``to_bfloat16`` kernel (one launch per batch):
+    the bits are the float32 run's through bfloat16_bits, the targets the same, every
+    access ordered."""
+    from echo_native.output import bfloat16_bits
+
+    spec = en.Mix(mixup_alpha=1.0, cutmix_alpha=1.0)
+    dev = _device(gpu)
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        with _ring(source, dev, mix=spec, normalize=True, layout="NCHW", dtype=dtype,
+                   **PLACEMENTS[placement]) as ring:
+            runs[dtype] = [(b.images, b.images.get() if dtype == "float32" else
+                            b.images.bits.get(), b.targets.get()) for b in ring]
+    assert gpu.violations == []
+    assert len(runs["float32"]) == len(runs["bfloat16"]) > 0
+    rounds = [name for name, *_ in gpu.launches if name == "to_bfloat16"]
+    assert len(rounds) == len(runs["bfloat16"])
+    for (_, x, t), (images, bits, tb) in zip(runs["float32"], runs["bfloat16"]):
+        assert isinstance(images, BFloat16Array)
+        np.testing.assert_array_equal(bits, bfloat16_bits(x))
+        np.testing.assert_array_equal(tb, t)
+
+
 def test_the_stand_in_finds_an_unordered_read():
     """The checker is not vacuous: a read on a stream that nothing orders after a
     write of the same memory is reported."""

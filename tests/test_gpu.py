@@ -580,3 +580,35 @@ def test_mix_on_the_gpu_matches_the_cpu(source, spec):
         np.testing.assert_allclose(a, b, atol=1e-5)
         np.testing.assert_allclose(ta, tb, atol=1e-6)
         np.testing.assert_allclose(tb.sum(1), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [en.Mix(mixup_alpha=0.4), en.Mix(mixup_alpha=0, cutmix_alpha=1.0)])
+def test_bfloat16_mix_on_the_gpu_is_its_float32_mix_rounded_once(source, spec):
+    """bfloat16 output with a Mix on the GPU: the GPU's own float32 mixed batch rounded
+    on the device (``to_bfloat16``) bit for bit as ``bfloat16_bits`` rounds it; the
+    CPU's bits the same but where the two normalisations (fmaf on the GPU) differ in
+    float32's last bit at a rounding tie, one bfloat16 step; the same targets."""
+    import cupy
+    from echo_native.output import BFloat16Array, bfloat16_bits
+
+    def run(device, dtype):
+        rows = []
+        with en.EchoRing(source, batch_size=16, image_size=64, workers=2, seed=7, echo=2,
+                         placement="after_augment", mix=spec, device=device,
+                         output=en.Output(normalize=True, layout="NCHW", dtype=dtype)) as ring:
+            for b in ring:
+                x = b.images
+                if dtype == "bfloat16":
+                    assert isinstance(x, BFloat16Array)
+                    x = x.bits
+                rows.append((cupy.asnumpy(x), cupy.asnumpy(b.targets)))
+        return rows
+
+    gpu16, gpu32, cpu16 = run("cuda", "bfloat16"), run("cuda", "float32"), run("cpu", "bfloat16")
+    for (g, tg), (f, tf), (c, tc) in zip(gpu16, gpu32, cpu16, strict=True):
+        np.testing.assert_array_equal(g, bfloat16_bits(f))
+        np.testing.assert_array_equal(tg, tf)
+        np.testing.assert_allclose(tg, tc, atol=1e-6)
+        assert (g == c).mean() > 0.99
+        np.testing.assert_allclose(BFloat16Array(g).to_float32(), BFloat16Array(c).to_float32(),
+                                   rtol=2**-7, atol=1e-5)

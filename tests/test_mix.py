@@ -2,7 +2,7 @@
 
 What is checked, against references computed here:
 
-- the spec names its bad values; a uint8 or bfloat16 output is refused;
+- the spec names its bad values; a uint8 output is refused;
 - the draws follow timm's ``Mixup`` (mode "batch"): no mix with probability
   1 - prob, CutMix share = switch_prob, lambda ~ Beta(alpha, alpha) (mean and
   variance), CutMix lambda = the area kept, boxes inside the image,
@@ -11,6 +11,9 @@ What is checked, against references computed here:
 - through a ring: the delivered images are the unmixed batch mixed with its
   reverse (MixUp) or with its reverse's box pasted in (CutMix), in both layouts;
   draws are independent of the worker count and new for every echo;
+- bfloat16 output: the float32 run's mixed batch rounded once to bfloat16 (bit for
+  bit, what torch's cast of it gives), the same targets; ``on_batch`` sees the
+  delivered bfloat16 batch;
 - ``on_batch`` sees NumPy, the per-row keys, may work in place or return an array.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import echo_helpers as eh
 import echo_native as en
 from echo_native.echo import batch_rng
 from echo_native.mix import Mix, mix_params, soft_targets
+from echo_native.output import BFloat16Array, bfloat16_bits
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +62,8 @@ def test_spec_names_bad_values(kw, match):
 def test_ring_refuses_mix_without_float_output(small):
     with pytest.raises(ValueError, match=r"Mix needs float images.*got uint8"):
         eh.small_ring(small, mix=Mix())
-    with pytest.raises(ValueError, match="got bfloat16"):
-        eh.small_ring(small, mix=Mix(), output=en.Output(normalize=True, dtype="bfloat16"))
+    with pytest.raises(ValueError, match=r"Mix needs float images.*got uint8"):
+        eh.small_ring(small, mix=Mix(), output=en.Output(normalize=False))
     with pytest.raises(TypeError, match="mix must be an echo_native.Mix"):
         _ring(small, mix={"mixup_alpha": 1})
     with pytest.raises(TypeError, match="on_batch must be callable"):
@@ -157,6 +161,67 @@ def test_ring_mixes_each_batch_with_its_reverse(small, layout, spec):
         assert t.shape == (len(y), 6) and np.allclose(t.sum(1), 1.0)
     if spec.cutmix_alpha and not spec.mixup_alpha:
         assert cut == len(mixed)
+
+
+BFLOAT16_SPECS = [Mix(mixup_alpha=0.4, cutmix_alpha=0), Mix(mixup_alpha=0, cutmix_alpha=1.0),
+                  Mix(mixup_alpha=1.0, cutmix_alpha=1.0, switch_prob=0.5)]
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("spec", BFLOAT16_SPECS)
+def test_bfloat16_mix_is_the_float32_mix_rounded_once(small, layout, spec):
+    """dtype="bfloat16" with a Mix: normalised and mixed in float32, rounded once, so
+    the bits are the float32 run's (same images, same draws) through bfloat16_bits,
+    and torch gets a bfloat16 tensor equal to its own cast of the float32 batch.  The
+    targets do not depend on the dtype."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        with _ring(small, output=en.Output(normalize=True, layout=layout, dtype=dtype),
+                   mix=spec) as ring:
+            runs[dtype] = _batches(ring)
+    assert len(runs["float32"]) == len(runs["bfloat16"]) > 0
+    kinds = set()
+    for k, (f, b) in enumerate(zip(runs["float32"], runs["bfloat16"])):
+        x, xb = f[0], b[0]
+        assert isinstance(xb, BFloat16Array) and xb.shape == x.shape
+        np.testing.assert_array_equal(xb.bits, bfloat16_bits(x))
+        np.testing.assert_array_equal(f[2], b[2])
+        np.testing.assert_array_equal(b[4], f[4])
+        assert b[4].dtype == np.float32
+        if torch is not None:
+            t = torch.from_dlpack(xb)
+            assert t.dtype == torch.bfloat16 and tuple(t.shape) == x.shape
+            assert torch.equal(t, torch.from_numpy(x).to(torch.bfloat16))
+        kinds.add("cutmix" if mix_params(spec, batch_rng(0, 0, k), 16, 16)[1] else "mixup")
+    assert kinds == ({"mixup"} if not spec.cutmix_alpha else {"cutmix"} if not spec.mixup_alpha
+                     else {"mixup", "cutmix"})
+
+
+def test_bfloat16_mix_on_batch_sees_the_delivered_batch(small):
+    """on_batch after a bfloat16 Mix gets the rounded BFloat16Array that is delivered,
+    as it does for bfloat16 without a Mix; what it writes in place is delivered."""
+    seen = []
+
+    def op(images, xp, keys):
+        assert isinstance(images, BFloat16Array) and xp is np
+        seen.append(images.bits.copy())
+        images.bits[:, 0] = 0
+
+    out = en.Output(normalize=True, dtype="bfloat16")
+    with _ring(small, output=out, mix=BFLOAT16_SPECS[0]) as ring:
+        plain = _batches(ring)
+    with _ring(small, output=out, mix=BFLOAT16_SPECS[0], on_batch=op) as ring:
+        hooked = _batches(ring)
+    assert len(seen) == len(plain) == len(hooked)
+    for bits, p, h in zip(seen, plain, hooked):
+        np.testing.assert_array_equal(bits, p[0].bits)
+        want = p[0].bits.copy()
+        want[:, 0] = 0
+        np.testing.assert_array_equal(h[0].bits, want)
 
 
 def test_ring_mix_is_independent_of_workers_and_new_for_each_echo(small):

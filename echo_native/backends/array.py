@@ -215,6 +215,12 @@ class ArrayDevice:
             out[...] = src * scale + shift
         return out
 
+    def to_bfloat16(self, values, out):
+        """float32 ``values`` rounded to bfloat16 (to nearest even, as ``normalize``
+        rounds) into ``out``, their bits in a uint16 array of the same shape."""
+        out[...] = bfloat16_bits(values)
+        return out
+
 
 class SlotReturns:
     """Ring slots waiting for the copies out of them before going back to the workers.

@@ -11,7 +11,8 @@ running on CuPy.  What is here cannot be written against an array module:
   the workers (FFCV's slot/stream/event pattern), so the host never waits for
   a copy it has just queued;
 - re-augmentation of canvases and normalisation are one raw kernel launch
-  each per batch, a per-image augmentation program three at most per step
+  each per batch (bfloat16 output with a Mix: one more, rounding the batch
+  mixed in float32), a per-image augmentation program three at most per step
   (``kernels.cu``);
 - streams are ordered both ways: a consumer sees a batch only after our work
   on it (``ready`` for the current streams; every export of a batch,
@@ -91,6 +92,11 @@ def normalize_launch(pixels):
     return check_launch(((pixels + THREADS - 1) // THREADS,), (THREADS,))
 
 
+def to_bfloat16_launch(count):
+    """(grid, block) of ``to_bfloat16``: a thread per value."""
+    return check_launch(((count + THREADS - 1) // THREADS,), (THREADS,))
+
+
 def ops_pixel_launch(n, h, w):
     """(grid, block) of ``ops_histogram`` and ``ops_apply``: a thread per pixel of the
     batch."""
@@ -149,6 +155,7 @@ class CudaDevice(ArrayDevice):
             module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
             self._crop_resize = module.get_function("crop_resize")
             self._normalize = module.get_function("normalize")
+            self._to_bfloat16 = module.get_function("to_bfloat16")
             self._ops_histogram = module.get_function("ops_histogram")
             self._ops_tables = module.get_function("ops_tables")
             self._ops_apply = module.get_function("ops_apply")
@@ -311,6 +318,14 @@ class CudaDevice(ArrayDevice):
             self._normalize(grid, block, (src, np.int64(n * h * w), np.int32(h * w),
                                           np.int32(layout == "NCHW"), cp.asarray(coef),
                                           np.int32(NORMALIZE_KIND[output_dtype(out)]), out))
+        return out
+
+    def to_bfloat16(self, values, out):
+        count = values.size
+        with self.device, self.stream:
+            grid, block = to_bfloat16_launch(count)
+            self._to_bfloat16(grid, block, (self.cupy.ascontiguousarray(values),
+                                            np.int64(count), out))
         return out
 
     def crop_resize(self, buffer, entries, boxes, flips, out):

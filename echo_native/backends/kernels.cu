@@ -119,6 +119,15 @@ __device__ __forceinline__ u16 bfloat16_bits(float f) {
     return (u16)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+// float32 -> bfloat16 bits, `count` values, one thread each: the last step of a
+// batch mixed in float32 for bfloat16 output (the pipeline's Mix), rounded as
+// normalize rounds its kind 2.
+extern "C" __global__ void to_bfloat16(const float* __restrict__ src, i64 count,
+                                       u16* __restrict__ out) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) out[i] = bfloat16_bits(src[i]);
+}
+
 // (x / 255 - mean) / std in one pass: x * scale[c] + shift[c] with one
 // rounding (fmaf), written NHWC or NCHW as float32 (kind 0), float16 (1) or
 // bfloat16 (2).  One thread per pixel of the (n, hw) NHWC uint8 input.
