@@ -476,3 +476,39 @@ def test_echoes_of_a_sample_get_different_crops(images):
     data = images.sample("progressive-4:2:0").data
     boxes = {en.decode_random_crop(data, (32, 32), 1, 0, 42, e)[1] for e in range(8)}
     assert len(boxes) == 8
+
+
+def test_stage_profile_counts_crop_calls_and_their_time(images):
+    """Decoder.profile/stages: off by default (no calls counted), on it counts each crop
+    entry point once and charges every stage a share of time that adds up to no more
+    than the calls' own wall time; turning it on again starts from zero; the pixels
+    are the same with and without profiling."""
+    import time
+
+    data = images.sample("baseline-4:2:0").data
+    dec = _kernel.Decoder()
+    out, ref = np.empty((96, 128, 3), np.uint8), np.empty((96, 128, 3), np.uint8)
+    box = (20.5, 30, 200, 301.25)
+    dec.decode_crop(data, box, (96, 128), False, ref)
+    assert dec.stages()["calls"] == 0
+    dec.profile(True)
+    t0 = time.perf_counter_ns()
+    for k in range(5):
+        dec.decode_crop(data, box, (96, 128), False, out)
+        dec.decode_random_crop(data, (96, 128), 0, 0, k, 0, (0.08, 1.0), (0.75, 4 / 3), 0.5,
+                               np.empty((96, 128, 3), np.uint8))
+    wall = (time.perf_counter_ns() - t0) * 1e-9
+    st = dec.stages()
+    np.testing.assert_array_equal(out, ref)
+    assert st["calls"] == 10
+    spent = {k: v for k, v in st.items() if k != "calls"}
+    assert set(spent) == {"header", "start", "skip", "rows", "tail", "hpass", "vpass",
+                          "finish"}
+    assert all(v >= 0 for v in spent.values())
+    assert spent["rows"] > 0 and spent["hpass"] > 0 and spent["vpass"] > 0
+    assert 0 < sum(spent.values()) <= wall
+    dec.profile(False)
+    dec.decode_crop(data, box, (96, 128), False, out)
+    assert dec.stages() == st
+    dec.profile(True)
+    assert dec.stages()["calls"] == 0

@@ -3,6 +3,9 @@
  * at a DCT scale, written the plainest way, with no resize, flip or colour
  * work of ours.  Kept apart from the kernel on purpose, so the benchmark
  * compares the kernel against libjpeg-turbo and not against itself.
+ *
+ * The variants split libjpeg-turbo's own time into stages for the kernel's
+ * profile (see roi_ceiling.h).
  */
 #include "roi_ceiling.h"
 
@@ -21,11 +24,14 @@ static void jump_exit(j_common_ptr c) { longjmp(((struct jump_err *)c->err)->jum
 static void quiet(j_common_ptr c, int level) { (void)c; (void)level; }
 
 int roi_decode_only(const unsigned char *data, unsigned long len, int top, int left, int height,
-                    int width, int denom, unsigned char *scratch, unsigned long scratch_cap) {
+                    int width, int denom, int mode, unsigned char *scratch,
+                    unsigned long scratch_cap) {
     struct jpeg_decompress_struct ci;
     struct jump_err err;
     ci.err = jpeg_std_error(&err.pub);
     err.pub.error_exit = jump_exit;
+    /* Quiet, but counted: the finishing variant refuses what libjpeg warns about,
+     * as any decoder that reports corrupt files must. */
     err.pub.emit_message = quiet;
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&ci);
@@ -34,7 +40,9 @@ int roi_decode_only(const unsigned char *data, unsigned long len, int top, int l
     jpeg_create_decompress(&ci);
     jpeg_mem_src(&ci, data, len);
     jpeg_read_header(&ci, TRUE);
-    ci.out_color_space = JCS_RGB;
+    /* libjpeg turns grayscale into RGB but not into YCbCr: leave those as RGB. */
+    const int ycc = mode == ROI_YCC && ci.jpeg_color_space == JCS_YCbCr;
+    ci.out_color_space = ycc ? JCS_YCbCr : JCS_RGB;
     ci.scale_num = 1;
     ci.scale_denom = (unsigned)denom;
     jpeg_start_decompress(&ci);
@@ -43,14 +51,26 @@ int roi_decode_only(const unsigned char *data, unsigned long len, int top, int l
     jpeg_crop_scanline(&ci, &x0, &w);
     int y0 = top / denom, rows = (height + denom - 1) / denom;
     if (y0 + rows > (int)ci.output_height) rows = (int)ci.output_height - y0;
-    if ((unsigned long)ci.output_width * 3 > scratch_cap) {
+    if ((unsigned long)ci.output_width * ci.output_components > scratch_cap) {
         jpeg_destroy_decompress(&ci);
         return -2;
     }
     if (y0) jpeg_skip_scanlines(&ci, (JDIMENSION)y0);
-    for (int y = 0; y < rows; y++) {
-        JSAMPROW row = scratch; /* one row reused: we measure decoding, not storing */
-        jpeg_read_scanlines(&ci, &row, 1);
+    if (mode == ROI_ENTROPY) {
+        jpeg_skip_scanlines(&ci, (JDIMENSION)rows);
+    } else {
+        for (int y = 0; y < rows; y++) {
+            JSAMPROW row = scratch; /* one row reused: we measure decoding, not storing */
+            jpeg_read_scanlines(&ci, &row, 1);
+        }
+    }
+    if (mode == ROI_FINISH) {
+        /* What a decoder that checks the whole file does (TurboJPEG's cropping
+         * decode): entropy-decode the rows below the crop, then read to EOI. */
+        if (ci.output_scanline < ci.output_height)
+            jpeg_skip_scanlines(&ci, ci.output_height - ci.output_scanline);
+        jpeg_finish_decompress(&ci);
+        if (err.pub.num_warnings) rows = -3;
     }
     jpeg_destroy_decompress(&ci);
     return rows;

@@ -44,6 +44,11 @@ cdef extern from "en_kernel.h" nogil:
     int en_decoder_harmless_warnings(const en_decoder *d)
     uint64_t en_decoder_last_memory(const en_decoder *d)
     int en_decoder_last_scale(const en_decoder *d)
+    ctypedef struct en_profile:
+        uint64_t calls, header_ns, start_ns, skip_ns, rows_ns, tail_ns, hpass_ns, vpass_ns
+        uint64_t finish_ns
+    void en_decoder_profile(en_decoder *d, int on)
+    en_profile en_decoder_get_profile(const en_decoder *d)
     int en_jpeg_info(en_decoder *d, const uint8_t *data, size_t length, en_image_info *info)
     int en_jpeg_decode(en_decoder *d, const uint8_t *data, size_t length, uint8_t *out,
                        size_t out_cap, size_t stride)
@@ -211,6 +216,30 @@ cdef class Decoder:
         """Working memory (bytes) the last header parsed needs, as max_memory counts it:
         the coefficient buffers of a multi-scan file plus width * height * 3."""
         return en_decoder_last_memory(self._d)
+
+    def profile(self, on=True):
+        """Start (zeroing the counters) or stop (keeping them) timing the crop calls;
+        see :meth:`stages`.  Costs two clock reads per stage while on."""
+        en_decoder_profile(self._d, 1 if on else 0)
+
+    def stages(self):
+        """Seconds spent per stage by the crop calls (decode_crop, decode_random_crop,
+        decode_center_crop) since :meth:`profile` turned timing on, and ``calls``:
+
+        header   header, table and limit checks, the box and its DCT scale
+        start    ``jpeg_start_decompress``: all of a multi-scan file's entropy decode
+        skip     skipping to the crop's first row (entropy decode only)
+        rows     the crop's rows: entropy decode, IDCT, chroma upsampling, colour
+        tail     strict mode's look at the bytes below the crop
+        hpass    horizontal resampling pass (the flip is folded in)
+        vpass    vertical resampling pass, written straight into the output
+        finish   releasing libjpeg's state
+        """
+        cdef en_profile p = en_decoder_get_profile(self._d)
+        return {"calls": p.calls, "header": p.header_ns * 1e-9, "start": p.start_ns * 1e-9,
+                "skip": p.skip_ns * 1e-9, "rows": p.rows_ns * 1e-9, "tail": p.tail_ns * 1e-9,
+                "hpass": p.hpass_ns * 1e-9, "vpass": p.vpass_ns * 1e-9,
+                "finish": p.finish_ns * 1e-9}
 
     def info(self, const uint8_t[::1] data not None):
         """(height, width, components, progressive) from the JPEG header."""

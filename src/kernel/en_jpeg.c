@@ -7,6 +7,7 @@
  * libjpeg; each such function sets its own jump point, so the jump never
  * crosses a frame that is not ours (in particular, never a Cython frame).
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include "en_kernel.h"
 #include "en_resize.h"
 
@@ -16,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <jpeglib.h>
 #include <jerror.h> /* message codes, to name unsupported variants */
@@ -35,6 +37,9 @@ struct en_decoder {
     en_resampler rs;
     en_buf region;     /* decoded RGB pixels of the region of interest */
     en_buf rowbuf;     /* CMYK scanlines before conversion */
+    int profiling;
+    uint64_t mark_ns;  /* end of the last stage timed */
+    en_profile prof;
     char errmsg[JMSG_LENGTH_MAX + 256];
 };
 
@@ -223,6 +228,27 @@ void en_decoder_free(en_decoder *d) {
 }
 
 void en_decoder_set_limits(en_decoder *d, en_limits limits) { d->limits = limits; }
+
+void en_decoder_profile(en_decoder *d, int on) {
+    if (on) memset(&d->prof, 0, sizeof d->prof); /* off keeps the counts for reading */
+    d->profiling = on;
+}
+
+en_profile en_decoder_get_profile(const en_decoder *d) { return d->prof; }
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Charge the time since the previous mark to one stage's counter. */
+static inline void stage(en_decoder *d, uint64_t *counter) {
+    if (!d->profiling) return;
+    const uint64_t t = now_ns();
+    *counter += t - d->mark_ns;
+    d->mark_ns = t;
+}
 en_limits en_decoder_get_limits(const en_decoder *d) { return d->limits; }
 const char *en_decoder_errmsg(const en_decoder *d) { return d->errmsg; }
 int en_decoder_warnings(const en_decoder *d) { return d->warnings; }
@@ -280,6 +306,7 @@ static void check_memory(en_decoder *d) {
 }
 
 static void begin(en_decoder *d, const uint8_t *data, size_t len) {
+    if (d->profiling) d->mark_ns = now_ns();
     d->status = EN_OK;
     d->warnings = 0;
     d->harmless = 0;
@@ -419,6 +446,7 @@ static uint8_t *decode_region(en_decoder *d, int denom, int x0, int x1, int y0, 
     ci->scale_denom = (unsigned)denom;
     d->last_scale = denom;
     jpeg_start_decompress(ci);
+    stage(d, &d->prof.start_ns);
     JDIMENSION xoff = (JDIMENSION)x0, width = (JDIMENSION)(x1 - x0);
     if (xoff > 0 || width < ci->output_width) jpeg_crop_scanline(ci, &xoff, &width);
     *rx0 = (int)xoff;
@@ -428,7 +456,9 @@ static uint8_t *decode_region(en_decoder *d, int denom, int x0, int x1, int y0, 
         fail(d, EN_ERR_NOMEM, "out of memory for a %ux%d region", ci->output_width, y1 - y0);
     if (y0 > 0 && jpeg_skip_scanlines(ci, (JDIMENSION)y0) != (JDIMENSION)y0)
         fail(d, EN_ERR_DECODE, "JPEG data ended before row %d", y0);
+    stage(d, &d->prof.skip_ns);
     read_rows(d, d->region.p, *rstride, y1 - y0);
+    stage(d, &d->prof.rows_ns);
     return d->region.p;
 }
 
@@ -541,6 +571,7 @@ static void crop_resize(en_decoder *d, en_box box, int out_h, int out_w, int fli
     if (en_plan_axis(&d->rs, 1, box.left / denom, (box.left + box.width) / denom, sw, out_w, &ax) ||
         en_plan_axis(&d->rs, 0, box.top / denom, (box.top + box.height) / denom, sh, out_h, &ay))
         fail(d, EN_ERR_NOMEM, "cannot plan a resize to %dx%d", out_h, out_w);
+    stage(d, &d->prof.header_ns);
     int rx0;
     size_t rstride;
     /* Fancy chroma upsampling treats the first and last column of a
@@ -554,10 +585,16 @@ static void crop_resize(en_decoder *d, en_box box, int out_h, int out_w, int fli
     const int x1 = ax.hi + EN_CROP_MARGIN < sw ? ax.hi + EN_CROP_MARGIN : sw;
     const uint8_t *region = decode_region(d, denom, x0, x1, ay.lo, ay.hi, &rx0, &rstride);
     check_tail(d); /* before writing out: a refused file leaves it untouched */
-    if (en_resample(&d->rs, region, rstride, rx0, ay.lo, &ax, &ay, flip, 1, out, stride))
+    stage(d, &d->prof.tail_ns);
+    if (en_resample_h(&d->rs, region, rstride, rx0, ay.lo, &ax, &ay, flip, 1))
         fail(d, EN_ERR_NOMEM, "out of memory resizing to %dx%d", out_h, out_w);
+    stage(d, &d->prof.hpass_ns);
+    en_resample_v(&d->rs, &ax, &ay, out, stride);
+    stage(d, &d->prof.vpass_ns);
     /* The rows below the crop are never decoded: abort instead of finishing. */
     jpeg_abort_decompress(ci);
+    stage(d, &d->prof.finish_ns);
+    d->prof.calls += d->profiling;
 }
 
 int en_jpeg_decode_crop(en_decoder *d, const uint8_t *data, size_t len, en_box box, int out_h,

@@ -71,6 +71,24 @@ int en_decoder_last_scale(const en_decoder *d); /* DCT denominator used by the l
  * every entry point, before anything is allocated. */
 uint64_t en_decoder_last_memory(const en_decoder *d);
 
+/* Where the time of the crop entry points goes (decode_crop, decode_random_crop,
+ * decode_center_crop), summed over calls while profiling is on; for
+ * benchmarks.  Off (the default), each stage costs one untaken branch. */
+typedef struct en_profile {
+    uint64_t calls;
+    uint64_t header_ns; /* header, table and limit checks, the box and its DCT scale */
+    uint64_t start_ns;  /* jpeg_start_decompress: all of a multi-scan file's entropy decode */
+    uint64_t skip_ns;   /* jpeg_skip_scanlines to the crop's first row (entropy decode only) */
+    uint64_t rows_ns;   /* the crop's rows: entropy decode, IDCT, upsampling, colour */
+    uint64_t tail_ns;   /* strict mode's look at the bytes below the crop */
+    uint64_t hpass_ns;  /* horizontal resampling pass, the flip folded in */
+    uint64_t vpass_ns;  /* vertical resampling pass, straight into the output */
+    uint64_t finish_ns; /* releasing libjpeg's state for the next image */
+} en_profile;
+
+void en_decoder_profile(en_decoder *d, int on); /* on: zero and start; off: stop, keep */
+en_profile en_decoder_get_profile(const en_decoder *d);
+
 /* Header only: dimensions, channel count, coding process. */
 int en_jpeg_info(en_decoder *d, const uint8_t *data, size_t len, en_image_info *info);
 

@@ -227,9 +227,8 @@ static int have_avx2(void) {
 }
 #endif
 
-int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0, int src_y0,
-                const en_axis *x, const en_axis *y, int flip, int src_slack, uint8_t *out,
-                size_t stride) {
+int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
+                  int src_y0, const en_axis *x, const en_axis *y, int flip, int src_slack) {
     const int rows = y->hi - y->lo;
     const size_t row_bytes = (size_t)x->out_size * 3;
     if (en_buf_reserve(&r->tmp, row_bytes * rows)) return -1;
@@ -237,8 +236,7 @@ int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_
     const uint8_t *first = src + (size_t)(y->lo - src_y0) * src_stride;
     int done = 0;
 #ifdef EN_HAVE_AVX2
-    const int simd = have_avx2();
-    if (simd) {
+    if (have_avx2()) {
         /* The 4-row kernel over-reads one byte after a pixel: fine on every row
          * but the last one of a buffer without slack, which the scalar loop takes. */
         const int safe_rows = src_slack ? rows : rows - 1;
@@ -249,6 +247,16 @@ int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_
 #endif
     horizontal_rows(first + (size_t)done * src_stride, src_stride, src_x0, rows - done, x, flip,
                     tmp + (size_t)done * row_bytes);
+    return 0;
+}
+
+void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, uint8_t *out,
+                   size_t stride) {
+    const size_t row_bytes = (size_t)x->out_size * 3;
+    const uint8_t *tmp = r->tmp.p;
+#ifdef EN_HAVE_AVX2
+    const int simd = have_avx2();
+#endif
     for (int j = 0; j < y->out_size; j++) {
         const uint8_t *base = tmp + (size_t)(y->first[j] - y->lo) * row_bytes;
         const int32_t *c = y->coeffs + (size_t)j * y->ksize;
@@ -261,5 +269,12 @@ int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_
 #endif
         vertical_row(base, row_bytes, row_bytes, y->count[j], c, o);
     }
+}
+
+int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0, int src_y0,
+                const en_axis *x, const en_axis *y, int flip, int src_slack, uint8_t *out,
+                size_t stride) {
+    if (en_resample_h(r, src, src_stride, src_x0, src_y0, x, y, flip, src_slack)) return -1;
+    en_resample_v(r, x, y, out, stride);
     return 0;
 }

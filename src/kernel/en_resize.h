@@ -44,4 +44,11 @@ int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_
                 const en_axis *x, const en_axis *y, int flip, int src_slack, uint8_t *out,
                 size_t stride);
 
+/* The same two passes one at a time (the kernel times them apart): the
+ * horizontal pass into r->tmp, then the vertical pass from it. */
+int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
+                  int src_y0, const en_axis *x, const en_axis *y, int flip, int src_slack);
+void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, uint8_t *out,
+                   size_t stride);
+
 #endif
