@@ -451,7 +451,7 @@ static uint8_t *decode_region(en_decoder *d, int denom, int x0, int x1, int y0, 
     if (xoff > 0 || width < ci->output_width) jpeg_crop_scanline(ci, &xoff, &width);
     *rx0 = (int)xoff;
     *rstride = (size_t)ci->output_width * 3;
-    /* 16 spare bytes: the SIMD resampler may read one byte past the last pixel. */
+    /* 16 spare bytes: the SIMD resampler reads up to 16 bytes past the last row. */
     if (en_buf_reserve(&d->region, *rstride * (size_t)(y1 - y0) + 16))
         fail(d, EN_ERR_NOMEM, "out of memory for a %ux%d region", ci->output_width, y1 - y0);
     if (y0 > 0 && jpeg_skip_scanlines(ci, (JDIMENSION)y0) != (JDIMENSION)y0)
@@ -586,7 +586,7 @@ static void crop_resize(en_decoder *d, en_box box, int out_h, int out_w, int fli
     const uint8_t *region = decode_region(d, denom, x0, x1, ay.lo, ay.hi, &rx0, &rstride);
     check_tail(d); /* before writing out: a refused file leaves it untouched */
     stage(d, &d->prof.tail_ns);
-    if (en_resample_h(&d->rs, region, rstride, rx0, ay.lo, &ax, &ay, flip, 1))
+    if (en_resample_h(&d->rs, region, rstride, rx0, ay.lo, &ax, &ay, flip, 16))
         fail(d, EN_ERR_NOMEM, "out of memory resizing to %dx%d", out_h, out_w);
     stage(d, &d->prof.hpass_ns);
     en_resample_v(&d->rs, &ax, &ay, out, stride);
@@ -677,7 +677,7 @@ int en_jpeg_decode_canvas(en_decoder *d, const uint8_t *data, size_t len, int mi
     en_axis ax, ay;
     if (en_plan_axis(&d->rs, 1, 0.0, rw, rw, canvas->width, &ax) ||
         en_plan_axis(&d->rs, 0, 0.0, rh, rh, canvas->height, &ay) ||
-        en_resample(&d->rs, d->region.p, (size_t)rw * 3, 0, 0, &ax, &ay, 0, 1, out,
+        en_resample(&d->rs, d->region.p, (size_t)rw * 3, 0, 0, &ax, &ay, 0, 16, out,
                     (size_t)canvas->width * 3))
         fail(d, EN_ERR_NOMEM, "out of memory shrinking a %dx%d canvas", rh, rw);
     return EN_OK;
@@ -697,7 +697,10 @@ int en_resize_rgb(en_decoder *d, const uint8_t *src, int h, int w, size_t src_st
     en_axis ax, ay;
     if (en_plan_axis(&d->rs, 1, box.left, box.left + box.width, w, out_w, &ax) ||
         en_plan_axis(&d->rs, 0, box.top, box.top + box.height, h, out_h, &ay) ||
-        en_resample(&d->rs, src, src_stride, 0, 0, &ax, &ay, flip, ay.hi < h, out, stride)) {
+        en_resample(&d->rs, src, src_stride, 0, 0, &ax, &ay, flip,
+                    /* bytes after the last row the filter reads, to the buffer's end */
+                    ay.hi < h ? (size_t)(h - ay.hi - 1) * src_stride + (size_t)w * 3 : 0, out,
+                    stride)) {
         snprintf(d->errmsg, sizeof d->errmsg, "out of memory resizing to %dx%d", out_h, out_w);
         return EN_ERR_NOMEM;
     }

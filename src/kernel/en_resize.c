@@ -47,6 +47,7 @@ void en_resampler_free(en_resampler *r) {
     en_buf_free(&r->ycount);
     en_buf_free(&r->ycoef);
     en_buf_free(&r->tmp);
+    en_buf_free(&r->xpairs);
 }
 
 static inline double triangle(double x) {
@@ -156,39 +157,132 @@ static inline uint32_t load4(const uint8_t *p) {
     return v;
 }
 
-/* Four rows at a time: every tap loads one RGB pixel (plus the next byte,
- * whose lane is discarded) from each row, widened to 32-bit lanes, two rows
- * per 256-bit register, so each tap is two multiplies for 12 channels.  Reads
- * one byte past a pixel: the caller guarantees that byte is addressable. */
-__attribute__((target("avx2"))) static void horizontal_rows4_avx2(
-    const uint8_t *src, size_t src_stride, int src_x0, const en_axis *x, int flip, uint8_t *tmp) {
-    const int out_w = x->out_size, ksize = x->ksize;
-    const size_t tstride = (size_t)out_w * 3;
-    const __m256i half = _mm256_set1_epi32(1 << (PRECISION_BITS - 1));
-    for (int i = 0; i < out_w; i++) {
-        const int32_t *c = x->coeffs + (size_t)i * ksize;
-        const uint8_t *p = src + (size_t)(x->first[i] - src_x0) * 3;
-        __m256i a01 = half, a23 = half;
-        for (int k = 0; k < x->count[i]; k++, p += 3) {
-            const __m256i ck = _mm256_set1_epi32(c[k]);
-            __m128i v01 = _mm_insert_epi32(_mm_cvtsi32_si128((int)load4(p)),
-                                           (int)load4(p + src_stride), 1);
-            __m128i v23 = _mm_insert_epi32(_mm_cvtsi32_si128((int)load4(p + 2 * src_stride)),
-                                           (int)load4(p + 3 * src_stride), 1);
-            a01 = _mm256_add_epi32(a01, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(v01), ck));
-            a23 = _mm256_add_epi32(a23, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(v23), ck));
+/* The horizontal pass as 16-bit multiply-adds, bit-exact with the scalar code.
+ * A 22-bit weight c does not fit a 16-bit lane, but its halves do: with
+ * c = hi * 2^11 + lo (0 <= hi <= 2^11, 0 <= lo < 2^11), sum(p * c) =
+ * 2^11 * sum(p * hi) + sum(p * lo), each sum exact in 32 bits.  Taps go in
+ * pairs: one unaligned load per row brings two neighbouring RGB pixels, one
+ * in-lane shuffle spreads them into (R0 R1 G0 G1 B0 B1 0 0) words, and
+ * vpmaddwd against (hi0 hi1) and (lo0 lo1) adds both taps of all three
+ * channels at once.  The shuffles are the only port-5 work (one per pair and
+ * two rows), which is what limited the older one-tap-at-a-time kernel.
+ *
+ * Pairs are packed per output pixel by pack_pairs: npairs words of hi halves,
+ * then npairs of lo halves, (second << 16) | first, zero past `count`. */
+static int pair_count(const en_axis *x) { return (x->ksize + 1) / 2; }
+
+static int pack_pairs(en_buf *buf, const en_axis *x) {
+    const int np = pair_count(x);
+    if (en_buf_reserve(buf, sizeof(uint32_t) * 2 * (size_t)np * x->out_size)) return -1;
+    uint32_t *w = buf->p;
+    for (int i = 0; i < x->out_size; i++, w += 2 * np) {
+        const int32_t *c = x->coeffs + (size_t)i * x->ksize;
+        for (int j = 0; j < np; j++) {
+            const int k = 2 * j, n = x->count[i];
+            const uint32_t c0 = k < n ? (uint32_t)c[k] : 0, c1 = k + 1 < n ? (uint32_t)c[k + 1] : 0;
+            w[j] = (c0 >> 11) | (c1 >> 11) << 16;
+            w[np + j] = (c0 & 2047u) | (c1 & 2047u) << 16;
         }
-        a01 = _mm256_srai_epi32(a01, PRECISION_BITS);
-        a23 = _mm256_srai_epi32(a23, PRECISION_BITS);
-        /* packs/packus saturate to [0, 255], the same clamp as clip8.  Per
-         * 128-bit lane: low = rows 0 and 2, high = rows 1 and 3. */
-        __m256i p16 = _mm256_packs_epi32(a01, a23);
-        __m256i p8 = _mm256_packus_epi16(p16, p16);
-        __m128i lo = _mm256_castsi256_si128(p8), hi = _mm256_extracti128_si256(p8, 1);
-        uint32_t px[4] = {(uint32_t)_mm_cvtsi128_si32(lo), (uint32_t)_mm_cvtsi128_si32(hi),
-                          (uint32_t)_mm_extract_epi32(lo, 1), (uint32_t)_mm_extract_epi32(hi, 1)};
+    }
+    return 0;
+}
+
+/* Up to four rows (nrows 1..4; missing rows repeat the last and are not
+ * stored).  A pair's load reads 16 bytes from its first pixel: at most 13
+ * bytes past the last pixel of the row that the filter uses, so the caller
+ * guarantees 16 addressable bytes after the end of the last row. */
+/* Output pixel i of four rows: (R G B 0) int32 per 128-bit lane, already
+ * shifted down; lanes: a[0] = rows 0 | 1, a[1] = rows 2 | 3. */
+__attribute__((target("avx2"))) static inline void madd_pixel(
+    const uint8_t *src, const size_t s[4], int src_x0, const en_axis *x, const uint32_t *pairs,
+    int np, int i, __m256i spread, __m256i a[2]) {
+    const uint32_t *ph = pairs + (size_t)i * 2 * np, *pl = ph + np;
+    const uint8_t *p = src + (size_t)(x->first[i] - src_x0) * 3;
+    __m256i h01 = _mm256_setzero_si256(), l01 = h01, h23 = h01, l23 = h01;
+    for (int j = 0, n = (x->count[i] + 1) >> 1; j < n; j++, p += 6) {
+        const __m256i ch = _mm256_set1_epi32((int)ph[j]), cl = _mm256_set1_epi32((int)pl[j]);
+        const __m256i v01 = _mm256_shuffle_epi8(
+            _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const void *)p)),
+                                    _mm_loadu_si128((const void *)(p + s[1])), 1),
+            spread);
+        const __m256i v23 = _mm256_shuffle_epi8(
+            _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const void *)(p + s[2]))),
+                _mm_loadu_si128((const void *)(p + s[3])), 1),
+            spread);
+        h01 = _mm256_add_epi32(h01, _mm256_madd_epi16(v01, ch));
+        l01 = _mm256_add_epi32(l01, _mm256_madd_epi16(v01, cl));
+        h23 = _mm256_add_epi32(h23, _mm256_madd_epi16(v23, ch));
+        l23 = _mm256_add_epi32(l23, _mm256_madd_epi16(v23, cl));
+    }
+    const __m256i half = _mm256_set1_epi32(1 << (PRECISION_BITS - 1));
+    a[0] = _mm256_srai_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h01, 11), l01), half), PRECISION_BITS);
+    a[1] = _mm256_srai_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h23, 11), l23), half), PRECISION_BITS);
+}
+
+/* 12 bytes of one 128-bit lane to dst (an 8-byte and a 4-byte store: never
+ * past the 4 pixels, which may end a row or abut pixels written already). */
+__attribute__((target("avx2"))) static inline void store12(uint8_t *dst, __m128i v) {
+    _mm_storel_epi64((__m128i *)dst, v);
+    const uint32_t last = (uint32_t)_mm_extract_epi32(v, 2);
+    memcpy(dst + 8, &last, 4);
+}
+
+/* Up to four rows (nrows 1..4; missing rows repeat the last and are not
+ * stored), four output pixels per step: the accumulators of pixels
+ * i..i+3 are packed together (packs/packus saturate to [0, 255], the same
+ * clamp as clip8) and one shuffle per two rows drops the fourth byte of
+ * each pixel, reversing the pixels when flipping.  A pair's load reads 16
+ * bytes from its first pixel: at most 13 bytes past the last pixel of the
+ * row that the filter uses, so the caller guarantees 16 addressable bytes
+ * after the end of the last row. */
+__attribute__((target("avx2"))) static void horizontal_rows4_madd(
+    const uint8_t *src, size_t src_stride, int nrows, int src_x0, const en_axis *x,
+    const uint32_t *pairs, int flip, uint8_t *tmp) {
+    const int out_w = x->out_size, np = pair_count(x);
+    const size_t tstride = (size_t)out_w * 3;
+    size_t s[4] = {0, 0, 0, 0};
+    for (int r = 1; r < 4; r++) s[r] = (size_t)(r < nrows ? r : nrows - 1) * src_stride;
+    const __m256i spread = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1,
+                                            -1, 0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1,
+                                            -1, -1);
+    const __m256i pack = flip ? _mm256_setr_epi8(12, 13, 14, 8, 9, 10, 4, 5, 6, 0, 1, 2, -1, -1,
+                                                 -1, -1, 12, 13, 14, 8, 9, 10, 4, 5, 6, 0, 1, 2,
+                                                 -1, -1, -1, -1)
+                              : _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1,
+                                                 -1, -1, 0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14,
+                                                 -1, -1, -1, -1);
+    int i = 0;
+    for (; i + 4 <= out_w; i += 4) {
+        __m256i a0[2], a1[2], a2[2], a3[2];
+        madd_pixel(src, s, src_x0, x, pairs, np, i, spread, a0);
+        madd_pixel(src, s, src_x0, x, pairs, np, i + 1, spread, a1);
+        madd_pixel(src, s, src_x0, x, pairs, np, i + 2, spread, a2);
+        madd_pixel(src, s, src_x0, x, pairs, np, i + 3, spread, a3);
+        const size_t at = (size_t)(flip ? out_w - 4 - i : i) * 3;
+        for (int g = 0; g < 2; g++) { /* rows 2g | 2g + 1 */
+            const __m256i b = _mm256_shuffle_epi8(
+                _mm256_packus_epi16(_mm256_packs_epi32(a0[g], a1[g]),
+                                    _mm256_packs_epi32(a2[g], a3[g])),
+                pack);
+            if (2 * g < nrows) store12(tmp + 2 * g * tstride + at, _mm256_castsi256_si128(b));
+            if (2 * g + 1 < nrows)
+                store12(tmp + (2 * g + 1) * tstride + at, _mm256_extracti128_si256(b, 1));
+        }
+    }
+    for (; i < out_w; i++) { /* the last out_w % 4 pixels, one at a time */
+        __m256i a[2];
+        madd_pixel(src, s, src_x0, x, pairs, np, i, spread, a);
+        const __m256i p8 = _mm256_packus_epi16(_mm256_packs_epi32(a[0], a[1]),
+                                               _mm256_setzero_si256());
+        const __m128i lo = _mm256_castsi256_si128(p8), hi = _mm256_extracti128_si256(p8, 1);
+        const uint32_t px[4] = {(uint32_t)_mm_cvtsi128_si32(lo), (uint32_t)_mm_cvtsi128_si32(hi),
+                                (uint32_t)_mm_extract_epi32(lo, 1),
+                                (uint32_t)_mm_extract_epi32(hi, 1)};
         uint8_t *dst = tmp + (size_t)(flip ? out_w - 1 - i : i) * 3;
-        for (int r = 0; r < 4; r++) memcpy(dst + r * tstride, &px[r], 3);
+        for (int r = 0; r < nrows; r++) memcpy(dst + r * tstride, &px[r], 3);
     }
 }
 
@@ -228,7 +322,7 @@ static int have_avx2(void) {
 #endif
 
 int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
-                  int src_y0, const en_axis *x, const en_axis *y, int flip, int src_slack) {
+                  int src_y0, const en_axis *x, const en_axis *y, int flip, size_t src_slack) {
     const int rows = y->hi - y->lo;
     const size_t row_bytes = (size_t)x->out_size * 3;
     if (en_buf_reserve(&r->tmp, row_bytes * rows)) return -1;
@@ -237,12 +331,17 @@ int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int sr
     int done = 0;
 #ifdef EN_HAVE_AVX2
     if (have_avx2()) {
-        /* The 4-row kernel over-reads one byte after a pixel: fine on every row
-         * but the last one of a buffer without slack, which the scalar loop takes. */
-        const int safe_rows = src_slack ? rows : rows - 1;
-        for (; done + 4 <= safe_rows; done += 4)
-            horizontal_rows4_avx2(first + (size_t)done * src_stride, src_stride, src_x0, x, flip,
-                                  tmp + (size_t)done * row_bytes);
+        if (pack_pairs(&r->xpairs, x)) return -1;
+        /* Rows whose over-read (16 bytes past their end) stays inside the buffer. */
+        int safe_rows = rows;
+        while (safe_rows > 0 && (size_t)(rows - safe_rows) * src_stride + src_slack < 16)
+            safe_rows--;
+        for (; done < safe_rows; done += 4) {
+            const int n = safe_rows - done < 4 ? safe_rows - done : 4;
+            horizontal_rows4_madd(first + (size_t)done * src_stride, src_stride, n, src_x0, x,
+                                  r->xpairs.p, flip, tmp + (size_t)done * row_bytes);
+            if (n < 4) done = safe_rows - 4; /* the loop's step lands on safe_rows */
+        }
     }
 #endif
     horizontal_rows(first + (size_t)done * src_stride, src_stride, src_x0, rows - done, x, flip,
@@ -272,7 +371,7 @@ void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, ui
 }
 
 int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0, int src_y0,
-                const en_axis *x, const en_axis *y, int flip, int src_slack, uint8_t *out,
+                const en_axis *x, const en_axis *y, int flip, size_t src_slack, uint8_t *out,
                 size_t stride) {
     if (en_resample_h(r, src, src_stride, src_x0, src_y0, x, y, flip, src_slack)) return -1;
     en_resample_v(r, x, y, out, stride);

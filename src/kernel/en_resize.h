@@ -28,6 +28,7 @@ typedef struct en_resampler {
     en_buf xfirst, xcount, xcoef;
     en_buf yfirst, ycount, ycoef;
     en_buf tmp;          /* horizontal pass output, rows [y.lo, y.hi) */
+    en_buf xpairs;       /* x weights split and paired for the SIMD pass */
 } en_resampler;
 
 void en_resampler_free(en_resampler *r);
@@ -39,15 +40,16 @@ int en_plan_axis(en_resampler *r, int horizontal, double in0, double in1, int in
 
 /* Run both passes.  src points at input pixel (src_x0, src_y0) of the planned
  * coordinate system and must cover [x.lo, x.hi) x [y.lo, y.hi).  src_slack
- * says at least 4 readable bytes follow the last row (lets SIMD take it too). */
+ * is how many readable bytes follow the end (at src_stride) of the last row:
+ * SIMD takes the rows that leave it 16 to over-read, the scalar code the rest. */
 int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0, int src_y0,
-                const en_axis *x, const en_axis *y, int flip, int src_slack, uint8_t *out,
+                const en_axis *x, const en_axis *y, int flip, size_t src_slack, uint8_t *out,
                 size_t stride);
 
 /* The same two passes one at a time (the kernel times them apart): the
  * horizontal pass into r->tmp, then the vertical pass from it. */
 int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
-                  int src_y0, const en_axis *x, const en_axis *y, int flip, int src_slack);
+                  int src_y0, const en_axis *x, const en_axis *y, int flip, size_t src_slack);
 void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, uint8_t *out,
                    size_t stride);
 
