@@ -436,11 +436,14 @@ int en_pick_scale(en_box box, int out_h, int out_w) {
     return 1;
 }
 
-/* Decode the rectangle [x0, x1) x [y0, y1) of the image scaled by 1/denom.
- * libjpeg widens the columns to whole iMCUs; *rx0 and *rstride say where the
- * first decoded column sits and how far apart the rows are. */
-static uint8_t *decode_region(en_decoder *d, int denom, int x0, int x1, int y0, int y1, int *rx0,
-                              size_t *rstride) {
+/* Decode the columns [x0, x1) of rows [y.lo, y.hi) of the image scaled by
+ * 1/denom and run the horizontal pass on them as they come, a few rows at a
+ * time: the decoded rows are resampled while they are still in L1, and the
+ * crop is never stored whole.  libjpeg widens the columns to whole iMCUs. */
+enum { EN_CHUNK_ROWS = 16 };
+
+static void decode_resample_h(en_decoder *d, int denom, int x0, int x1, const en_axis *ax,
+                              const en_axis *ay, int flip) {
     j_decompress_ptr ci = &d->cinfo;
     ci->scale_num = 1;
     ci->scale_denom = (unsigned)denom;
@@ -449,17 +452,22 @@ static uint8_t *decode_region(en_decoder *d, int denom, int x0, int x1, int y0, 
     stage(d, &d->prof.start_ns);
     JDIMENSION xoff = (JDIMENSION)x0, width = (JDIMENSION)(x1 - x0);
     if (xoff > 0 || width < ci->output_width) jpeg_crop_scanline(ci, &xoff, &width);
-    *rx0 = (int)xoff;
-    *rstride = (size_t)ci->output_width * 3;
+    const size_t rstride = (size_t)ci->output_width * 3;
     /* 16 spare bytes: the SIMD resampler reads up to 16 bytes past the last row. */
-    if (en_buf_reserve(&d->region, *rstride * (size_t)(y1 - y0) + 16))
-        fail(d, EN_ERR_NOMEM, "out of memory for a %ux%d region", ci->output_width, y1 - y0);
-    if (y0 > 0 && jpeg_skip_scanlines(ci, (JDIMENSION)y0) != (JDIMENSION)y0)
-        fail(d, EN_ERR_DECODE, "JPEG data ended before row %d", y0);
+    if (en_buf_reserve(&d->region, rstride * EN_CHUNK_ROWS + 16) ||
+        en_resample_begin(&d->rs, ax, ay))
+        fail(d, EN_ERR_NOMEM, "out of memory for a %ux%d region", ci->output_width,
+             ay->hi - ay->lo);
+    if (ay->lo > 0 && jpeg_skip_scanlines(ci, (JDIMENSION)ay->lo) != (JDIMENSION)ay->lo)
+        fail(d, EN_ERR_DECODE, "JPEG data ended before row %d", ay->lo);
     stage(d, &d->prof.skip_ns);
-    read_rows(d, d->region.p, *rstride, y1 - y0);
-    stage(d, &d->prof.rows_ns);
-    return d->region.p;
+    for (int row = 0, rows = ay->hi - ay->lo; row < rows; row += EN_CHUNK_ROWS) {
+        const int n = rows - row < EN_CHUNK_ROWS ? rows - row : EN_CHUNK_ROWS;
+        read_rows(d, d->region.p, rstride, n);
+        stage(d, &d->prof.rows_ns);
+        en_resample_h_rows(&d->rs, d->region.p, rstride, (int)xoff, ax, flip, 16, row, n);
+        stage(d, &d->prof.hpass_ns);
+    }
 }
 
 /* A crop of a single-scan file stops decoding after its last row: the rows
@@ -572,8 +580,6 @@ static void crop_resize(en_decoder *d, en_box box, int out_h, int out_w, int fli
         en_plan_axis(&d->rs, 0, box.top / denom, (box.top + box.height) / denom, sh, out_h, &ay))
         fail(d, EN_ERR_NOMEM, "cannot plan a resize to %dx%d", out_h, out_w);
     stage(d, &d->prof.header_ns);
-    int rx0;
-    size_t rstride;
     /* Fancy chroma upsampling treats the first and last column of a
      * jpeg_crop_scanline region as the image edge, which changes the pixel
      * next to each (up to ~20 levels on 4:2:2 / 4:2:0 against a full decode).
@@ -583,12 +589,9 @@ static void crop_resize(en_decoder *d, en_box box, int out_h, int out_w, int fli
     enum { EN_CROP_MARGIN = 2 };
     const int x0 = ax.lo > EN_CROP_MARGIN ? ax.lo - EN_CROP_MARGIN : 0;
     const int x1 = ax.hi + EN_CROP_MARGIN < sw ? ax.hi + EN_CROP_MARGIN : sw;
-    const uint8_t *region = decode_region(d, denom, x0, x1, ay.lo, ay.hi, &rx0, &rstride);
+    decode_resample_h(d, denom, x0, x1, &ax, &ay, flip);
     check_tail(d); /* before writing out: a refused file leaves it untouched */
     stage(d, &d->prof.tail_ns);
-    if (en_resample_h(&d->rs, region, rstride, rx0, ay.lo, &ax, &ay, flip, 16))
-        fail(d, EN_ERR_NOMEM, "out of memory resizing to %dx%d", out_h, out_w);
-    stage(d, &d->prof.hpass_ns);
     en_resample_v(&d->rs, &ax, &ay, out, stride);
     stage(d, &d->prof.vpass_ns);
     /* The rows below the crop are never decoded: abort instead of finishing. */

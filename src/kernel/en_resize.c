@@ -321,31 +321,42 @@ static int have_avx2(void) {
 }
 #endif
 
-int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
-                  int src_y0, const en_axis *x, const en_axis *y, int flip, size_t src_slack) {
-    const int rows = y->hi - y->lo;
+int en_resample_begin(en_resampler *r, const en_axis *x, const en_axis *y) {
+    if (en_buf_reserve(&r->tmp, (size_t)x->out_size * 3 * (size_t)(y->hi - y->lo))) return -1;
+#ifdef EN_HAVE_AVX2
+    if (have_avx2() && pack_pairs(&r->xpairs, x)) return -1;
+#endif
+    return 0;
+}
+
+void en_resample_h_rows(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
+                        const en_axis *x, int flip, size_t src_slack, int row, int rows) {
     const size_t row_bytes = (size_t)x->out_size * 3;
-    if (en_buf_reserve(&r->tmp, row_bytes * rows)) return -1;
-    uint8_t *tmp = r->tmp.p;
-    const uint8_t *first = src + (size_t)(y->lo - src_y0) * src_stride;
+    uint8_t *tmp = (uint8_t *)r->tmp.p + (size_t)row * row_bytes;
     int done = 0;
 #ifdef EN_HAVE_AVX2
     if (have_avx2()) {
-        if (pack_pairs(&r->xpairs, x)) return -1;
         /* Rows whose over-read (16 bytes past their end) stays inside the buffer. */
         int safe_rows = rows;
         while (safe_rows > 0 && (size_t)(rows - safe_rows) * src_stride + src_slack < 16)
             safe_rows--;
         for (; done < safe_rows; done += 4) {
             const int n = safe_rows - done < 4 ? safe_rows - done : 4;
-            horizontal_rows4_madd(first + (size_t)done * src_stride, src_stride, n, src_x0, x,
+            horizontal_rows4_madd(src + (size_t)done * src_stride, src_stride, n, src_x0, x,
                                   r->xpairs.p, flip, tmp + (size_t)done * row_bytes);
             if (n < 4) done = safe_rows - 4; /* the loop's step lands on safe_rows */
         }
     }
 #endif
-    horizontal_rows(first + (size_t)done * src_stride, src_stride, src_x0, rows - done, x, flip,
+    horizontal_rows(src + (size_t)done * src_stride, src_stride, src_x0, rows - done, x, flip,
                     tmp + (size_t)done * row_bytes);
+}
+
+int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
+                  int src_y0, const en_axis *x, const en_axis *y, int flip, size_t src_slack) {
+    if (en_resample_begin(r, x, y)) return -1;
+    en_resample_h_rows(r, src + (size_t)(y->lo - src_y0) * src_stride, src_stride, src_x0, x,
+                       flip, src_slack, 0, y->hi - y->lo);
     return 0;
 }
 

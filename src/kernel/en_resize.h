@@ -53,4 +53,13 @@ int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int sr
 void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, uint8_t *out,
                    size_t stride);
 
+
+/* The horizontal pass in pieces, for a caller that produces the input rows a
+ * few at a time (the kernel, while libjpeg decodes them): begin once, then
+ * h_rows for rows [row, row + rows) of [y.lo, y.hi), src pointing at the
+ * first of them, src_slack as above for this piece. */
+int en_resample_begin(en_resampler *r, const en_axis *x, const en_axis *y);
+void en_resample_h_rows(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
+                        const en_axis *x, int flip, size_t src_slack, int row, int rows);
+
 #endif
