@@ -48,6 +48,7 @@ void en_resampler_free(en_resampler *r) {
     en_buf_free(&r->ycoef);
     en_buf_free(&r->tmp);
     en_buf_free(&r->xpairs);
+    en_buf_free(&r->ypairs);
 }
 
 static inline double triangle(double x) {
@@ -286,36 +287,54 @@ __attribute__((target("avx2"))) static void horizontal_rows4_madd(
     }
 }
 
-/* Sixteen output bytes per step with the accumulators held in registers. */
+/* Sixteen output bytes per step, taps in pairs of rows as in the horizontal
+ * pass: the bytes of rows k and k + 1 interleaved into (p_k, p_k+1) words,
+ * one vpmaddwd against the pair's hi halves and one against its lo halves. */
 __attribute__((target("avx2"))) static void vertical_row_avx2(const uint8_t *tmp,
                                                                size_t row_bytes, int count,
-                                                               const int32_t *c, uint8_t *out) {
+                                                               const uint32_t *pairs, int np,
+                                                               uint8_t *out) {
     const __m256i half = _mm256_set1_epi32(1 << (PRECISION_BITS - 1));
+    const uint32_t *ph = pairs, *pl = pairs + np;
+    const int n = (count + 1) >> 1;
     size_t i = 0;
     for (; i + 16 <= row_bytes; i += 16) {
-        __m256i lo = half, hi = half;
-        for (int k = 0; k < count; k++) {
-            const __m256i ck = _mm256_set1_epi32(c[k]);
-            __m128i v = _mm_loadu_si128((const __m128i *)(tmp + (size_t)k * row_bytes + i));
-            lo = _mm256_add_epi32(lo, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(v), ck));
-            hi = _mm256_add_epi32(
-                hi, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)), ck));
+        __m256i hlo = _mm256_setzero_si256(), hhi = hlo, llo = hlo, lhi = hlo;
+        const uint8_t *row = tmp + i;
+        for (int j = 0; j < n; j++, row += 2 * row_bytes) {
+            const __m256i ch = _mm256_set1_epi32((int)ph[j]), cl = _mm256_set1_epi32((int)pl[j]);
+            const __m128i a = _mm_loadu_si128((const __m128i *)row);
+            /* An odd count's last pair: its second weight is zero; read row k again. */
+            const __m128i b = 2 * j + 1 < count
+                                  ? _mm_loadu_si128((const __m128i *)(row + row_bytes)) : a;
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));
+            const __m256i hi = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(a, b));
+            hlo = _mm256_add_epi32(hlo, _mm256_madd_epi16(lo, ch));
+            llo = _mm256_add_epi32(llo, _mm256_madd_epi16(lo, cl));
+            hhi = _mm256_add_epi32(hhi, _mm256_madd_epi16(hi, ch));
+            lhi = _mm256_add_epi32(lhi, _mm256_madd_epi16(hi, cl));
         }
-        lo = _mm256_srai_epi32(lo, PRECISION_BITS);
-        hi = _mm256_srai_epi32(hi, PRECISION_BITS);
+        const __m256i lo = _mm256_srai_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(hlo, 11), llo), half),
+            PRECISION_BITS);
+        const __m256i hi = _mm256_srai_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(hhi, 11), lhi), half),
+            PRECISION_BITS);
         /* packs interleaves 64-bit quarters (0-3, 8-11 | 4-7, 12-15): put them back in order. */
         __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
         __m128i p8 = _mm_packus_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
         _mm_storeu_si128((__m128i *)(out + i), p8);
     }
-    if (i < row_bytes) vertical_row(tmp + i, row_bytes, row_bytes - i, count, c, out + i);
 }
 
+/* ECHO_NATIVE_NO_SIMD=1 (read once) takes the scalar code: the tests hold the
+ * two to the same bytes. */
 static int have_avx2(void) {
     static int cached = -1;
     if (cached < 0) {
         __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") ? 1 : 0;
+        const char *off = getenv("ECHO_NATIVE_NO_SIMD");
+        cached = __builtin_cpu_supports("avx2") && !(off && *off && strcmp(off, "0")) ? 1 : 0;
     }
     return cached;
 }
@@ -324,7 +343,7 @@ static int have_avx2(void) {
 int en_resample_begin(en_resampler *r, const en_axis *x, const en_axis *y) {
     if (en_buf_reserve(&r->tmp, (size_t)x->out_size * 3 * (size_t)(y->hi - y->lo))) return -1;
 #ifdef EN_HAVE_AVX2
-    if (have_avx2() && pack_pairs(&r->xpairs, x)) return -1;
+    if (have_avx2() && (pack_pairs(&r->xpairs, x) || pack_pairs(&r->ypairs, y))) return -1;
 #endif
     return 0;
 }
@@ -365,7 +384,7 @@ void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, ui
     const size_t row_bytes = (size_t)x->out_size * 3;
     const uint8_t *tmp = r->tmp.p;
 #ifdef EN_HAVE_AVX2
-    const int simd = have_avx2();
+    const int simd = have_avx2(), np = pair_count(y);
 #endif
     for (int j = 0; j < y->out_size; j++) {
         const uint8_t *base = tmp + (size_t)(y->first[j] - y->lo) * row_bytes;
@@ -373,7 +392,11 @@ void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, ui
         uint8_t *o = out + (size_t)j * stride;
 #ifdef EN_HAVE_AVX2
         if (simd) {
-            vertical_row_avx2(base, row_bytes, y->count[j], c, o);
+            vertical_row_avx2(base, row_bytes, y->count[j],
+                              (const uint32_t *)r->ypairs.p + (size_t)j * 2 * np, np, o);
+            const size_t done = row_bytes & ~(size_t)15;
+            if (done < row_bytes)
+                vertical_row(base + done, row_bytes, row_bytes - done, y->count[j], c, o + done);
             continue;
         }
 #endif

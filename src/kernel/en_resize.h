@@ -28,7 +28,7 @@ typedef struct en_resampler {
     en_buf xfirst, xcount, xcoef;
     en_buf yfirst, ycount, ycoef;
     en_buf tmp;          /* horizontal pass output, rows [y.lo, y.hi) */
-    en_buf xpairs;       /* x weights split and paired for the SIMD pass */
+    en_buf xpairs, ypairs; /* weights split and paired for the SIMD passes */
 } en_resampler;
 
 void en_resampler_free(en_resampler *r);
