@@ -437,11 +437,10 @@ int en_pick_scale(en_box box, int out_h, int out_w) {
 }
 
 /* Decode the columns [x0, x1) of rows [y.lo, y.hi) of the image scaled by
- * 1/denom and run the horizontal pass on them as they come, a few rows at a
- * time: the decoded rows are resampled while they are still in L1, and the
- * crop is never stored whole.  libjpeg widens the columns to whole iMCUs. */
-enum { EN_CHUNK_ROWS = 16 };
-
+ * 1/denom and run the horizontal pass on them as they come, in pieces of the
+ * resampler's choosing (en_resample_piece_rows: small pieces stay in L1 for
+ * the AVX2 pass; the AVX-512 pass runs best over the whole crop at once).
+ * libjpeg widens the columns to whole iMCUs. */
 static void decode_resample_h(en_decoder *d, int denom, int x0, int x1, const en_axis *ax,
                               const en_axis *ay, int flip) {
     j_decompress_ptr ci = &d->cinfo;
@@ -453,16 +452,18 @@ static void decode_resample_h(en_decoder *d, int denom, int x0, int x1, const en
     JDIMENSION xoff = (JDIMENSION)x0, width = (JDIMENSION)(x1 - x0);
     if (xoff > 0 || width < ci->output_width) jpeg_crop_scanline(ci, &xoff, &width);
     const size_t rstride = (size_t)ci->output_width * 3;
+    const int rows = ay->hi - ay->lo, piece_max = en_resample_piece_rows();
+    const int piece = piece_max && piece_max < rows ? piece_max : rows;
     /* 16 spare bytes: the SIMD resampler reads up to 16 bytes past the last row. */
-    if (en_buf_reserve(&d->region, rstride * EN_CHUNK_ROWS + 16) ||
+    if (en_buf_reserve(&d->region, rstride * (size_t)piece + 16) ||
         en_resample_begin(&d->rs, ax, ay))
         fail(d, EN_ERR_NOMEM, "out of memory for a %ux%d region", ci->output_width,
              ay->hi - ay->lo);
     if (ay->lo > 0 && jpeg_skip_scanlines(ci, (JDIMENSION)ay->lo) != (JDIMENSION)ay->lo)
         fail(d, EN_ERR_DECODE, "JPEG data ended before row %d", ay->lo);
     stage(d, &d->prof.skip_ns);
-    for (int row = 0, rows = ay->hi - ay->lo; row < rows; row += EN_CHUNK_ROWS) {
-        const int n = rows - row < EN_CHUNK_ROWS ? rows - row : EN_CHUNK_ROWS;
+    for (int row = 0; row < rows; row += piece) {
+        const int n = rows - row < piece ? rows - row : piece;
         read_rows(d, d->region.p, rstride, n);
         stage(d, &d->prof.rows_ns);
         en_resample_h_rows(&d->rs, d->region.p, rstride, (int)xoff, ax, flip, 16, row, n);

@@ -29,6 +29,8 @@ typedef struct en_resampler {
     en_buf yfirst, ycount, ycoef;
     en_buf tmp;          /* horizontal pass output, rows [y.lo, y.hi) */
     en_buf xpairs, ypairs; /* weights split and paired for the SIMD passes */
+    en_buf xplan;        /* the AVX-512 horizontal pass's groups (en_resize.c) */
+    int xgroups;         /* xplan holds the current x axis */
 } en_resampler;
 
 void en_resampler_free(en_resampler *r);
@@ -59,6 +61,8 @@ void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, ui
  * h_rows for rows [row, row + rows) of [y.lo, y.hi), src pointing at the
  * first of them, src_slack as above for this piece. */
 int en_resample_begin(en_resampler *r, const en_axis *x, const en_axis *y);
+/* How many rows a piece should have for this CPU's pass; 0: all at once. */
+int en_resample_piece_rows(void);
 void en_resample_h_rows(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
                         const en_axis *x, int flip, size_t src_slack, int row, int rows);
 
