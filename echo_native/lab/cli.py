@@ -6,7 +6,10 @@ fresh and delivered images/s for each echo setting, consumer stall, ring
 occupancy and failures, with the peers side by side, each when installed: the
 torch DataLoader (torchvision-style Pillow transforms) and NVIDIA DALI's CPU
 pipeline (``pip install nvidia-dali-cuda120``; no GPU needed), and every row's
-delivered images/s as a multiple of each peer's.
+delivered images/s as a multiple of each peer's.  Each row is measured
+``--repeats`` times, round-robin across the rows, each time on a freshly built
+pipeline after one untimed warm-up epoch; the table gives medians and min-max,
+the ratios are paired by run, a chart is drawn and a one-line verdict ends it.
 
 ``echo-native-lab make-dataset fashion-mnist|imagenet-like OUT`` writes a JPEG
 ImageFolder; ``echo-native-lab demo`` runs the echo training demo
@@ -21,8 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 
 from echo_native.cli import UsageError, check_device, echo_list, open_folder, run
 
@@ -33,51 +41,91 @@ DEMO_EVAL_EVERY = 1500
 DEMO_LR = 2e-3
 
 
-def _progress(total, desc):
+# -- bench ----------------------------------------------------------------------------
+# peer -> (row's "pipeline", short label in the table and chart, name in the verdict)
+PEERS = {"torch": ("torch DataLoader + torchvision-style Pillow", "torch", "torch DataLoader"),
+         "dali": ("NVIDIA DALI CPU pipeline (image_random_crop + resize + flip)", "DALI",
+                  "DALI CPU")}
+
+
+@dataclass(frozen=True, eq=False)
+class _Pipeline:
+    """One row of the bench: ``session()`` is a context manager that builds and starts the
+    pipeline and yields ``epoch()``, which runs one epoch through it and returns its row."""
+    label: str
+    session: Callable
+    peer: str | None = None
+
+
+class _NoBar:
+    """Stands in for tqdm when it is not installed."""
+    total = 0
+
+    def set_description(self, desc):
+        pass
+
+    def update(self, n=1):
+        pass
+
+    def refresh(self):
+        pass
+
+    def close(self):
+        pass
+
+    @staticmethod
+    def write(msg, file=None):
+        print(msg, file=file or sys.stderr)
+
+
+def _progress(total):
+    """One bar over every (pipeline, repeat) run, on stderr, off when stderr is no TTY
+    (a log file or CI would get a line per refresh)."""
     try:
         from tqdm import tqdm
     except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, unit="img", leave=False, file=sys.stderr,
+        return _NoBar()
+    return tqdm(total=total, unit="run", leave=False, file=sys.stderr,
                 disable=not sys.stderr.isatty())
 
 
-def _run_ring(folder, args, echo, placement):
+def _ring_epoch(ring, args, echo, placement):
+    """One epoch of a started ring, timed; its counters are read before and after, as
+    ``stats()`` counts from the ring's start (the warm-up epoch included)."""
+    step = args.step_ms / 1000.0
+    before = ring.stats()
+    t0 = time.perf_counter()
+    delivered = 0
+    for batch in ring:
+        delivered += len(batch)
+        if step:
+            time.sleep(step)  # stands in for the accelerator's step
+    wall = time.perf_counter() - t0
+    after = ring.stats()
+    fresh = after["fresh"] - before["fresh"]
+    return {
+        "pipeline": "echo_native", "placement": placement, "echo": echo,
+        "workers": ring.loader.workers, "wall_s": wall,
+        "fresh_per_s": fresh / wall, "delivered_per_s": delivered / wall,
+        "effective_echo": delivered / fresh if fresh else 0.0,
+        "stall_s": after["stall_s"] - before["stall_s"],
+        "ring_occupancy": after["ring_occupancy"],
+        "failures": sum(after["failures"].values()) - sum(before["failures"].values()),
+    }
+
+
+@contextmanager
+def _ring_session(folder, args, echo, placement):
     import echo_native as en
 
     ring = en.EchoRing(folder, batch_size=args.batch_size, image_size=args.image_size,
                        echo=echo, placement=placement, workers=args.workers, seed=args.seed,
                        device=args.device)
-    step = args.step_ms / 1000.0
-    bar = _progress(len(ring) * args.batch_size, f"{placement} e={echo}")
     with ring:
-        t0 = time.perf_counter()
-        delivered = 0
-        for batch in ring:
-            delivered += len(batch)
-            if step:
-                time.sleep(step)  # stands in for the accelerator's step
-            if bar is not None:
-                bar.update(len(batch))
-        wall = time.perf_counter() - t0
-        st = ring.stats()
-    if bar is not None:
-        bar.close()
-    return {
-        "pipeline": "echo_native", "placement": placement, "echo": echo,
-        "workers": ring.loader.workers, "wall_s": wall,
-        "fresh_per_s": st["fresh"] / wall, "delivered_per_s": delivered / wall,
-        "effective_echo": st["effective_echo"], "stall_s": st["stall_s"],
-        "ring_occupancy": st["ring_occupancy"], "failures": sum(st["failures"].values()),
-    }
+        yield lambda: _ring_epoch(ring, args, echo, placement)
 
 
-# peer -> (row's "pipeline", short name in the table and chart)
-PEERS = {"torch": ("torch DataLoader + torchvision-style Pillow", "torch"),
-         "dali": ("NVIDIA DALI CPU pipeline (image_random_crop + resize + flip)", "DALI")}
-
-
-def _run_peer(peer, loader, args):
+def _peer_epoch(peer, loader, args):
     """One epoch of a peer's loader (batches of ``(images, labels)``), timed."""
     step = args.step_ms / 1000.0
     t0 = time.perf_counter()
@@ -96,88 +144,276 @@ def _run_peer(peer, loader, args):
             "ring_occupancy": float("nan"), "failures": 0}
 
 
-def _run_torch(folder, args):
+@contextmanager
+def _torch_session(folder, args):
+    """A DataLoader with persistent workers: the warm-up epoch starts them, so the timed
+    epoch, like the ring's, runs on workers already up."""
     from echo_native.lab.peers import torch_loader
 
     loader = torch_loader(folder, args.batch_size, args.workers, args.image_size, args.seed)
-    return _run_peer("torch", loader, args)
+    yield lambda: _peer_epoch("torch", loader, args)
 
 
-def _run_dali(folder, args):
-    """DALI's CPU pipeline, ``args.workers`` threads (built before the clock starts, as the
-    ring's workers are started before it)."""
+@contextmanager
+def _dali_session(folder, args):
+    """DALI's CPU pipeline, ``args.workers`` threads (built here, outside the clock, as the
+    ring is)."""
     from echo_native.lab.peers import dali_loader
 
     with dali_loader(folder, args.batch_size, args.workers, args.image_size,
                      args.seed) as loader:
-        return _run_peer("dali", loader, args)
+        yield lambda: _peer_epoch("dali", loader, args)
 
 
-def _run_peers(folder, args):
-    """The peers' rows (torch, then DALI), each when installed; and why any is missing."""
-    rows, missing = [], {}
+def _peers_missing():
+    """Why each peer cannot run here ({} when both can): torch and DALI are imported now,
+    before the clock, so a missing one is reported before any run."""
+    missing = {}
     try:
         import torch  # noqa: F401
-        rows.append(_run_torch(folder, args))
     except ImportError:
         missing["torch"] = "torch not installed (pip install torch)"
     try:
         from echo_native.lab.peers import import_dali
 
         import_dali()
-        rows.append(_run_dali(folder, args))
-    except (ImportError, ValueError) as e:   # ValueError: DALI lists other files
+    except ImportError as e:
         missing["dali"] = str(e)
-    for peer, why in missing.items():
-        print(f"no {PEERS[peer][1]} peer in this run: {why}", file=sys.stderr)
-    return rows, missing
+    return missing
+
+
+def _pipelines(folder, args, peers):
+    """The rows in table order: the peers, echo_native at e=1, then each placement's echo
+    factors."""
+    sessions = {"torch": _torch_session, "dali": _dali_session}
+    rows = [_Pipeline(PEERS[p][1], partial(sessions[p], folder, args), p) for p in peers]
+    rows.append(_Pipeline("echo_native e=1",
+                          partial(_ring_session, folder, args, 1, "after_augment")))
+    rows += [_Pipeline(f"{placement} e={e}", partial(_ring_session, folder, args, e, placement))
+             for placement in args.placements for e in args.echo if e != 1]
+    return rows
+
+
+def _measure_once(pipeline):
+    """A fresh pipeline's second epoch: the first, untimed, pays for the workers' start
+    (~0.3 s of a 1 s epoch on 2 cores), the first reads of each file and the first fill
+    of the queues.  A fresh one per run, because a pipeline left open between runs keeps
+    prefetching (the ring fills its slots, DALI its queue) and would start its next timed
+    epoch ahead."""
+    with pipeline.session() as epoch:
+        epoch()
+        return epoch()
+
+
+def _measure(pipelines, repeats, missing):
+    """Each pipeline's rows over ``repeats`` cycles, round-robin (every pipeline once per
+    cycle), so that the machine's slow spells fall on all of them alike and each cycle's
+    peer can be paired with that cycle's rows.  A peer that cannot be built (DALI listing
+    other files than the ImageFolder) is dropped in the first cycle, its reason put in
+    ``missing``."""
+    runs = {p: [] for p in pipelines}
+    bar = _progress(len(pipelines) * repeats)
+    try:
+        for cycle in range(repeats):
+            for p in [p for p in pipelines if p in runs]:
+                bar.set_description(f"{p.label} ({cycle + 1}/{repeats})")
+                try:
+                    row = _measure_once(p)
+                except (ImportError, ValueError) as e:
+                    if p.peer is None or cycle:
+                        raise
+                    del runs[p]
+                    missing[p.peer] = str(e)
+                    bar.total -= repeats
+                    bar.refresh()
+                    bar.write(_missing_line(p.peer, e), file=sys.stderr)
+                    continue
+                runs[p].append(row)
+                bar.update()
+    finally:
+        bar.close()
+    return runs
+
+
+def _missing_line(peer, why):
+    return f"no {PEERS[peer][1]} peer in this run: {why}"
+
+
+def _spread(values):
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def _summarise(runs):
+    """A pipeline's row from its runs: medians, min-max of the rates, the runs themselves."""
+    row = {k: runs[0][k] for k in ("pipeline", "placement", "echo", "workers")}
+    for key in ("fresh", "delivered"):
+        row[f"{key}_per_s"], lo, hi = _spread([r[f"{key}_per_s"] for r in runs])
+        row[f"{key}_range"] = [lo, hi]
+    for key in ("wall_s", "effective_echo", "stall_s", "ring_occupancy"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["failures"] = sum(r["failures"] for r in runs)
+    row["repeats"] = len(runs)
+    row["runs"] = runs
+    return row
 
 
 def _add_ratios(rows):
-    """Each row's delivered img/s over each peer's that ran: ``x_torch``, ``x_dali``."""
-    base = {peer: next((r["delivered_per_s"] for r in rows if r["pipeline"] == name), None)
-            for peer, (name, _) in PEERS.items()}
-    for r in rows:
-        for peer, b in base.items():
-            r[f"x_{peer}"] = r["delivered_per_s"] / b if b else None
+    """Each row's delivered img/s over each peer's, paired by cycle (run i over the peer's
+    run i, both measured within the same few seconds): ``x_<peer>`` the median ratio,
+    ``x_<peer>_range`` its min-max, ``x_<peer>_runs`` every cycle's; None for a peer that
+    did not run."""
+    for peer, (name, _, _) in PEERS.items():
+        base = next((r for r in rows if r["pipeline"] == name), None)
+        for r in rows:
+            if base is None:
+                r[f"x_{peer}"] = r[f"x_{peer}_range"] = r[f"x_{peer}_runs"] = None
+                continue
+            per = [a["delivered_per_s"] / b["delivered_per_s"]
+                   for a, b in zip(r["runs"], base["runs"], strict=True)]
+            r[f"x_{peer}"], lo, hi = _spread(per)
+            r[f"x_{peer}_range"], r[f"x_{peer}_runs"] = [lo, hi], per
+
+
+def _peers_ran(rows):
+    return [peer for peer in PEERS if any(r.get(f"x_{peer}") is not None for r in rows)]
+
+
+def _cell(value, spread, fmt):
+    """``value (lo-hi)``; the value alone after a single run, whose range is itself."""
+    if spread is None or spread[0] == spread[1]:
+        return format(value, fmt)
+    return f"{value:{fmt}} ({spread[0]:{fmt}}-{spread[1]:{fmt}})"
 
 
 def _table(rows):
-    ran = [peer for peer in PEERS if any(r.get(f"x_{peer}") is not None for r in rows)]
+    ran = _peers_ran(rows)
     ratio_cols = [f"x {PEERS[peer][1]}" for peer in ran] or ["x peer"]
     head = ("pipeline", "placement", "echo", "fresh img/s", "delivered img/s", *ratio_cols,
             "stall s", "ring occ.", "failures")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        ratios = " | ".join(f"{r[f'x_{peer}']:.2f}" for peer in ran) or "-"
+        ratios = " | ".join(_cell(r[f"x_{peer}"], r[f"x_{peer}_range"], ".2f")
+                            for peer in ran) or "-"
         lines.append(f"| {r['pipeline']} | {r['placement']} | {r['echo']} | "
-                     f"{r['fresh_per_s']:,.0f} | {r['delivered_per_s']:,.0f} | {ratios} | "
-                     f"{r['stall_s']:.2f} | {r['ring_occupancy']:.2f} | {r['failures']} |")
+                     f"{_cell(r['fresh_per_s'], r['fresh_range'], ',.0f')} | "
+                     f"{_cell(r['delivered_per_s'], r['delivered_range'], ',.0f')} | "
+                     f"{ratios} | {r['stall_s']:.2f} | {r['ring_occupancy']:.2f} | "
+                     f"{r['failures']} |")
     return "\n".join(lines)
 
 
-def _chart(rows, path):
+def _headline_echo(rows):
+    """The echo row the verdict quotes: the fastest before_augment row (the library's
+    default placement and the paper's best for accuracy), else the fastest echo row;
+    None when only e=1 ran."""
+    echoed = [r for r in rows if r["pipeline"] == "echo_native" and r["echo"] != 1]
+    preferred = [r for r in echoed if r["placement"] == "before_augment"] or echoed
+    return max(preferred, key=lambda r: r["delivered_per_s"], default=None)
+
+
+def _times(x, spread):
+    s = f"{x:.1f}x"
+    if spread is not None and f"{spread[0]:.1f}" != f"{spread[1]:.1f}":
+        s += f" ({spread[0]:.1f}-{spread[1]:.1f})"
+    return s
+
+
+def _verdict(rows, missing, no_peers):
+    """One line: echo_native at e=1 against each peer that ran (median paired ratio), and
+    what echoing adds on top."""
+    base = next(r for r in rows if r["pipeline"] == "echo_native" and r["echo"] == 1)
+    n = base["repeats"]
+    runs = f"{n} paired run{'s' if n != 1 else ''}"
+    ran = _peers_ran(rows)
+    if ran:
+        vs = ", ".join(f"{_times(base[f'x_{p}'], base[f'x_{p}_range'])} {PEERS[p][2]}"
+                       for p in ran)
+        line = f"echo_native: {vs} on this machine (median{' and min-max' if n > 1 else ''}" \
+               f" of {runs})"
+    else:
+        why = "--no-peers" if no_peers else \
+            " and ".join(PEERS[p][2] for p in missing) + " missing, see above"
+        line = (f"echo_native: {base['delivered_per_s']:,.0f} img/s at e=1; no peer ran "
+                f"({why}), so no ratio (median of {n} run{'s' if n != 1 else ''})")
+    top = _headline_echo(rows)
+    if top is not None:
+        line += (f"; with echo={top['echo']} {top['placement']} it delivers "
+                 f"{top['effective_echo']:.1f}x its fresh rate")
+        if ran:
+            line += f" ({top[f'x_{ran[0]}']:.1f}x {PEERS[ran[0]][2]})"
+    return line
+
+
+def _row_label(r):
+    if r["pipeline"] == "echo_native":
+        return "echo_native\ne=1" if r["echo"] == 1 else f"{r['placement']}\ne={r['echo']}"
+    return next((plain.replace(" ", "\n") for name, _, plain in PEERS.values()
+                 if name == r["pipeline"]), r["pipeline"])
+
+
+def _chart(rows, path, title):
+    """Grouped bars, delivered and fresh img/s per row (medians, min-max error bars);
+    the delivered bars carry their multiple of the first peer that ran."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    short = {name: label for name, label in PEERS.values()}
-    labels = [f"{r['placement']}\ne={r['echo']}" if r["pipeline"] == "echo_native"
-              else short.get(r["pipeline"], r["pipeline"]) for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
-    ax.bar(labels, [r["delivered_per_s"] for r in rows], label="delivered")
-    ax.bar(labels, [r["fresh_per_s"] for r in rows], label="fresh")
-    ax.set_ylabel("images / s")
-    ax.legend()
+    import numpy as np
+
+    x, w = np.arange(len(rows)), 0.4
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.15 * len(rows) + 1.5), 5))
+    for offset, key, name in ((-w / 2, "delivered", "delivered"), (w / 2, "fresh", "fresh")):
+        med = np.array([r[f"{key}_per_s"] for r in rows])
+        lo, hi = np.array([r[f"{key}_range"] for r in rows]).T
+        bars = ax.bar(x + offset, med, w, yerr=[med - lo, hi - med], capsize=3,
+                      label=f"{name} img/s", error_kw={"elinewidth": 1})
+        if key == "delivered":
+            _annotate_ratios(ax, bars, hi, rows)
+    ax.set_xticks(x, [_row_label(r) for r in rows], rotation=30, ha="right",
+                  rotation_mode="anchor", fontsize=9)
+    ax.set_ylabel("images / s (median; bars: min-max)")
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.12)
+    ax.legend(loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
 
 
+def _annotate_ratios(ax, bars, tops, rows):
+    ran = _peers_ran(rows)
+    if not ran:
+        return
+    peer = ran[0]
+    for bar, top, r in zip(bars, tops, rows):
+        ax.annotate(f"{r[f'x_{peer}']:.1f}x", (bar.get_x() + bar.get_width() / 2, top),
+                    xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    ax.text(0.99, 0.98, f"above the bars: delivered / {PEERS[peer][2]}, paired median",
+            transform=ax.transAxes,
+            ha="right", va="top", fontsize=8)
+
+
+def _check_bench_args(args):
+    """The arguments checked before the corpus is built or any pipeline starts."""
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    from echo_native.echo import PLACEMENTS
+
+    bad = [p for p in args.placements if p not in PLACEMENTS]
+    if bad:
+        raise UsageError(f"unknown placement {bad[0]!r}; choose from {', '.join(PLACEMENTS)}")
+    if any(e != "auto" and e < 1 for e in args.echo):
+        raise UsageError(f"echo factors must be >= 1 or 'auto', got {args.echo}")
+
+
 def cmd_bench(args):
+    t_start = time.perf_counter()
+    _check_bench_args(args)
     if args.dir:
         root = args.dir
     else:
@@ -189,30 +425,35 @@ def cmd_bench(args):
             raise UsageError(str(e)) from None
     folder = open_folder(root, args.batch_size)
     check_device(args.device)
-    from echo_native.echo import PLACEMENTS
-    bad = [p for p in args.placements if p not in PLACEMENTS]
-    if bad:
-        raise UsageError(f"unknown placement {bad[0]!r}; choose from {', '.join(PLACEMENTS)}")
-    if any(e != "auto" and e < 1 for e in args.echo):
-        raise UsageError(f"echo factors must be >= 1 or 'auto', got {args.echo}")
     args.workers = args.workers or len(os.sched_getaffinity(0))
-    rows, missing = ([], {}) if args.no_peers else _run_peers(folder, args)
-    rows.append(_run_ring(folder, args, 1, "after_augment"))
-    for placement in args.placements:
-        for e in args.echo:
-            if e != 1:
-                rows.append(_run_ring(folder, args, e, placement))
+    missing = {} if args.no_peers else _peers_missing()
+    for peer, why in missing.items():
+        print(_missing_line(peer, why), file=sys.stderr)
+    peers = [] if args.no_peers else [p for p in PEERS if p not in missing]
+    runs = _measure(_pipelines(folder, args, peers), args.repeats, missing)
+    rows = [_summarise(r) for r in runs.values()]
     _add_ratios(rows)
+    cores = len(os.sched_getaffinity(0))
     print(f"\n{len(folder)} images from {root}; batch {args.batch_size}, "
-          f"{args.image_size}px, {args.workers} workers (DALI: threads), consumer step "
-          f"{args.step_ms} ms\n")
+          f"{args.image_size}px, {args.workers} workers (DALI: threads) on {cores} cores, "
+          f"consumer step {args.step_ms} ms; median (min-max) of {args.repeats} runs per "
+          f"row, interleaved, each after an untimed warm-up epoch; ratios paired by run\n")
     print(_table(rows))
     with open(args.json, "w") as f:
-        json.dump({"root": str(root), "images": len(folder), "args": vars(args) | {"func": None},
-                   "rows": rows, "peers_missing": missing}, f, indent=2, default=str)
+        json.dump({"root": str(root), "images": len(folder), "repeats": args.repeats,
+                   "args": vars(args) | {"func": None}, "rows": rows,
+                   "peers_missing": missing}, f, indent=2, default=str)
     print(f"\nJSON: {args.json}")
-    if _chart(rows, args.chart):
+    title = (f"echo_native bench: {len(folder)} images, {args.image_size}px, batch "
+             f"{args.batch_size}, {args.workers} workers on {cores} cores\n"
+             f"median of {args.repeats} interleaved run{'s' if args.repeats != 1 else ''}")
+    if _chart(rows, args.chart, title):
         print(f"chart: {args.chart}")
+    else:
+        print("no chart: matplotlib is not installed (pip install matplotlib)")
+    print(f"{sum(len(r) for r in runs.values())} timed epochs in "
+          f"{time.perf_counter() - t_start:.0f} s\n")
+    print(_verdict(rows, missing, args.no_peers))
     return 0
 
 
@@ -385,6 +626,9 @@ def build_parser():
                    default=["before_augment", "after_augment", "batch"])
     b.add_argument("--step-ms", type=float, default=0.0,
                    help="consumer step time per batch (models the accelerator)")
+    b.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per row, interleaved across the rows; each row reports "
+                        "the median and min-max (each run after an untimed warm-up epoch)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     b.add_argument("--no-peers", action="store_true",
