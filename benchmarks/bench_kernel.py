@@ -13,7 +13,10 @@ fused           ``Decoder.decode_random_crop``: parameters, ROI + DCT-scaled dec
                 antialiased bilinear resize, flip, into a preallocated buffer
 fused_crop      ``Decoder.decode_crop`` with the boxes given (the contract's entry point)
 fused_api       the public ``echo_native.decode_random_crop`` (thread-local decoder)
-ceiling         libjpeg-turbo ROI decode alone, in C, same boxes, same DCT scale
+ceiling         libjpeg-turbo ROI decode alone, in C, same boxes, same DCT scale, stopping
+                after the crop's last row (the fastest correct ROI decode)
+ceiling_finish  the same, then decoding to the end of the file and refusing any
+                warning, as a decoder that checks the whole file does
 pillow          torchvision-style Pillow: open, resize(BILINEAR, box), flip, asarray
 pillow_draft    the same with ``draft`` to the kernel's DCT scale before the resize
 pillow_simd     the draft pipeline when the installed PIL is Pillow-SIMD
@@ -21,6 +24,7 @@ pillow_simd     the draft pipeline when the installed PIL is Pillow-SIMD
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 import pytest
@@ -57,11 +61,11 @@ def fused_api_pass(wl, out):
         en.decode_random_crop(s.data, size, seed, epoch, s.sample_id, out=out)
 
 
-def ceiling_pass(wl):
+def ceiling_pass(wl, mode="rgb"):
     roi = _bench.roi_decode
     for s in wl.samples:
         top, left, h, w = s.box
-        roi(s.data, top, left, h, w, s.denom)
+        roi(s.data, top, left, h, w, s.denom, mode)
 
 
 def pillow_one(s, out_wh, draft):
@@ -168,3 +172,57 @@ def test_pillow_simd(benchmark, workload):
     workload.run(benchmark, lambda: pillow_pass(workload, draft=True),
                  role="pillow_simd", label=f"torchvision-style {PIL_FLAVOUR} + draft",
                  pil=PIL_FLAVOUR)
+
+
+@pytest.mark.benchmark(group="kernel-interleaved")
+def test_interleaved(benchmark, workload, out_buffer):
+    """Every pipeline once per round, the order rotated each round, so a slow
+    spell of a shared machine hits them all alike; ratios are taken within a
+    round (paired) and reported as median and best over the rounds.  Then one
+    profiled pass splits the fused kernel's time into stages."""
+    dec = _kernel.Decoder()
+    passes = {
+        "fused": lambda: fused_pass(dec, workload, out_buffer),
+        "fused_crop": lambda: fused_crop_pass(dec, workload, out_buffer),
+        "ceiling": lambda: ceiling_pass(workload),
+        "ceiling_finish": lambda: ceiling_pass(workload, "finish"),
+        "pillow": lambda: pillow_pass(workload, draft=False),
+        "pillow_draft": lambda: pillow_pass(workload, draft=True),
+    }
+    names = list(passes)
+    for fn in passes.values():     # warm-up, not timed
+        fn()
+    times = {name: [] for name in names}
+    for r in range(workload.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            passes[name]()
+            times[name].append(time.perf_counter() - t0)
+    dec.profile(True)
+    fused_pass(dec, workload, out_buffer)
+    dec.profile(False)
+    stages = dec.stages()
+    calls = stages.pop("calls")
+    ratios = {f"{a}/{b}": [tb / ta for ta, tb in zip(times[a], times[b])]
+              for a, b in (("fused", "ceiling"), ("fused", "ceiling_finish"),
+                           ("fused_crop", "ceiling"), ("fused", "pillow"),
+                           ("fused", "pillow_draft"))}
+    rates = {name: {"best": workload.n / min(t), "median": workload.n / float(np.median(t))}
+             for name, t in times.items()}
+    summary = {name: {"median": float(np.median(v)), "best": max(v), "worst": min(v)}
+               for name, v in ratios.items()}
+    total = sum(stages.values())
+    split = {k: v / total for k, v in stages.items()}
+    benchmark.extra_info.update(interleaved={"rates": rates, "ratios": summary,
+                                             "stages": split, "rounds": workload.rounds,
+                                             "images": workload.n,
+                                             "us_per_image": total / calls * 1e6})
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    print(f"\n{workload.n} images x {workload.rounds} interleaved rounds")
+    for name, rate in rates.items():
+        print(f"  {name:15s} {rate['best']:7,.0f} img/s best, {rate['median']:7,.0f} median")
+    for name, v in summary.items():
+        print(f"  {name:25s} median {v['median']:.3f}  best {v['best']:.3f}  "
+              f"worst {v['worst']:.3f}")
+    print("  fused stages: " + ", ".join(f"{k} {v:.1%}" for k, v in split.items()))
+    assert all(v["median"] > 0 for v in summary.values())
