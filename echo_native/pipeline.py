@@ -351,9 +351,10 @@ class EchoRing:
             else:
                 self._store(buf, held, counts, rng, fixed)
         # Emissions made and not yet delivered, oldest first.  A host device that
-        # prepares ahead re-augments the next batch while the consumer works on this
-        # one, so one emission stays in flight across each yield.
-        ahead = not fixed and self.device.prepares_ahead
+        # prepares ahead makes the next batch (re-augmented, or gathered from the
+        # buffer after augmentation) while the consumer works on this one, so one
+        # emission stays in flight across each yield.
+        ahead = self.device.prepares_ahead
         keep = 1 if ahead else 0
         made = collections.deque(self._stash)
         self._stash = []
@@ -484,8 +485,8 @@ class EchoRing:
         images = self._output("images", (len(entries), *self.size, 3))
         job = None
         if self.placement == "after_augment":
-            self.device.gather(buf, entries, images)
             boxes, flips = buf.box[entries].copy(), buf.flip[entries].copy()
+            mirror = None
             if self.spec.flip:
                 redo = echo_index > 0
                 # The flip has a Philox block of its own: the image size does not matter.
@@ -493,8 +494,9 @@ class EchoRing:
                 new = _kernel.random_resized_crops(
                     self.seed, buf.epoch[entries], sample_ids, echo_index.astype(np.int32),
                     ones, ones.astype(np.float32), ones, flip_p=self.augment.flip_p)[1]
-                self.device.flip(images, redo & (new != flips))
+                mirror = redo & (new != flips)
                 flips = np.where(redo, new, flips)
+            job = self.device.gather(buf, entries, images, mirror)
         else:
             boxes, flips, canvas_boxes = self._crop_params(buf, entries, sample_ids, echo_index)
             job = self.device.crop_resize(buf, entries, canvas_boxes, flips, images)

@@ -100,6 +100,33 @@ def test_gather_and_flip_move_exact_bytes():
     np.testing.assert_array_equal(out[[0, 2]], before[[0, 2]])
 
 
+def test_cpu_gather_on_the_host_thread_matches_the_array_device():
+    """CpuDevice.gather (a job on its host thread, the native copy with the GIL
+    released) gives ArrayDevice's bytes, mirrored rows included, once synchronised;
+    a bad entry fails the job with an error naming it (once: the clean-up after it
+    does not raise it again), never a stray read."""
+    rng = np.random.default_rng(2)
+    buf = ExampleBuffer(7, 9 * 5 * 3)
+    buf.pixels[...] = rng.integers(0, 256, buf.pixels.shape, dtype=np.uint8)
+    entries, mirror = np.array([6, 0, 3, 6]), np.array([True, False, True, False])
+    want = np.empty((4, 9, 5, 3), np.uint8)
+    ArrayDevice(np).gather(buf, entries, want, mirror)
+    np.testing.assert_array_equal(want[0], buf.pixels[6].reshape(9, 5, 3)[:, ::-1])
+    dev = CpuDevice()
+    try:
+        for m in (mirror, None):
+            got = np.zeros_like(want)
+            job = dev.gather(buf, entries, got, m)
+            dev.synchronize(job)
+            ref = want if m is not None else buf.pixels[entries].reshape(4, 9, 5, 3)
+            np.testing.assert_array_equal(got, ref)
+        job = dev.gather(buf, np.array([1, 7]), np.zeros((2, 9, 5, 3), np.uint8))
+        with pytest.raises(IndexError, match="entry 7 is outside the 7 rows"):
+            dev.synchronize(job)
+    finally:
+        dev.detach()
+
+
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_normalize_matches_formula(layout, dtype):

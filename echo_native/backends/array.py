@@ -125,9 +125,14 @@ class ArrayDevice:
         out[...] = src
         return out
 
-    def gather(self, buffer, entries, out):
+    def gather(self, buffer, entries, out, mirror=None):
+        """Stored examples ``entries`` into ``out``, those where ``mirror`` (a host bool
+        array, or None) mirrored left to right.  Returns a job for :meth:`synchronize`
+        (None: done already)."""
         xp = self.xp
         xp.take(buffer.pixels, xp.asarray(entries), axis=0, out=out.reshape(len(entries), -1))
+        if mirror is not None:
+            self.flip(out, mirror)
 
     def flip(self, images, mask):
         idx = np.flatnonzero(mask)

@@ -42,8 +42,13 @@ class CpuDevice(ArrayDevice):
             n = int(slot.shapes[i][0]) * int(slot.shapes[i][1]) * 3
             buffer.pixels[e, :n] = slot.pixels[i, :n]
 
-    def gather(self, buffer, entries, out):
-        np.take(buffer.pixels, entries, axis=0, out=out.reshape(len(entries), -1))
+    def gather(self, buffer, entries, out, mirror=None):
+        # On the host thread, like re-augmentation: a batch of 128 stored examples is
+        # 19 MB to copy, a quarter of a 20 ms step if the consumer made it.
+        self._last = self._executor().submit(
+            _kernel.gather_rows, buffer.pixels, np.ascontiguousarray(entries, np.int64), out,
+            None if mirror is None else np.ascontiguousarray(mirror, bool).view(np.uint8))
+        return self._last
 
     def to_device(self, host, out=None):
         if out is None:
@@ -98,8 +103,11 @@ class CpuDevice(ArrayDevice):
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"re-augmenting a batch on the host took over {HOST_WAIT_S:.0f} s"
                                ) from None
-        if job is self._last:
-            self._last = None
+        finally:
+            # A failed job is reported once, to the caller that waits for it: clean-up
+            # after the error (detach, release_buffers) must not raise it again.
+            if job is self._last and job.done():
+                self._last = None
 
     def detach(self, ring=None):
         self.synchronize()

@@ -292,9 +292,9 @@ class CudaDevice(ArrayDevice):
         with self.device, self.stream:
             return super().copy(src, out)
 
-    def gather(self, buffer, entries, out):
+    def gather(self, buffer, entries, out, mirror=None):
         with self.device, self.stream:
-            super().gather(buffer, entries, out)
+            super().gather(buffer, entries, out, mirror)
 
     def flip(self, images, mask):
         with self.device, self.stream:

@@ -5,6 +5,7 @@ to turn a failure status into an exception.  Argument checks live here, the
 pixels never leave C.
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, UINT64_MAX
+from libc.string cimport memcpy
 cimport numpy as cnp
 import numpy as np
 
@@ -513,6 +514,37 @@ def random_resized_crops(uint64_t seed, const int64_t[::1] epochs not None,
             cb[i, 2] = min(<double>(<float>b.height / sy), ch - top)
             cb[i, 3] = min(<double>(<float>b.width / sx), cw - left)
     return boxes, flips, canvas_boxes
+
+def gather_rows(const uint8_t[:, ::1] pixels not None, const int64_t[::1] entries not None,
+                out not None, const uint8_t[::1] mirror=None):
+    """``out[i] = pixels[entries[i]]`` as an (h, w, 3) image, mirrored left to right where
+    ``mirror[i]``: a batch of stored examples gathered in one call with the GIL released
+    (after-augmentation echo, made on a host thread while the consumer trains)."""
+    cdef uint8_t[:, :, :, ::1] o = out
+    cdef Py_ssize_t n = entries.shape[0], i, y, x, rows = pixels.shape[0]
+    cdef Py_ssize_t h = o.shape[1], w = o.shape[2], row = w * 3, size = h * row
+    if o.shape[0] < n or o.shape[3] != 3 or pixels.shape[1] < size:
+        raise ValueError(f"{n} entries of {pixels.shape[1]} bytes do not fit out "
+                         f"{tuple(out.shape)} (n, h, w, 3)")
+    if mirror is not None and mirror.shape[0] != n:
+        raise ValueError(f"{n} entries need {n} mirror flags, got {mirror.shape[0]}")
+    for i in range(n):
+        if entries[i] < 0 or entries[i] >= rows:
+            raise IndexError(f"entry {entries[i]} is outside the {rows} rows of pixels")
+    cdef const uint8_t *src
+    cdef uint8_t *dst
+    with nogil:
+        for i in range(n):
+            src = &pixels[entries[i], 0]
+            dst = &o[i, 0, 0, 0]
+            if mirror is None or not mirror[i]:
+                memcpy(dst, src, size)
+                continue
+            for y in range(h):
+                for x in range(w):
+                    memcpy(dst + y * row + x * 3, src + y * row + (w - 1 - x) * 3, 3)
+    return out
+
 
 def center_crop_box(int height, int width, int resize_side, size):
     """Box of the original that Resize(resize_side) + CenterCrop(size) keeps; ``size`` is
