@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -141,10 +142,13 @@ def test_cli_bench_has_the_dali_row_and_ratio(folder, tmp_path, capsys):
     assert "dali" not in data["peers_missing"]
     dali = [r for r in data["rows"] if r["pipeline"].startswith("NVIDIA DALI")]
     assert len(dali) == 1 and dali[0]["x_dali"] == 1.0 and dali[0]["fresh_per_s"] > 0
+    # Ratios are paired by run: the median of ring run i over DALI run i.
     ring = [r for r in data["rows"] if r["pipeline"] == "echo_native"]
-    assert ring and all(r["x_dali"] == pytest.approx(r["delivered_per_s"]
-                                                     / dali[0]["delivered_per_s"])
-                        for r in ring)
+    peer_runs = [run["delivered_per_s"] for run in dali[0]["runs"]]
+    assert ring and all(
+        r["x_dali"] == pytest.approx(statistics.median(
+            run["delivered_per_s"] / p for run, p in zip(r["runs"], peer_runs, strict=True)))
+        for r in ring)
 
 
 # ---- torch ---------------------------------------------------------------------------
