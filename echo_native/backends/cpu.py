@@ -114,7 +114,9 @@ class CpuDevice(ArrayDevice):
         super().detach(ring)
 
     def release_buffers(self):
-        self.synchronize()
-        if self._host is not None:
-            self._host.shutdown(wait=True)
-            self._host = None
+        try:
+            self.synchronize()
+        finally:  # a failed last job still ends the host thread
+            if self._host is not None:
+                self._host.shutdown(wait=True)
+                self._host = None
