@@ -17,7 +17,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,17 +72,14 @@ def test_bench_json_schema(folder, tmp_path, capsys):
                                                       "batch"]
 
 
-@pytest.mark.timing
 def test_bench_real_run_with_peers_pairs_each_run(folder, tmp_path, capsys):
     """A real run with the installed peers: every row holds --repeats runs, and its ratio is
     the median of the runs' ratios to the same run of the peer."""
     js, png = tmp_path / "b.json", tmp_path / "b.png"
-    t0 = time.perf_counter()
     rc = main(["bench", folder, "--echo", "1,2", "--placements", "before_augment",
                "--batch-size", "8", "--image-size", "32", "--workers", "1", "--repeats", "2",
                "--json", str(js), "--chart", str(png)])
     assert rc == 0
-    assert time.perf_counter() - t0 < 60
     data = json.loads(js.read_text())
     ran = [p for p in cli.PEERS if p not in data["peers_missing"]]
     assert ("torch" in ran) == (importlib.util.find_spec("torch") is not None)
