@@ -153,11 +153,6 @@ static void vertical_row(const uint8_t *tmp, size_t row_bytes, size_t n, int cou
 }
 
 #ifdef EN_HAVE_AVX2
-static inline uint32_t load4(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
 
 /* The horizontal pass as 16-bit multiply-adds, bit-exact with the scalar code.
  * A 22-bit weight c does not fit a 16-bit lane, but its halves do: with
@@ -189,10 +184,14 @@ static int pack_pairs(en_buf *buf, const en_axis *x) {
     return 0;
 }
 
-/* Up to four rows (nrows 1..4; missing rows repeat the last and are not
- * stored).  A pair's load reads 16 bytes from its first pixel: at most 13
- * bytes past the last pixel of the row that the filter uses, so the caller
- * guarantees 16 addressable bytes after the end of the last row. */
+/* Pillow's rounded sum from the split accumulators: (2^11 hi + lo + 2^21) >> 22. */
+__attribute__((target("avx2"))) static inline __m256i combine256(__m256i hi, __m256i lo) {
+    return _mm256_srai_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi, 11), lo),
+                         _mm256_set1_epi32(1 << (PRECISION_BITS - 1))),
+        PRECISION_BITS);
+}
+
 /* Output pixel i of four rows: (R G B 0) int32 per 128-bit lane, already
  * shifted down; lanes: a[0] = rows 0 | 1, a[1] = rows 2 | 3. */
 __attribute__((target("avx2"))) static inline void madd_pixel(
@@ -217,11 +216,8 @@ __attribute__((target("avx2"))) static inline void madd_pixel(
         h23 = _mm256_add_epi32(h23, _mm256_madd_epi16(v23, ch));
         l23 = _mm256_add_epi32(l23, _mm256_madd_epi16(v23, cl));
     }
-    const __m256i half = _mm256_set1_epi32(1 << (PRECISION_BITS - 1));
-    a[0] = _mm256_srai_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h01, 11), l01), half), PRECISION_BITS);
-    a[1] = _mm256_srai_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h23, 11), l23), half), PRECISION_BITS);
+    a[0] = combine256(h01, l01);
+    a[1] = combine256(h23, l23);
 }
 
 /* 12 bytes of one 128-bit lane to dst (an 8-byte and a 4-byte store: never
@@ -296,7 +292,6 @@ __attribute__((target("avx2"))) static void vertical_row_avx2(const uint8_t *tmp
                                                                int count,
                                                                const uint32_t *pairs, int np,
                                                                uint8_t *out) {
-    const __m256i half = _mm256_set1_epi32(1 << (PRECISION_BITS - 1));
     const uint32_t *ph = pairs, *pl = pairs + np;
     const int n = (count + 1) >> 1;
     size_t i = 0;
@@ -316,12 +311,7 @@ __attribute__((target("avx2"))) static void vertical_row_avx2(const uint8_t *tmp
             hhi = _mm256_add_epi32(hhi, _mm256_madd_epi16(hi, ch));
             lhi = _mm256_add_epi32(lhi, _mm256_madd_epi16(hi, cl));
         }
-        const __m256i lo = _mm256_srai_epi32(
-            _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(hlo, 11), llo), half),
-            PRECISION_BITS);
-        const __m256i hi = _mm256_srai_epi32(
-            _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(hhi, 11), lhi), half),
-            PRECISION_BITS);
+        const __m256i lo = combine256(hlo, llo), hi = combine256(hhi, lhi);
         /* packs interleaves 64-bit quarters (0-3, 8-11 | 4-7, 12-15): put them back in order. */
         __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
         __m128i p8 = _mm_packus_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
@@ -374,8 +364,9 @@ enum { EN_GROUP = 8, EN_VEC = 64 };
 
 static size_t plan_group_bytes(int np) { return sizeof(en_group) + (size_t)np * 6 * EN_VEC; }
 
-/* Build the plan; 0 if some group's pixels do not fit a window (use AVX2). */
-static int plan_groups(en_buf *buf, const en_axis *x) {
+/* Build the plan from pack_pairs' words; 0 if some group's pixels do not fit a
+ * window (use AVX2). */
+static int plan_groups(en_buf *buf, const en_axis *x, const uint32_t *pairs) {
     const int np = pair_count(x), groups = (x->out_size + EN_GROUP - 1) / EN_GROUP;
     const size_t gbytes = plan_group_bytes(np);
     if (en_buf_reserve(buf, gbytes * groups)) return 0;
@@ -396,13 +387,10 @@ static int plan_groups(en_buf *buf, const en_axis *x) {
         for (int j = 0; j < np; j++, v += 6 * EN_VEC) {
             for (int q = 0; q < EN_GROUP; q++) {
                 const int o = i0 + (q < n ? q : n - 1); /* padding repeats the last output */
-                const int32_t *c = x->coeffs + (size_t)o * x->ksize;
-                const int k = 2 * j, cnt = x->count[o];
-                const uint32_t c0 = k < cnt ? (uint32_t)c[k] : 0;
-                const uint32_t c1 = k + 1 < cnt ? (uint32_t)c[k + 1] : 0;
-                const uint32_t hi = (c0 >> 11) | (c1 >> 11) << 16;
-                const uint32_t lo = (c0 & 2047u) | (c1 & 2047u) << 16;
-                const int b = (x->first[o] + k - hd->base) * 3, at = (q >> 2) * EN_VEC + (q & 3) * 16;
+                const uint32_t hi = pairs[(size_t)o * 2 * np + j];
+                const uint32_t lo = pairs[(size_t)o * 2 * np + np + j];
+                const int b = (x->first[o] + 2 * j - hd->base) * 3;
+                const int at = (q >> 2) * EN_VEC + (q & 3) * 16;
                 /* Words R0 R1 G0 G1 B0 B1 0 0: the zero bytes come from vpermb's mask;
                  * a tap past `count` has weight 0, so its index may wrap (mod 64). */
                 static const uint8_t spread[16] = {0, 0, 3, 0, 1, 0, 4, 0, 2, 0, 5, 0, 0, 0, 0, 0};
@@ -428,6 +416,14 @@ static void compact_indices(uint8_t idx[EN_VEC], int n, int flip) {
     }
 }
 
+/* combine256 for 512-bit accumulators. */
+__attribute__((target("avx512f"))) static inline __m512i combine512(__m512i hi, __m512i lo) {
+    return _mm512_srai_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 11), lo),
+                         _mm512_set1_epi32(1 << (PRECISION_BITS - 1))),
+        PRECISION_BITS);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) static void horizontal_rows_512(
     const uint8_t *src, size_t src_stride, int rows, int src_x0, const en_axis *x,
     const uint8_t *plan, int flip, uint8_t *tmp) {
@@ -438,7 +434,6 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) static void ho
     compact_indices(full_idx, EN_GROUP, flip);
     compact_indices(tail_idx, tail, flip);
     const __m512i full = _mm512_loadu_si512(full_idx), last = _mm512_loadu_si512(tail_idx);
-    const __m512i half = _mm512_set1_epi32(1 << (PRECISION_BITS - 1));
     const __mmask64 words = 0x0555055505550555ull; /* the 6 bytes per lane that carry pixels */
     for (int r = 0; r < rows; r++) {
         const uint8_t *in = src + (size_t)r * src_stride - (size_t)src_x0 * 3;
@@ -458,12 +453,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) static void ho
                 l0 = _mm512_dpwssd_epi32(l0, a, _mm512_loadu_si512(v + 4 * EN_VEC));
                 l1 = _mm512_dpwssd_epi32(l1, b, _mm512_loadu_si512(v + 5 * EN_VEC));
             }
-            const __m512i s0 = _mm512_srai_epi32(
-                _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h0, 11), l0), half),
-                PRECISION_BITS);
-            const __m512i s1 = _mm512_srai_epi32(
-                _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h1, 11), l1), half),
-                PRECISION_BITS);
+            const __m512i s0 = combine512(h0, l0), s1 = combine512(h1, l1);
             /* packs/packus saturate to [0, 255], the same clamp as clip8. */
             const __m512i p16 = _mm512_packs_epi32(s0, s1);
             const __m512i p8 = _mm512_packus_epi16(p16, p16);
@@ -481,7 +471,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) static void ho
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static size_t vertical_row_512(
     const uint8_t *tmp, size_t row_bytes, int count, const uint32_t *pairs, int np,
     uint8_t *out) {
-    const __m512i half = _mm512_set1_epi32(1 << (PRECISION_BITS - 1)), zero = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512();
     const uint32_t *ph = pairs, *pl = pairs + np;
     const int n = (count + 1) >> 1;
     size_t i = 0;
@@ -501,12 +491,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static size_t vertical_ro
             hhi = _mm512_dpwssd_epi32(hhi, hi, ch);
             lhi = _mm512_dpwssd_epi32(lhi, hi, cl);
         }
-        const __m512i vlo = _mm512_srai_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hlo, 11), llo), half),
-            PRECISION_BITS);
-        const __m512i vhi = _mm512_srai_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hhi, 11), lhi), half),
-            PRECISION_BITS);
+        const __m512i vlo = combine512(hlo, llo), vhi = combine512(hhi, lhi);
         const __m128i blo = _mm512_cvtusepi32_epi8(_mm512_max_epi32(vlo, zero));
         const __m128i bhi = _mm512_cvtusepi32_epi8(_mm512_max_epi32(vhi, zero));
         _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi64(blo, bhi));
@@ -529,7 +514,7 @@ int en_resample_begin(en_resampler *r, const en_axis *x, const en_axis *y) {
     if (en_buf_reserve(&r->tmp, (size_t)x->out_size * 3 * (size_t)(y->hi - y->lo))) return -1;
 #ifdef EN_HAVE_AVX2
     if (have_avx2() && (pack_pairs(&r->xpairs, x) || pack_pairs(&r->ypairs, y))) return -1;
-    r->xgroups = have_avx512() && plan_groups(&r->xplan, x);
+    r->xgroups = have_avx512() && plan_groups(&r->xplan, x, r->xpairs.p);
 #endif
     return 0;
 }
