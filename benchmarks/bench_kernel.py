@@ -225,4 +225,3 @@ def test_interleaved(benchmark, workload, out_buffer):
         print(f"  {name:25s} median {v['median']:.3f}  best {v['best']:.3f}  "
               f"worst {v['worst']:.3f}")
     print("  fused stages: " + ", ".join(f"{k} {v:.1%}" for k, v in split.items()))
-    assert all(v["median"] > 0 for v in summary.values())

@@ -546,14 +546,6 @@ void en_resample_h_rows(en_resampler *r, const uint8_t *src, size_t src_stride, 
                     tmp + (size_t)done * row_bytes);
 }
 
-int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
-                  int src_y0, const en_axis *x, const en_axis *y, int flip, size_t src_slack) {
-    if (en_resample_begin(r, x, y)) return -1;
-    en_resample_h_rows(r, src + (size_t)(y->lo - src_y0) * src_stride, src_stride, src_x0, x,
-                       flip, src_slack, 0, y->hi - y->lo);
-    return 0;
-}
-
 void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, uint8_t *out,
                    size_t stride) {
     const size_t row_bytes = (size_t)x->out_size * 3;
@@ -585,7 +577,9 @@ void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, ui
 int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0, int src_y0,
                 const en_axis *x, const en_axis *y, int flip, size_t src_slack, uint8_t *out,
                 size_t stride) {
-    if (en_resample_h(r, src, src_stride, src_x0, src_y0, x, y, flip, src_slack)) return -1;
+    if (en_resample_begin(r, x, y)) return -1;
+    en_resample_h_rows(r, src + (size_t)(y->lo - src_y0) * src_stride, src_stride, src_x0, x,
+                       flip, src_slack, 0, y->hi - y->lo);
     en_resample_v(r, x, y, out, stride);
     return 0;
 }

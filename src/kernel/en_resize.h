@@ -48,22 +48,16 @@ int en_resample(en_resampler *r, const uint8_t *src, size_t src_stride, int src_
                 const en_axis *x, const en_axis *y, int flip, size_t src_slack, uint8_t *out,
                 size_t stride);
 
-/* The same two passes one at a time (the kernel times them apart): the
- * horizontal pass into r->tmp, then the vertical pass from it. */
-int en_resample_h(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
-                  int src_y0, const en_axis *x, const en_axis *y, int flip, size_t src_slack);
-void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, uint8_t *out,
-                   size_t stride);
-
-
-/* The horizontal pass in pieces, for a caller that produces the input rows a
- * few at a time (the kernel, while libjpeg decodes them): begin once, then
- * h_rows for rows [row, row + rows) of [y.lo, y.hi), src pointing at the
- * first of them, src_slack as above for this piece. */
+/* The two passes apart, for a caller that produces the input rows a few at a
+ * time (the kernel, while libjpeg decodes them): begin once, then h_rows for
+ * rows [row, row + rows) of [y.lo, y.hi), src pointing at the first of them,
+ * src_slack as above for this piece; then the vertical pass from r->tmp. */
 int en_resample_begin(en_resampler *r, const en_axis *x, const en_axis *y);
 /* How many rows a piece should have for this CPU's pass; 0: all at once. */
 int en_resample_piece_rows(void);
 void en_resample_h_rows(en_resampler *r, const uint8_t *src, size_t src_stride, int src_x0,
                         const en_axis *x, int flip, size_t src_slack, int row, int rows);
+void en_resample_v(const en_resampler *r, const en_axis *x, const en_axis *y, uint8_t *out,
+                   size_t stride);
 
 #endif
