@@ -57,34 +57,11 @@ class _Pipeline:
     peer: str | None = None
 
 
-class _NoBar:
-    """Stands in for tqdm when it is not installed."""
-    total = 0
-
-    def set_description(self, desc):
-        pass
-
-    def update(self, n=1):
-        pass
-
-    def refresh(self):
-        pass
-
-    def close(self):
-        pass
-
-    @staticmethod
-    def write(msg, file=None):
-        print(msg, file=file or sys.stderr)
-
-
 def _progress(total):
     """One bar over every (pipeline, repeat) run, on stderr, off when stderr is no TTY
     (a log file or CI would get a line per refresh)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
+    from tqdm import tqdm  # a dependency of the package
+
     return tqdm(total=total, unit="run", leave=False, file=sys.stderr,
                 disable=not sys.stderr.isatty())
 

@@ -263,7 +263,7 @@ def test_bench_progress_bar_counts_runs_and_names_the_pipeline(folder, tmp_path,
     """One bar over every (pipeline, repeat) run; its description names the one running."""
     bars = []
 
-    class Bar(cli._NoBar):
+    class Bar:
         def __init__(self, total):
             self.total, self.descs, self.done = total, [], 0
             bars.append(self)
@@ -273,6 +273,16 @@ def test_bench_progress_bar_counts_runs_and_names_the_pipeline(folder, tmp_path,
 
         def update(self, n=1):
             self.done += n
+
+        def refresh(self):
+            pass
+
+        def close(self):
+            pass
+
+        @staticmethod
+        def write(msg, file=None):
+            print(msg, file=file)
 
     monkeypatch.setattr(cli, "_progress", Bar)
     _fake_bench(folder, tmp_path, monkeypatch, repeats=2)
