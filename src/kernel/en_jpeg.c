@@ -666,24 +666,23 @@ int en_jpeg_decode_canvas(en_decoder *d, const uint8_t *data, size_t len, int mi
     if (out_cap < need)
         fail(d, EN_ERR_ARG, "canvas buffer holds %zu bytes, a %dx%d canvas needs %zu", out_cap,
              canvas->height, canvas->width, need);
-    ci->scale_denom = (unsigned)canvas->denom;
-    d->last_scale = canvas->denom;
-    jpeg_start_decompress(ci);
     if (canvas->height == rh && canvas->width == rw) {
+        ci->scale_denom = (unsigned)canvas->denom;
+        d->last_scale = canvas->denom;
+        jpeg_start_decompress(ci);
         read_rows(d, out, (size_t)rw * 3, rh);
         jpeg_finish_decompress(ci);
         return EN_OK;
     }
-    if (en_buf_reserve(&d->region, (size_t)rh * rw * 3 + 16))
-        fail(d, EN_ERR_NOMEM, "out of memory for a %dx%d canvas", rh, rw);
-    read_rows(d, d->region.p, (size_t)rw * 3, rh);
-    jpeg_finish_decompress(ci);
+    /* Over budget: shrink the rows as libjpeg hands them over, as a crop does,
+     * while they are still in cache. */
     en_axis ax, ay;
     if (en_plan_axis(&d->rs, 1, 0.0, rw, rw, canvas->width, &ax) ||
-        en_plan_axis(&d->rs, 0, 0.0, rh, rh, canvas->height, &ay) ||
-        en_resample(&d->rs, d->region.p, (size_t)rw * 3, 0, 0, &ax, &ay, 0, 16, out,
-                    (size_t)canvas->width * 3))
+        en_plan_axis(&d->rs, 0, 0.0, rh, rh, canvas->height, &ay))
         fail(d, EN_ERR_NOMEM, "out of memory shrinking a %dx%d canvas", rh, rw);
+    decode_resample_h(d, canvas->denom, 0, rw, &ax, &ay, 0);
+    jpeg_finish_decompress(ci);
+    en_resample_v(&d->rs, &ax, &ay, out, (size_t)canvas->width * 3);
     return EN_OK;
 }
 

@@ -184,12 +184,14 @@ static int pack_pairs(en_buf *buf, const en_axis *x) {
     return 0;
 }
 
-/* Pillow's rounded sum from the split accumulators: (2^11 hi + lo + 2^21) >> 22. */
+/* Pillow's rounded sum from the split accumulators, (2^11 hi + lo + 2^21) >> 22,
+ * as (hi + (lo + 2^21) >> 11) >> 11: floor divisions nest, so the two are the
+ * same integer, and the lo accumulators start at the rounding term (ROUND_LO),
+ * which leaves two shifts and an add. */
+#define ROUND_LO (1 << (PRECISION_BITS - 1))
+
 __attribute__((target("avx2"))) static inline __m256i combine256(__m256i hi, __m256i lo) {
-    return _mm256_srai_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi, 11), lo),
-                         _mm256_set1_epi32(1 << (PRECISION_BITS - 1))),
-        PRECISION_BITS);
+    return _mm256_srai_epi32(_mm256_add_epi32(hi, _mm256_srai_epi32(lo, 11)), 11);
 }
 
 /* Output pixel i of four rows: (R G B 0) int32 per 128-bit lane, already
@@ -199,7 +201,8 @@ __attribute__((target("avx2"))) static inline void madd_pixel(
     int np, int i, __m256i spread, __m256i a[2]) {
     const uint32_t *ph = pairs + (size_t)i * 2 * np, *pl = ph + np;
     const uint8_t *p = src + (size_t)(x->first[i] - src_x0) * 3;
-    __m256i h01 = _mm256_setzero_si256(), l01 = h01, h23 = h01, l23 = h01;
+    __m256i h01 = _mm256_setzero_si256(), h23 = h01;
+    __m256i l01 = _mm256_set1_epi32(ROUND_LO), l23 = l01;
     for (int j = 0, n = (x->count[i] + 1) >> 1; j < n; j++, p += 6) {
         const __m256i ch = _mm256_set1_epi32((int)ph[j]), cl = _mm256_set1_epi32((int)pl[j]);
         const __m256i v01 = _mm256_shuffle_epi8(
@@ -296,7 +299,8 @@ __attribute__((target("avx2"))) static void vertical_row_avx2(const uint8_t *tmp
     const int n = (count + 1) >> 1;
     size_t i = 0;
     for (; i + 16 <= len; i += 16) {
-        __m256i hlo = _mm256_setzero_si256(), hhi = hlo, llo = hlo, lhi = hlo;
+        __m256i hlo = _mm256_setzero_si256(), hhi = hlo;
+        __m256i llo = _mm256_set1_epi32(ROUND_LO), lhi = llo;
         const uint8_t *row = tmp + i;
         for (int j = 0; j < n; j++, row += 2 * row_bytes) {
             const __m256i ch = _mm256_set1_epi32((int)ph[j]), cl = _mm256_set1_epi32((int)pl[j]);
@@ -418,10 +422,7 @@ static void compact_indices(uint8_t idx[EN_VEC], int n, int flip) {
 
 /* combine256 for 512-bit accumulators. */
 __attribute__((target("avx512f"))) static inline __m512i combine512(__m512i hi, __m512i lo) {
-    return _mm512_srai_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 11), lo),
-                         _mm512_set1_epi32(1 << (PRECISION_BITS - 1))),
-        PRECISION_BITS);
+    return _mm512_srai_epi32(_mm512_add_epi32(hi, _mm512_srai_epi32(lo, 11)), 11);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) static void horizontal_rows_512(
@@ -442,7 +443,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) static void ho
         for (int g = 0; g < groups; g++, gp += gbytes) {
             const en_group *hd = (const en_group *)gp;
             const __m512i w = _mm512_maskz_loadu_epi8(hd->load, in + (size_t)hd->base * 3);
-            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0;
+            __m512i l0 = _mm512_set1_epi32(ROUND_LO), l1 = l0;
             const uint8_t *v = (const uint8_t *)(hd + 1);
             for (int j = 0; j < hd->pairs; j++, v += 6 * EN_VEC) {
                 const __m512i a = _mm512_maskz_permutexvar_epi8(words, _mm512_loadu_si512(v), w);
@@ -476,7 +478,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static size_t vertical_ro
     const int n = (count + 1) >> 1;
     size_t i = 0;
     for (; i + 32 <= row_bytes; i += 32) {
-        __m512i hlo = zero, hhi = zero, llo = zero, lhi = zero;
+        __m512i hlo = zero, hhi = zero, llo = _mm512_set1_epi32(ROUND_LO), lhi = llo;
         const uint8_t *row = tmp + i;
         for (int j = 0; j < n; j++, row += 2 * row_bytes) {
             const __m512i ch = _mm512_set1_epi32((int)ph[j]), cl = _mm512_set1_epi32((int)pl[j]);
