@@ -17,6 +17,8 @@ ceiling         libjpeg-turbo ROI decode alone, in C, same boxes, same DCT scale
                 after the crop's last row (the fastest correct ROI decode)
 ceiling_finish  the same, then decoding to the end of the file and refusing any
                 warning, as a decoder that checks the whole file does
+ceiling_store   the ceiling keeping every row of the crop, as a decoder that returns
+                it does (the ceiling itself decodes every row into one reused row)
 pillow          torchvision-style Pillow: open, resize(BILINEAR, box), flip, asarray
 pillow_draft    the same with ``draft`` to the kernel's DCT scale before the resize
 pillow_simd     the draft pipeline when the installed PIL is Pillow-SIMD
@@ -186,6 +188,7 @@ def test_interleaved(benchmark, workload, out_buffer):
         "fused_crop": lambda: fused_crop_pass(dec, workload, out_buffer),
         "ceiling": lambda: ceiling_pass(workload),
         "ceiling_finish": lambda: ceiling_pass(workload, "finish"),
+        "ceiling_store": lambda: ceiling_pass(workload, "store"),
         "pillow": lambda: pillow_pass(workload, draft=False),
         "pillow_draft": lambda: pillow_pass(workload, draft=True),
     }
@@ -205,8 +208,8 @@ def test_interleaved(benchmark, workload, out_buffer):
     calls = stages.pop("calls")
     ratios = {f"{a}/{b}": [tb / ta for ta, tb in zip(times[a], times[b])]
               for a, b in (("fused", "ceiling"), ("fused", "ceiling_finish"),
-                           ("fused_crop", "ceiling"), ("fused", "pillow"),
-                           ("fused", "pillow_draft"))}
+                           ("fused", "ceiling_store"), ("fused_crop", "ceiling"),
+                           ("fused", "pillow"), ("fused", "pillow_draft"))}
     rates = {name: {"best": workload.n / min(t), "median": workload.n / float(np.median(t))}
              for name, t in times.items()}
     summary = {name: {"median": float(np.median(v)), "best": max(v), "worst": min(v)}

@@ -21,11 +21,14 @@ struct jump_err {
 };
 
 static void jump_exit(j_common_ptr c) { longjmp(((struct jump_err *)c->err)->jump, 1); }
-static void quiet(j_common_ptr c, int level) { (void)c; (void)level; }
+/* libjpeg's own emit_message is what counts warnings (level -1): count them here. */
+static void quiet(j_common_ptr c, int level) {
+    if (level < 0) c->err->num_warnings++;
+}
 
 int roi_decode_only(const unsigned char *data, unsigned long len, int top, int left, int height,
                     int width, int denom, int mode, unsigned char *scratch,
-                    unsigned long scratch_cap) {
+                    unsigned long scratch_cap, unsigned long *need) {
     struct jpeg_decompress_struct ci;
     struct jump_err err;
     ci.err = jpeg_std_error(&err.pub);
@@ -51,7 +54,9 @@ int roi_decode_only(const unsigned char *data, unsigned long len, int top, int l
     jpeg_crop_scanline(&ci, &x0, &w);
     int y0 = top / denom, rows = (height + denom - 1) / denom;
     if (y0 + rows > (int)ci.output_height) rows = (int)ci.output_height - y0;
-    if ((unsigned long)ci.output_width * ci.output_components > scratch_cap) {
+    const unsigned long row_bytes = (unsigned long)ci.output_width * ci.output_components;
+    *need = mode == ROI_STORE ? row_bytes * (unsigned long)rows : row_bytes;
+    if (*need > scratch_cap) {
         jpeg_destroy_decompress(&ci);
         return -2;
     }
@@ -59,8 +64,10 @@ int roi_decode_only(const unsigned char *data, unsigned long len, int top, int l
     if (mode == ROI_ENTROPY) {
         jpeg_skip_scanlines(&ci, (JDIMENSION)rows);
     } else {
+        /* One row reused, to measure decoding and not storing, except ROI_STORE. */
+        const unsigned long step = mode == ROI_STORE ? row_bytes : 0;
         for (int y = 0; y < rows; y++) {
-            JSAMPROW row = scratch; /* one row reused: we measure decoding, not storing */
+            JSAMPROW row = scratch + step * (unsigned long)y;
             jpeg_read_scanlines(&ci, &row, 1);
         }
     }

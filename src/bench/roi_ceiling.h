@@ -7,11 +7,14 @@ enum roi_mode {
     ROI_YCC = 1,     /* the same in YCbCr: no colour conversion */
     ROI_ENTROPY = 2, /* skip the crop's rows too: entropy decoding, no IDCT or colour */
     ROI_FINISH = 3,  /* ROI_RGB, then decode to the end of the file and check for warnings */
+    ROI_STORE = 4,   /* ROI_RGB, keeping every row: the crop stored in `scratch`, as a
+                        decoder that returns it does (the others reuse one row) */
 };
 
 /* Decode rows/cols of a crop at 1/denom scale; returns rows decoded, or < 0:
- * -1 libjpeg failed, -2 the scratch row is too small, -3 (ROI_FINISH) warnings. */
+ * -1 libjpeg failed, -2 `scratch` is too small (*need: the bytes it takes),
+ * -3 (ROI_FINISH) warnings. */
 int roi_decode_only(const unsigned char *data, unsigned long len, int top, int left, int height,
                     int width, int denom, int mode, unsigned char *scratch,
-                    unsigned long scratch_cap);
+                    unsigned long scratch_cap, unsigned long *need);
 #endif
