@@ -377,6 +377,12 @@ def _orphaned(ring):
 
 _ENTRY = "import echo_native.workers as w; w.worker_main()"
 
+# A worker decodes on one thread.  The BLAS and OpenMP pools numpy or torch
+# would start at import spin for a while before they sleep (about 0.1 s of a
+# core per process for numpy's OpenBLAS), and a source calling into them would
+# run one pool per worker on cores the other workers are decoding on.
+WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
 
 def ship(plan, source) -> bytes:
     """The plan and the source as bytes a worker process can load.
@@ -415,6 +421,7 @@ class WorkerProcess:
         # is in the message; a named ring's name.
         handle = ring.handle()
         self._proc = subprocess.Popen([sys.executable, "-c", _ENTRY], stdin=subprocess.PIPE,
+                                      env={**os.environ, **WORKER_ENV},
                                       start_new_session=True,
                                       pass_fds=(handle[1],) if handle[0] == "fd" else ())
         self.pid = self._proc.pid

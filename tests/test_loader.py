@@ -173,6 +173,34 @@ def test_epochs_differ_but_each_is_reproducible(corpus_root):
 
 # ---- no spinning on one CPU ------------------------------------------------------------------
 @pytest.mark.slow
+class _RefusesThreadPools:
+    """Reads only where numpy's and OpenMP's thread pools are capped at one thread."""
+
+    def __init__(self, base):
+        self.base, self.labels = base, base.labels
+
+    def __len__(self):
+        return len(self.base)
+
+    def read(self, i):
+        from echo_native.workers import WORKER_ENV
+        wrong = {k: os.environ.get(k) for k, v in WORKER_ENV.items() if os.environ.get(k) != v}
+        if wrong:
+            raise RuntimeError(f"worker pid {os.getpid()} runs with {wrong}")
+        return self.base.read(i)
+
+
+def test_process_workers_cap_blas_and_openmp_threads(corpus_root, monkeypatch):
+    """A user's OMP_NUM_THREADS=8 is for their training, not for every decode worker."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    src = _RefusesThreadPools(en.ImageFolder(corpus_root))
+    with en.Loader(src, batch_size=4, image_size=32, workers=2, worker_mode="process",
+                   on_error="raise", timeout=60) as loader:
+        assert sum(len(b) for b in loader) == len(src)
+    assert os.environ["OMP_NUM_THREADS"] == "8"  # the consumer's own is left alone
+
+
 def test_one_cpu_progresses_without_spinning(corpus_root, tmp_path):
     """Pinned to one CPU with 2 workers: completes (within the subprocess timeout), and
     waiting sides sleep: on one core a side that spins instead of sleeping would take
