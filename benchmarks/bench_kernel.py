@@ -228,3 +228,41 @@ def test_interleaved(benchmark, workload, out_buffer):
         print(f"  {name:25s} median {v['median']:.3f}  best {v['best']:.3f}  "
               f"worst {v['worst']:.3f}")
     print("  fused stages: " + ", ".join(f"{k} {v:.1%}" for k, v in split.items()))
+
+
+@pytest.mark.benchmark(group="kernel-canvas")
+def test_canvas_budgets(benchmark, workload, out_buffer):
+    """What a fresh example costs echoing before augmentation: the canvas (whole image,
+    shrunk to ``Echo(canvas_max_pixels=...)``) against the crop the other placements
+    decode, per budget, interleaved as above; ratios of rates, paired by round."""
+    dec = _kernel.Decoder()
+    side = max(workload.size)
+    budgets = {"2x": 2 * side * side, "3x": 3 * side * side, "4x": 4 * side * side,
+               "unbounded": 2**63}
+    canvas = np.empty(4 * side * side * 3, np.uint8)
+    big = max(s.height * s.width * 3 for s in workload.samples)
+    unbounded = np.empty(big, np.uint8)
+
+    def canvas_pass(budget):
+        out = unbounded if budget > 4 * side * side else canvas
+        for s in workload.samples:
+            dec.decode_canvas(s.data, side, budget, out)
+
+    passes = {"crop": lambda: fused_crop_pass(dec, workload, out_buffer)}
+    passes.update({name: (lambda b=b: canvas_pass(b)) for name, b in budgets.items()})
+    names = list(passes)
+    for fn in passes.values():
+        fn()
+    times = {name: [] for name in names}
+    for r in range(workload.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            passes[name]()
+            times[name].append(time.perf_counter() - t0)
+    ratios = {name: float(np.median([tc / tn for tc, tn in zip(times["crop"], times[name])]))
+              for name in budgets}
+    over = sum(s.height * s.width > budgets["2x"] for s in workload.samples) / workload.n
+    benchmark.extra_info.update(canvas={"canvas_over_crop": ratios, "over_default": over})
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    print(f"\ncanvas rate / crop rate ({over:.0%} of the images exceed the default budget): "
+          + ", ".join(f"{name} {v:.2f}" for name, v in ratios.items()))
