@@ -39,8 +39,7 @@ def roi_decode(const uint8_t[::1] data not None, int top, int left, int height, 
             break
         _scratch = np.empty(need, dtype=np.uint8)  # once per new largest crop
     if rows < 0:
-        why = {-2: "a row is wider than the scratch buffer",
-               -3: "libjpeg-turbo warned (corrupt or truncated data)"}
+        why = {-3: "libjpeg-turbo warned (corrupt or truncated data)"}
         raise ValueError(f"libjpeg-turbo could not decode the crop: "
                          f"{why.get(rows, 'decode error')}")
     return rows

@@ -59,15 +59,15 @@ int roi_decode_only(const unsigned char *data, unsigned long len, int top, int l
      * conversion writes such a row with non-temporal stores, which made this
      * ceiling 12% slower whenever the scratch buffer happened to be aligned
      * (see region_rows in en_jpeg.c).  The fastest correct decode is the ceiling. */
+    enum { ALIGN = 32, SKEW = 8 };
     const unsigned long row_bytes =
-        ((unsigned long)ci.output_width * ci.output_components + 31) & ~31ul;
-    const unsigned long skew = (32 - ((unsigned long)(uintptr_t)scratch & 31)) % 32 + 8;
-    *need = (mode == ROI_STORE ? row_bytes * (unsigned long)rows : row_bytes) + 40;
+        ((unsigned long)ci.output_width * ci.output_components + ALIGN - 1) & ~(ALIGN - 1ul);
+    *need = (mode == ROI_STORE ? row_bytes * (unsigned long)rows : row_bytes) + ALIGN + SKEW;
     if (*need > scratch_cap) {
         jpeg_destroy_decompress(&ci);
         return -2;
     }
-    scratch += skew;
+    scratch += (ALIGN - (uintptr_t)scratch % ALIGN) % ALIGN + SKEW;
     if (y0) jpeg_skip_scanlines(&ci, (JDIMENSION)y0);
     if (mode == ROI_ENTROPY) {
         jpeg_skip_scanlines(&ci, (JDIMENSION)rows);
