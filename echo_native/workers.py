@@ -380,8 +380,21 @@ _ENTRY = "import echo_native.workers as w; w.worker_main()"
 # A worker decodes on one thread.  The BLAS and OpenMP pools numpy or torch
 # would start at import spin for a while before they sleep (about 0.1 s of a
 # core per process for numpy's OpenBLAS), and a source calling into them would
-# run one pool per worker on cores the other workers are decoding on.
-WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# run one pool per worker on cores the other workers are decoding on.  So the
+# pools get ECHO_NATIVE_WORKER_THREADS threads (default 1) in every worker,
+# whatever the consumer's own settings are for its training.
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+               "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
+
+def worker_env():
+    """The environment of a worker process: the consumer's, with the thread pools of
+    :data:`THREAD_VARS` set to ``ECHO_NATIVE_WORKER_THREADS`` (default 1)."""
+    n = os.environ.get("ECHO_NATIVE_WORKER_THREADS", "1")
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"ECHO_NATIVE_WORKER_THREADS must be a positive integer (threads per "
+                         f"worker for BLAS and OpenMP), got {n!r}")
+    return {**os.environ, **{var: str(int(n)) for var in THREAD_VARS}}
 
 
 def ship(plan, source) -> bytes:
@@ -421,7 +434,7 @@ class WorkerProcess:
         # is in the message; a named ring's name.
         handle = ring.handle()
         self._proc = subprocess.Popen([sys.executable, "-c", _ENTRY], stdin=subprocess.PIPE,
-                                      env={**os.environ, **WORKER_ENV},
+                                      env=worker_env(),
                                       start_new_session=True,
                                       pass_fds=(handle[1],) if handle[0] == "fd" else ())
         self.pid = self._proc.pid

@@ -171,36 +171,56 @@ def test_epochs_differ_but_each_is_reproducible(corpus_root):
 
 
 
-# ---- no spinning on one CPU ------------------------------------------------------------------
-@pytest.mark.slow
+# ---- worker processes' thread pools ------------------------------------------------------
 class _RefusesThreadPools:
-    """Reads only where numpy's and OpenMP's thread pools are capped at one thread."""
+    """Reads only where the BLAS and OpenMP pools have ``threads`` threads."""
 
-    def __init__(self, base):
-        self.base, self.labels = base, base.labels
+    def __init__(self, base, threads):
+        self.base, self.labels, self.threads = base, base.labels, str(threads)
 
     def __len__(self):
         return len(self.base)
 
     def read(self, i):
-        from echo_native.workers import WORKER_ENV
-        wrong = {k: os.environ.get(k) for k, v in WORKER_ENV.items() if os.environ.get(k) != v}
+        from echo_native.workers import THREAD_VARS
+        wrong = {k: os.environ.get(k) for k in THREAD_VARS if os.environ.get(k) != self.threads}
         if wrong:
             raise RuntimeError(f"worker pid {os.getpid()} runs with {wrong}")
         return self.base.read(i)
 
 
-def test_process_workers_cap_blas_and_openmp_threads(corpus_root, monkeypatch):
-    """A user's OMP_NUM_THREADS=8 is for their training, not for every decode worker."""
+@pytest.mark.parametrize("setting, threads", [(None, 1), ("3", 3)])
+def test_process_workers_cap_blas_and_openmp_threads(corpus_root, monkeypatch, setting,
+                                                     threads):
+    """A user's OMP_NUM_THREADS=8 is for their training, not for every decode worker;
+    ECHO_NATIVE_WORKER_THREADS sets the workers' own."""
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
-    src = _RefusesThreadPools(en.ImageFolder(corpus_root))
+    if setting is None:
+        monkeypatch.delenv("ECHO_NATIVE_WORKER_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("ECHO_NATIVE_WORKER_THREADS", setting)
+    src = _RefusesThreadPools(en.ImageFolder(corpus_root), threads)
     with en.Loader(src, batch_size=4, image_size=32, workers=2, worker_mode="process",
                    on_error="raise", timeout=60) as loader:
         assert sum(len(b) for b in loader) == len(src)
     assert os.environ["OMP_NUM_THREADS"] == "8"  # the consumer's own is left alone
 
 
+@pytest.mark.parametrize("bad", ["0", "-1", "two", ""])
+def test_a_bad_worker_threads_setting_is_refused_by_name(corpus_root, monkeypatch, bad):
+    monkeypatch.setenv("ECHO_NATIVE_WORKER_THREADS", bad)
+    loader = en.Loader(en.ImageFolder(corpus_root), batch_size=4, image_size=32, workers=1,
+                       worker_mode="process", timeout=60)
+    with pytest.raises(ValueError, match="ECHO_NATIVE_WORKER_THREADS"):
+        try:
+            loader.start()
+        finally:
+            loader.close()
+
+
+# ---- no spinning on one CPU ------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_cpu_progresses_without_spinning(corpus_root, tmp_path):
     """Pinned to one CPU with 2 workers: completes (within the subprocess timeout), and
     waiting sides sleep: on one core a side that spins instead of sleeping would take
