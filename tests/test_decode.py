@@ -514,6 +514,27 @@ def test_stage_profile_counts_crop_calls_and_their_time(images):
     assert dec.stages()["calls"] == 0
 
 
+@pytest.mark.parametrize("budget, shrunk", [(2**62, False), (500, True)])
+def test_stage_profile_counts_canvas_calls_whole(images, budget, shrunk):
+    """A canvas call is one call, and its time is all charged to some stage; only a
+    canvas shrunk to its budget spends time resampling."""
+    import time
+
+    data = images.sample("baseline-4:2:0").data
+    dec = _kernel.Decoder()
+    out = np.empty(3 * 1024 * 1024, np.uint8)
+    dec.profile(True)
+    t0 = time.perf_counter_ns()
+    canvas, _, _ = dec.decode_canvas(data, 16, budget, out)
+    wall = (time.perf_counter_ns() - t0) * 1e-9
+    st = dec.stages()
+    assert st.pop("calls") == 1
+    assert (canvas.shape[0] * canvas.shape[1] <= 500) == shrunk
+    assert st["rows"] > 0 and st["finish"] > 0
+    assert (st["hpass"] > 0 and st["vpass"] > 0) == shrunk
+    assert 0 < sum(st.values()) <= wall
+
+
 _SIMD_CASES = r"""
 import io, sys
 import numpy as np

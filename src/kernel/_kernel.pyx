@@ -219,13 +219,15 @@ cdef class Decoder:
         return en_decoder_last_memory(self._d)
 
     def profile(self, on=True):
-        """Start (zeroing the counters) or stop (keeping them) timing the crop calls;
-        see :meth:`stages`.  Costs two clock reads per stage while on."""
+        """Start (zeroing the counters) or stop (keeping them) timing the crop and
+        canvas calls; see :meth:`stages`.  Costs two clock reads per stage while on."""
         en_decoder_profile(self._d, 1 if on else 0)
 
     def stages(self):
-        """Seconds spent per stage by the crop calls (decode_crop, decode_random_crop,
-        decode_center_crop) since :meth:`profile` turned timing on, and ``calls``:
+        """Seconds spent per stage by the crop and canvas calls (decode_crop,
+        decode_random_crop, decode_center_crop, decode_canvas) since :meth:`profile`
+        turned timing on, and ``calls`` (a canvas's rows are the whole image's, and its
+        finish reads the file to its end):
 
         header   header, table and limit checks, the box and its DCT scale
         start    ``jpeg_start_decompress``: all of a multi-scan file's entropy decode

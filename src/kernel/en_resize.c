@@ -185,7 +185,7 @@ static int pack_pairs(en_buf *buf, const en_axis *x) {
 }
 
 /* Pillow's rounded sum from the split accumulators, (2^11 hi + lo + 2^21) >> 22,
- * as (hi + (lo + 2^21) >> 11) >> 11: floor divisions nest, so the two are the
+ * as (hi + ((lo + 2^21) >> 11)) >> 11: floor divisions nest, so the two are the
  * same integer, and the lo accumulators start at the rounding term (ROUND_LO),
  * which leaves two shifts and an add. */
 #define ROUND_LO (1 << (PRECISION_BITS - 1))
