@@ -55,6 +55,7 @@ int roi_decode_only(const unsigned char *data, unsigned long len, int top, int l
     jpeg_crop_scanline(&ci, &x0, &w);
     int y0 = top / denom, rows = (height + denom - 1) / denom;
     if (y0 + rows > (int)ci.output_height) rows = (int)ci.output_height - y0;
+    if (rows < 0) rows = 0; /* a crop below the image: nothing to decode */
     /* Rows never start on a 32-byte boundary: libjpeg-turbo's SIMD colour
      * conversion writes such a row with non-temporal stores, which made this
      * ceiling 12% slower whenever the scratch buffer happened to be aligned

@@ -41,3 +41,8 @@ def test_a_truncated_file_fails_only_where_the_ceiling_reads_it(mode):
     assert _bench.roi_decode(cut, 0, 0, 256, 256, 1, mode) == 256
     with pytest.raises(ValueError, match="could not decode"):
         _bench.roi_decode(b"\xff\xd8not a jpeg", 0, 0, 8, 8, 1, mode)
+
+
+@pytest.mark.parametrize("mode", sorted(_bench.MODES))
+def test_a_crop_below_the_image_decodes_no_rows(mode):
+    assert _bench.roi_decode(_jpeg(64, 64), 200, 0, 16, 16, 1, mode) == 0
