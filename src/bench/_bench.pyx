@@ -20,8 +20,9 @@ def roi_decode(const uint8_t[::1] data not None, int top, int left, int height, 
                int denom, mode="rgb"):
     """Decode only the crop's rows and columns at 1/denom; returns rows decoded.
 
-    mode: "rgb" stops after the crop's last row (the ceiling); "ycc" skips the
-    colour conversion; "entropy" skips the crop's rows (entropy decoding only);
+    mode: "rgb" stops after the crop's last row (the ceiling); "ycc" outputs YCbCr
+    (libjpeg's plane interleave then costs about what its SIMD colour conversion
+    does); "entropy" skips the crop's rows (entropy decoding only);
     "finish" also decodes to the end of the file and fails on any warning, as a
     decoder that checks the whole file does; "store" keeps every row of the crop
     (in a buffer kept from call to call), as a decoder that returns the crop does.
