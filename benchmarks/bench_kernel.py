@@ -176,6 +176,22 @@ def test_pillow_simd(benchmark, workload):
                  pil=PIL_FLAVOUR)
 
 
+def interleaved_times(passes, rounds):
+    """Seconds of each pass per round, every pass once per round in an order rotated
+    each round (after one untimed warm-up of each), so a slow spell of a shared
+    machine hits them all alike and ratios can be paired by round."""
+    names = list(passes)
+    for fn in passes.values():
+        fn()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            passes[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 @pytest.mark.benchmark(group="kernel-interleaved")
 def test_interleaved(benchmark, workload, out_buffer):
     """Every pipeline once per round, the order rotated each round, so a slow
@@ -192,15 +208,7 @@ def test_interleaved(benchmark, workload, out_buffer):
         "pillow": lambda: pillow_pass(workload, draft=False),
         "pillow_draft": lambda: pillow_pass(workload, draft=True),
     }
-    names = list(passes)
-    for fn in passes.values():     # warm-up, not timed
-        fn()
-    times = {name: [] for name in names}
-    for r in range(workload.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            passes[name]()
-            times[name].append(time.perf_counter() - t0)
+    times = interleaved_times(passes, workload.rounds)
     dec.profile(True)
     fused_pass(dec, workload, out_buffer)
     dec.profile(False)
@@ -250,15 +258,7 @@ def test_canvas_budgets(benchmark, workload, out_buffer):
 
     passes = {"crop": lambda: fused_crop_pass(dec, workload, out_buffer)}
     passes.update({name: (lambda b=b: canvas_pass(b)) for name, b in budgets.items()})
-    names = list(passes)
-    for fn in passes.values():
-        fn()
-    times = {name: [] for name in names}
-    for r in range(workload.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            passes[name]()
-            times[name].append(time.perf_counter() - t0)
+    times = interleaved_times(passes, workload.rounds)
     ratios = {name: float(np.median([tc / tn for tc, tn in zip(times["crop"], times[name])]))
               for name in budgets}
     over = sum(s.height * s.width > budgets["2x"] for s in workload.samples) / workload.n

@@ -391,7 +391,7 @@ def worker_env():
     """The environment of a worker process: the consumer's, with the thread pools of
     :data:`THREAD_VARS` set to ``ECHO_NATIVE_WORKER_THREADS`` (default 1)."""
     n = os.environ.get("ECHO_NATIVE_WORKER_THREADS", "1")
-    if not n.isdigit() or int(n) < 1:
+    if not (n.isascii() and n.isdigit()) or int(n) < 1:
         raise ValueError(f"ECHO_NATIVE_WORKER_THREADS must be a positive integer (threads per "
                          f"worker for BLAS and OpenMP), got {n!r}")
     return {**os.environ, **{var: str(int(n)) for var in THREAD_VARS}}

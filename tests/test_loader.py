@@ -207,7 +207,7 @@ def test_process_workers_cap_blas_and_openmp_threads(corpus_root, monkeypatch, s
     assert os.environ["OMP_NUM_THREADS"] == "8"  # the consumer's own is left alone
 
 
-@pytest.mark.parametrize("bad", ["0", "-1", "two", ""])
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "", "\u00b2"])
 def test_a_bad_worker_threads_setting_is_refused_by_name(corpus_root, monkeypatch, bad):
     monkeypatch.setenv("ECHO_NATIVE_WORKER_THREADS", bad)
     loader = en.Loader(en.ImageFolder(corpus_root), batch_size=4, image_size=32, workers=1,
