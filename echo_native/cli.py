@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from echo_native.profile import measure_upstream, recommend, time_step, trial_auto
 
@@ -178,21 +177,17 @@ def cmd_profile(args):
 
 def _auto_trial(args, folder, fn, t_down):
     """echo="auto" against the consumer for --auto-seconds: where e went and why."""
-    deadline = time.perf_counter() + args.auto_seconds
-
-    def sleep_step(batch):  # --step-ms: the step is a sleep, cut at the deadline
-        time.sleep(max(0.0, min(t_down, deadline - time.perf_counter())))
     print(f"\nrunning echo='auto' for {args.auto_seconds:g} s against the consumer ...",
           file=sys.stderr)
-    s = trial_auto(fn or sleep_step, folder, args.batch_size, args.image_size, args.workers,
+    s = trial_auto(fn or t_down, folder, args.batch_size, args.image_size, args.workers,
                    seconds=args.auto_seconds, max_echo=args.max_echo, seed=args.seed,
                    device=args.device)
     trace = s["echo_trace"]
-    if s["batches"] < 8:
-        print(f"echo='auto' for {args.auto_seconds:g} s: only {s['batches']} batches, too few "
-              f"to measure the rates (give --auto-seconds room for a dozen steps)")
-        return {"echo": s["echo_factor"], "batches": s["batches"], "trace": trace,
-                "measured": False}
+    n = s["batches"]
+    if n < 8:
+        print(f"echo='auto' for {args.auto_seconds:g} s: only {n} batch{'es' * (n != 1)}, "
+              f"too few to measure the rates (give --auto-seconds room for a dozen steps)")
+        return {"echo": s["echo_factor"], "batches": n, "trace": trace, "measured": False}
     print(f"echo='auto' for {args.auto_seconds:g} s: e = {s['echo_factor']:.2f} after "
           f"{s['batches']} batches ({s['fresh']} fresh, {s['delivered']} delivered, "
           f"{s['stall_s']:.2f} s waiting for data); {len(trace)} changes of e:")

@@ -78,18 +78,28 @@ def recommend(t_up, t_down, cap=4.0):
 
 def trial_auto(step, source, batch_size, image_size, workers, seconds=5.0, max_echo=4.0,
                seed=0, device="cpu"):
-    """Run ``echo="auto"`` for ``seconds`` with ``step(batch)`` as the consumer and return
-    the ring's ``stats()``: ``echo_factor`` where auto got to, ``echo_trace`` how."""
+    """Run ``echo="auto"`` for ``seconds`` against a consumer and return the ring's
+    ``stats()``: ``echo_factor`` where auto got to, ``echo_trace`` how.
+
+    ``step`` is the consumer: a callable ``step(batch)``, or a step time in seconds that
+    the trial sleeps per batch.  A sleep is cut at the trial's end, on the trial's own
+    clock, so a step longer than the trial ends it after one batch.
+    """
     import echo_native as en
 
     ring = en.EchoRing(source, batch_size=batch_size, image_size=image_size,
                        echo=en.Echo("auto", max_echo=max_echo), workers=workers, seed=seed,
                        device=device)
     with ring:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
+        end = time.perf_counter() + seconds
+        if callable(step):
+            consume = step
+        else:
+            def consume(batch, step_s=float(step)):
+                time.sleep(max(0.0, min(step_s, end - time.perf_counter())))
+        while time.perf_counter() < end:
             for batch in ring:
-                step(batch)
-                if time.perf_counter() - t0 >= seconds:
+                consume(batch)
+                if time.perf_counter() >= end:
                     break
         return ring.stats()

@@ -63,9 +63,10 @@ def test_profile_consumer_bound(folder, tmp_path, capsys):
     assert data["recommended_echo"] == 1.0
     out = capsys.readouterr().out
     assert "no echo needed" in out
-    # A 100 s step: the trial (cut at its deadline) sees one batch and says so.
-    assert data["auto_trial"]["batches"] < 8 and not data["auto_trial"]["measured"]
-    assert "too few to measure the rates" in out
+    # A 100 s step: the trial's sleep is cut at the trial's end, on the trial's clock
+    # (not one started before the ring), so it sees exactly one batch and says so.
+    assert data["auto_trial"]["batches"] == 1 and not data["auto_trial"]["measured"]
+    assert "only 1 batch, too few to measure the rates" in out
 
 
 def test_profile_input_bound_is_capped(folder, tmp_path, capsys):
@@ -150,6 +151,19 @@ def test_time_step_times_one_real_batch(folder):
     # warm-up calls, then at least 3 timed calls (min_s=0 stops right after them)
     assert len(shapes) == 2 + 3 and set(shapes) == {(8, 32, 32, 3)}
 
+
+
+def test_trial_auto_consumers(folder):
+    import echo_native as en
+
+    # A step time longer than the trial: its one sleep is cut at the trial's end.
+    s = profile.trial_auto(3600.0, en.ImageFolder(folder), 8, 32, 1, seconds=0.2)
+    assert s["batches"] == 1
+    # A callable consumer sees every batch the trial counts, each a real batch.
+    shapes = []
+    s = profile.trial_auto(lambda b: shapes.append(b.images.shape), en.ImageFolder(folder),
+                           8, 32, 1, seconds=0.3)
+    assert len(shapes) == s["batches"] >= 1 and set(shapes) == {(8, 32, 32, 3)}
 
 # ---- errors a user can hit -----------------------------------------------------------
 def test_missing_folder(tmp_path, capsys):
