@@ -715,7 +715,7 @@ class Ring:
     def set_reading(self, worker, sample_id=None):
         """Worker side: now reading ``sample_id`` (None: done with it)."""
         if sample_id is None:
-            self.segment.reading_store(worker, 0, 0)
+            self.segment.reading_store(worker, 0, 0)  # the id only: the time stays
         else:
             self.segment.reading_store(worker, sample_id + 1, int(time.monotonic() * 1000))
 

@@ -227,6 +227,35 @@ def test_a_handle_passes_the_ring_to_a_child_as_a_descriptor():
         r.unlink()
 
 
+def test_reading_words_never_pair_a_live_sample_with_a_cleared_time():
+    """A worker sets and clears its reading words as fast as it can while the consumer
+    reads them as its stall watchdog does: no read may show a sample 'reading' for
+    longer than the test has run (a cleared start time of 0 reads as the uptime)."""
+    r = Ring.create(2, 1, 64)
+    pid = os.fork()
+    if pid == 0:  # the worker: one sample after another, for 1.5 s
+        try:
+            end, sid = time.monotonic() + 1.5, 0
+            while time.monotonic() < end:
+                r.set_reading(0, sid)
+                r.set_reading(0)
+                sid += 1
+        finally:
+            os._exit(0)
+    try:
+        t0, seen, worst = time.monotonic(), 0, 0.0
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            got = r.reading(0)
+            if got is not None:
+                seen += 1
+                worst = max(worst, got[1])
+        assert seen > 0
+        assert worst <= time.monotonic() - t0 + 1.0, f"a sample read as {worst:.0f} s old"
+    finally:
+        r.close()
+        r.unlink()
+
+
 # ---- protocol stress: producers in threads and in processes --------------------------------
 def _consume(ring, total, delay, timeout=20.0):
     problems = []

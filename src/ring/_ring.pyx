@@ -344,14 +344,18 @@ cdef class Segment:
         """(sample id + 1 or 0, since in CLOCK_MONOTONIC ms) of a worker's reading words."""
         self._claim(worker)  # the same index check
         cdef uint64_t *word = en_ring_reading(<en_ring_header *>self._addr, <uint64_t>worker)
-        # The id is stored last (release): a reader that sees it sees its start time.
+        # The id is loaded first (acquire): the start time read after it is the one
+        # stored with it, or a later sample's (an age too young, never a torn zero).
         cdef uint64_t sid = en_load64(word)
         return sid, en_load64(word + EN_RING_MAX_WORKERS)
 
     def reading_store(self, worker, uint64_t sample_plus_one, uint64_t since_ms):
+        """Set a worker's reading words; an id of 0 ("none") leaves the start time as it
+        is, so a reader between the stores never pairs a live id with a cleared time."""
         self._claim(worker)
         cdef uint64_t *word = en_ring_reading(<en_ring_header *>self._addr, <uint64_t>worker)
-        en_store64(word + EN_RING_MAX_WORKERS, since_ms)
+        if sample_plus_one:
+            en_store64(word + EN_RING_MAX_WORKERS, since_ms)  # the time first, the id last
         en_store64(word, sample_plus_one)
 
     cdef inline void *_word(self, size_t offset, size_t width) except NULL:
