@@ -726,6 +726,12 @@ class Ring:
     def is_published(self, ticket):
         return self.seq(ticket) == _ring.seq_filled(ticket)
 
+    def is_past(self, ticket):
+        """True once ``ticket`` is filled in its slot, or consumed and the slot handed on:
+        whoever still holds it must not fill it again (the words wrap modulo 2**32)."""
+        ahead = (self.seq(ticket) - _ring.seq_free(ticket)) % 2**32
+        return 0 < ahead < 2**31
+
     def wait_free(self, ticket, timeout):
         """Producer side: sleep until the slot of ``ticket`` is free for it."""
         return self.segment.seq_wait(self.layout.slot(ticket) + _S["seq"],

@@ -343,6 +343,13 @@ def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None, st
             if owner_pid is not None and not _pid_alive(owner_pid):
                 _orphaned(ring)
                 return
+            if ring.is_past(ticket):
+                break
+        if rc != 0:
+            # Filled by another worker: a ticket re-issued after a crash whose first
+            # fill landed after all.  Filling it again would corrupt the next lap.
+            ring.set_claim(index, 0)
+            continue
         try:
             filler.fill(ticket)
         except Exception:
@@ -534,6 +541,8 @@ class WorkerPool:
         self.sample_timeout = sample_timeout
         self._stalled = {}     # sample id -> seconds its read hung: replacements fail it
         self._stuck = set()    # workers killed for a stalled read (not a crash)
+        self._owed = [()] * workers  # the redo tickets each worker was started with
+        self._dead = []        # dead workers whose tickets are not yet re-issued
 
     def start(self):
         # Start every interpreter before feeding any: they boot in parallel.
@@ -543,6 +552,7 @@ class WorkerPool:
                 p.send()
 
     def _spawn(self, index, redo, send=True):
+        self._owed[index] = tuple(redo)
         if self.mode == "process":
             p = WorkerProcess(self.ring, index, self._job, redo, os.getpid(), self._stalled)
             if send:
@@ -575,9 +585,21 @@ class WorkerPool:
         if self.mode != "process":
             return
         self._kill_stalled()
-        dead = [i for i, p in enumerate(self._workers) if p.exitcode is not None]
-        if not dead:
+        dead = [i for i, p in enumerate(self._workers)
+                if p.exitcode is not None and i not in self._dead]
+        if dead:
+            self._bury(dead)
+        if not self._dead:
             return
+        lost = self._lost_tickets(consumer_ticket)
+        if lost is None:
+            return  # a live worker is mid-take: its ticket is unknown until the next check
+        dead, self._dead = self._dead, []
+        for n, i in enumerate(dead):
+            self._spawn(i, lost[n::len(dead)])
+
+    def _bury(self, dead):
+        """Count, report and clear the words of workers found dead."""
         self.restarts += len(dead)
         now = time.monotonic()
         self._recent = [t for t in self._recent if now - t < self.restart_window]
@@ -592,15 +614,13 @@ class WorkerPool:
             self._workers[i].join(0)
             self.ring.set_claim(i, 0)
             self.ring.set_reading(i)  # else the replacement would look stalled at once
-        lost = self._lost_tickets(consumer_ticket)
-        for n, i in enumerate(dead):
             if i in self._stuck:
                 self._stuck.discard(i)
             else:
                 warnings.warn(f"echo_native worker {i} died (exit code "
                               f"{self._workers[i].exitcode}); restarting it", RuntimeWarning,
-                              stacklevel=3)
-            self._spawn(i, lost[n::len(dead)])
+                              stacklevel=4)
+        self._dead += dead
 
     def _kill_stalled(self):
         """Kill each worker stuck on one sample for over ``sample_timeout`` (a hung
@@ -620,19 +640,23 @@ class WorkerPool:
                 p.join(1.0)
 
     def _lost_tickets(self, consumer_ticket):
-        # A live worker may be between taking a ticket and recording it; wait
-        # until none is, so every ticket handed out is either recorded,
-        # published, or lost with the dead.  Read the ticket counter first:
-        # a ticket a live worker takes after the claims are read must not
-        # count as lost (it would be filled twice, the second time into a
-        # slot the consumer may already have handed to the next lap).
+        """The tickets in [consumer_ticket, next ticket) that no live worker holds or
+        owes and none has published: the dead took them.  None while a live worker is
+        between taking a ticket and recording it (which one it took is unknown)."""
+        # Read the ticket counter first: a ticket a live worker takes after the
+        # claims are read must not count as lost (it would be filled twice, the
+        # second time into a slot the consumer may already have handed on).
         end = self.ring.next_ticket
-        deadline = time.monotonic() + 2.0
-        while any(self.ring.claim(i) == CLAIM_PENDING for i in range(self.count)):
+        live = [i for i in range(self.count) if i not in self._dead]
+        deadline = time.monotonic() + 0.5
+        while any(self.ring.claim(i) == CLAIM_PENDING for i in live):
             if time.monotonic() > deadline:
-                break
+                return None
             time.sleep(0.001)
-        held = {self.ring.claim(i) - 1 for i in range(self.count) if self.ring.claim(i)}
+        held = {self.ring.claim(i) - 1 for i in live if self.ring.claim(i)}
+        # A replacement owes its redo tickets before it claims them (it may not
+        # have booted yet): they are held too, until they are published.
+        held.update(t for i in live for t in self._owed[i])
         return [t for t in range(consumer_ticket, end)
                 if t not in held and not self.ring.is_published(t)]
 

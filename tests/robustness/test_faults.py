@@ -95,6 +95,38 @@ def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
     assert not set(killed) & set(pids_after)
 
 
+@pytest.mark.timeout(120)
+def test_second_death_while_the_first_replacement_boots(corpus_root):
+    """Worker 0 dies; its ticket goes to a replacement still starting its interpreter
+    (it has claimed nothing yet) when worker 1 dies too.  The replacement owes that
+    ticket: it must not be handed out a second time (two fills of one ticket wedge
+    the ring), and the epoch still has every id once with the same pixels."""
+    src = en.ImageFolder(corpus_root)
+    kw = dict(batch_size=4, image_size=32, seed=5, slots=4)
+    ref = _reference(src, **kw)
+    with pytest.warns(RuntimeWarning, match="died"):
+        with en.Loader(rh.SlowSource(src, 0.05), workers=2, worker_mode="process",
+                       timeout=60, **kw) as L:
+            pool, given = L._pool, []
+            spawn = pool._spawn
+
+            def spy(index, redo, send=True):
+                given.append((index, list(redo)))
+                return spawn(index, redo, send)
+            pool._spawn = spy
+            held = [rh.wait_until_holding(L, w) for w in (0, 1)]
+            for w in (0, 1):  # the second death lands before the first replacement boots
+                p = pool._workers[w]
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
+                pool.check(L.position)
+            got = _epoch(L)
+    redone = [t for _, redo in given for t in redo]
+    assert sorted(redone) == sorted(set(redone)), f"a ticket handed out twice: {given}"
+    assert set(held) <= set(redone)
+    assert _same(got, ref)
+
+
 @pytest.mark.timeout(120)   # hang guard (the wait for both workers to block, the epoch)
 def test_sigkill_all_workers_while_ring_is_full(corpus_root):
     """Killing every worker while each waits on a full ring: their tickets are redone."""
