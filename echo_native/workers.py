@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,7 @@ _MAX_REPLACEMENTS = 16
 # How long one wait sleeps before re-checking the world (owner alive, ring
 # closed).  Bounds how late a worker notices its parent died.
 _POLL_S = 0.25
+_SPAWN_TIMEOUT_S = 60.0  # fork + exec of one worker interpreter (not its boot)
 
 
 # ---- which samples each ticket holds ------------------------------------------
@@ -543,6 +545,7 @@ class WorkerPool:
         self._stuck = set()    # workers killed for a stalled read (not a crash)
         self._owed = [()] * workers  # the redo tickets each worker was started with
         self._dead = []        # dead workers whose tickets are not yet re-issued
+        self._spawner = None   # the thread that forks the worker processes
 
     def start(self):
         # Start every interpreter before feeding any: they boot in parallel.
@@ -554,7 +557,13 @@ class WorkerPool:
     def _spawn(self, index, redo, send=True):
         self._owed[index] = tuple(redo)
         if self.mode == "process":
-            p = WorkerProcess(self.ring, index, self._job, redo, os.getpid(), self._stalled)
+            # Linux sends the parent-death signal when the *thread* that forked a
+            # child ends, so every worker is forked by the pool's own thread:
+            # starting or iterating from a short-lived thread must not kill them.
+            if self._spawner is None:
+                self._spawner = ThreadPoolExecutor(1, "echo_native-spawner")
+            p = self._spawner.submit(WorkerProcess, self.ring, index, self._job, redo,
+                                     os.getpid(), self._stalled).result(_SPAWN_TIMEOUT_S)
             if send:
                 p.send()
         else:
@@ -677,3 +686,7 @@ class WorkerPool:
                         p.join(1.0)
                     p.close()
             self._workers = [None] * self.count
+            self._dead = []
+            if self._spawner is not None:
+                self._spawner.shutdown(wait=False)
+                self._spawner = None

@@ -127,6 +127,34 @@ def test_second_death_while_the_first_replacement_boots(corpus_root):
     assert _same(got, ref)
 
 
+@pytest.mark.timeout(120)
+def test_workers_outlive_the_thread_that_started_them(corpus_root):
+    """A loader started from a thread that then ends (a user's prefetch thread): the
+    parent-death signal follows the forking thread, not the process, so the workers
+    must not have been forked by that thread; none dies and none is replaced."""
+    src = en.ImageFolder(corpus_root)
+    L = en.Loader(src, batch_size=4, image_size=32, workers=2, worker_mode="process",
+                  timeout=60)
+    def start_and_wait_for_a_batch():   # the workers are up (and armed) when it ends
+        L.start()
+        deadline = time.monotonic() + 30
+        while not L.ring.is_published(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    try:
+        starter = threading.Thread(target=start_and_wait_for_a_batch)
+        starter.start()
+        starter.join()
+        pids = L.worker_pids()
+        time.sleep(0.5)           # a signal sent at the thread's end has landed by now
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # "worker died; restarting it" would raise
+            ids = np.concatenate([b.sample_ids.copy() for b in L])
+        assert sorted(ids.tolist()) == list(range(len(src)))
+        assert L.stats()["worker_restarts"] == 0 and L.worker_pids() == pids
+    finally:
+        L.close()
+
+
 @pytest.mark.timeout(120)   # hang guard (the wait for both workers to block, the epoch)
 def test_sigkill_all_workers_while_ring_is_full(corpus_root):
     """Killing every worker while each waits on a full ring: their tickets are redone."""
