@@ -124,6 +124,11 @@ def cmd_profile(args):
         raise UsageError(f"--step-ms must be positive, got {args.step_ms}")
     if args.max_echo < 1:
         raise UsageError(f"--max-echo must be >= 1, got {args.max_echo}")
+    for flag, value in (("--batch-size", args.batch_size), ("--image-size", args.image_size)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.workers < 0:
+        raise UsageError(f"--workers must be >= 1 (0: one per core), got {args.workers}")
     if args.auto_seconds < 0:
         raise UsageError(f"--auto-seconds must be >= 0, got {args.auto_seconds}")
     folder = open_folder(args.dir, args.batch_size)

@@ -198,6 +198,12 @@ def test_too_few_samples_for_batch(folder, capsys):
            "24 images, fewer than --batch-size 25")
 
 
+@pytest.mark.parametrize("flag,value", [("--batch-size", "0"), ("--image-size", "0"),
+                                        ("--workers", "-1")])
+def test_bad_sizes_are_one_line_errors(folder, capsys, flag, value):
+    _error(capsys, ["profile", folder, "--step-ms", "10", flag, value], flag, ">= 1")
+
+
 def test_bad_max_echo(folder, capsys):
     _error(capsys, ["profile", folder, "--step-ms", "1", "--max-echo", "0.5"], "--max-echo")
 
