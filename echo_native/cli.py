@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -117,6 +118,11 @@ def _load_callable(spec):
 
 
 def cmd_profile(args):
+    # nan or inf would make a measuring loop endless or a recommendation made up.
+    for flag, value in (("--step-ms", args.step_ms), ("--seconds", args.seconds),
+                        ("--max-echo", args.max_echo), ("--auto-seconds", args.auto_seconds)):
+        if value is not None and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, got {value}")
     if args.step_ms is None and not args.model_fn:
         raise UsageError("give the consumer's step time: --step-ms T or --model-fn "
                          "module:function")
@@ -129,6 +135,8 @@ def cmd_profile(args):
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.workers < 0:
         raise UsageError(f"--workers must be >= 1 (0: one per core), got {args.workers}")
+    if args.seconds < 0:
+        raise UsageError(f"--seconds must be >= 0, got {args.seconds}")
     if args.auto_seconds < 0:
         raise UsageError(f"--auto-seconds must be >= 0, got {args.auto_seconds}")
     folder = open_folder(args.dir, args.batch_size)

@@ -239,7 +239,12 @@ class ImageFolder(_Files):
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"ImageFolder root {str(self.root)!r} is not a directory")
-        exts = tuple(e.lower() for e in extensions)
+        # One string is one extension, as in torchvision (not a tuple of its letters).
+        exts = (extensions,) if isinstance(extensions, str) else tuple(extensions)
+        if not exts or not all(isinstance(e, str) and e for e in exts):
+            raise TypeError(f"ImageFolder extensions must be a string or strings, got "
+                            f"{extensions!r}")
+        exts = tuple(e.lower() for e in exts)
         with os.scandir(self.root) as it:
             self.classes = sorted(e.name for e in it if e.is_dir())
         if not self.classes:

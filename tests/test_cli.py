@@ -204,6 +204,12 @@ def test_bad_sizes_are_one_line_errors(folder, capsys, flag, value):
     _error(capsys, ["profile", folder, "--step-ms", "10", flag, value], flag, ">= 1")
 
 
+@pytest.mark.parametrize("flag", ["--step-ms", "--seconds", "--max-echo", "--auto-seconds"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_numbers_are_refused(folder, capsys, flag, value):
+    _error(capsys, ["profile", folder, "--step-ms", "10", flag, value], flag, "finite")
+
+
 def test_bad_max_echo(folder, capsys):
     _error(capsys, ["profile", folder, "--step-ms", "1", "--max-echo", "0.5"], "--max-echo")
 

@@ -151,6 +151,16 @@ def test_imagefolder_extension_filter_any_case(messy_tree):
     assert len(src.classes) == 5  # classes do not depend on the filter
 
 
+def test_imagefolder_one_extension_as_a_string(messy_tree):
+    """A string is one extension (as torchvision), not the tuple of its letters."""
+    src = ImageFolder(messy_tree, extensions=".webp")
+    rel = [os.path.relpath(src.path(i), messy_tree) for i in range(len(src))]
+    assert rel == ["cat/sub/2.webp"]
+    for bad in ((), ("",), (".jpg", 3)):
+        with pytest.raises(TypeError, match="extensions"):
+            ImageFolder(messy_tree, extensions=bad)
+
+
 def test_imagefolder_errors_name_the_path(tmp_path):
     """Missing root, no class folders, or no images raise errors naming the root."""
     missing = tmp_path / "nope"
