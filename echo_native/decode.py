@@ -11,6 +11,7 @@ what a decode may cost and how strict it is.
 from __future__ import annotations
 
 import io
+import re
 import threading
 import zlib
 from dataclasses import dataclass
@@ -245,7 +246,20 @@ class _PillowDecoder:
 def _not_an_image(data, e):
     if len(data) == 0:
         return DecodeError("empty input (0 bytes)")
-    return DecodeError(f"not a decodable image ({type(e).__name__}: {e})")
+    from PIL import UnidentifiedImageError
+
+    if isinstance(e, UnidentifiedImageError):
+        # Pillow's own message names the BytesIO object it was given (an address that
+        # differs per call): say what the bytes are instead.
+        head = bytes(memoryview(data)[:8])
+        return DecodeError(f"not an image: no format recognised ({len(data)} bytes, "
+                           f"starting {head!r})")
+    message = _ADDRESS.sub("", str(e))
+    return DecodeError(f"not a decodable image ({type(e).__name__}: {message})")
+
+
+#: `` <_io.BytesIO object at 0x7f...>`` in a library's message: an address, not the input.
+_ADDRESS = re.compile(r" ?<[\w.]+ object at 0x[0-9a-fA-F]+>")
 
 
 _local = threading.local()

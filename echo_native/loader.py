@@ -11,10 +11,12 @@ back to the workers when the next batch is requested (or on
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -93,6 +95,114 @@ def _default_workers():
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
         return max(1, os.cpu_count() or 1)
+
+
+_SOURCE_KINDS = "en.ImageFolder(root), en.FileList(list, root=...), en.TarShards([...]) or " \
+    "en.Samples(blobs, labels)"
+
+
+def as_source(source, owner="EchoRing"):
+    """The source a loader reads, checked at construction so that nothing fails later
+    in the workers.
+
+    A folder path (``str`` or ``os.PathLike``) becomes ``ImageFolder(path)``, the
+    source a path most often means; any other path, and any object that is not a
+    source (``len``, ``labels``, ``read(i)``, ``describe(i)``), is refused here,
+    naming the argument and the sources there are."""
+    if isinstance(source, (str, bytes, os.PathLike)):
+        path = os.fsdecode(source)
+        if os.path.isdir(path):
+            from echo_native.source import ImageFolder
+
+            return ImageFolder(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{owner}: source {path!r} does not exist (a folder path "
+                                    f"is read as en.ImageFolder(path))")
+        raise TypeError(f"{owner}: source {path!r} is a file, not a folder; a file is read "
+                        f"by en.FileList({path!r}, root=...) (a 'path,label' list) or "
+                        f"en.TarShards([{path!r}]) (a tar shard)")
+    missing = [name for name in ("__len__", "labels", "read") if not hasattr(source, name)]
+    if missing:
+        raise TypeError(f"{owner}: source must be {_SOURCE_KINDS}, or an object with len(), "
+                        f"labels and read(i) (and optionally describe(i)); got "
+                        f"{type(source).__name__} (no {', '.join(missing)})")
+    for name in ("read", "describe"):
+        if not callable(getattr(source, name, len)):
+            raise TypeError(f"{owner}: source.{name} must be a method, got "
+                            f"{type(getattr(source, name)).__name__}")
+    return source
+
+
+class IterationGuard:
+    """One live iteration at a time, over a stream that must not be read twice.
+
+    Iterating again takes over from an earlier iterator (whose next ``next()``
+    raises instead of reading on), as leaving a ``for`` loop early and starting
+    another does; ``close()`` ends every iterator taken before it; and a
+    ``next()`` while another thread is inside one is refused, never served
+    twice.  Each step holds a lock only while the stream moves, not while the
+    consumer works on its batch.
+    """
+
+    def __init__(self, owner):
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._token = None      # the live iterator's
+        self._source = None     # its generator of batches, to close on take-over
+
+    def iterate(self, make):
+        """Batches of the generator ``make()`` returns, guarded."""
+        token = object()
+        with self._step():
+            self._close_source()
+            self._token, self._source = token, make()
+        source = self._source
+        try:
+            while True:
+                with self._step():
+                    if self._token is not token:
+                        raise RuntimeError(
+                            f"this {self._owner} iterator was superseded: the {self._owner} "
+                            f"was closed, or iterated again, since it was taken (one "
+                            f"iteration at a time; start a new `for` loop over it)")
+                    try:
+                        batch = next(source)
+                    except StopIteration:
+                        self._token = self._source = None
+                        return
+                yield batch
+        finally:
+            # Left early (break, an exception): the stream stops here, and a later
+            # iteration continues from it.  (Only this generator can hold the lock
+            # for its own token; the timeout is a guard, not a wait.)
+            if self._token is token and self._lock.acquire(timeout=60):
+                try:
+                    self._close_source()
+                    self._token = None
+                finally:
+                    self._lock.release()
+
+    def end(self):
+        """End every live iterator (close())."""
+        with self._step():
+            self._close_source()
+            self._token = None
+
+    def _close_source(self):
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
+
+    @contextlib.contextmanager
+    def _step(self):
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"this {self._owner} is being iterated by another thread: one "
+                               f"thread at a time may take its batches (give each thread its "
+                               f"own {self._owner}, or hand batches over through a queue)")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
 
 def fold_shorthands(owner, augment, decode, shard, shorthands):
@@ -190,6 +300,7 @@ class Loader:
     def __init__(self, source, batch_size, *, augment=None, workers=None, seed=0, shuffle=True,
                  drop_last=False, on_error="replace", shard=None, decode=None, slots=None,
                  timeout=120.0, sample_timeout=60.0, worker_mode="process", **shorthands):
+        source = as_source(source, "Loader")
         augment, decode, shard = fold_shorthands("Loader", augment, decode, shard, shorthands)
         if shorthands:
             raise TypeError(f"Loader got unexpected keyword argument(s) "
@@ -256,10 +367,20 @@ class Loader:
         self._finalizer = None
         self._watchers = []        # (opened(ring), closing()) of stages that map the ring
         self._stats = _Counters()
+        self._iteration = IterationGuard("Loader")
+        self._owner_pid = os.getpid()  # a forked child must neither use nor stop the ring
+
+    def __reduce__(self):
+        raise TypeError(_NOT_PICKLABLE.format(type(self).__name__))
 
     # -- life cycle -------------------------------------------------------------------
     def start(self):
         if self._ring is not None:
+            if os.getpid() != self._owner_pid:
+                raise RuntimeError(
+                    f"this {type(self).__name__} was started in process {self._owner_pid}; "
+                    f"a forked child (pid {os.getpid()}) cannot read its ring, whose workers "
+                    f"and slots belong to the parent: make a new one in the child")
             return self
         from echo_native.ring import RingMemoryError
 
@@ -287,17 +408,28 @@ class Loader:
                 opened.append(watcher)
             pool.start()
         except BaseException:  # a worker that cannot start, a refused device: leak nothing
-            _shutdown(ring, pool, opened)
+            _shutdown(os.getpid(), ring, pool, opened)
             raise
         self._ring, self._pool = ring, pool
+        self._owner_pid = os.getpid()
         # Runs on close(), garbage collection and interpreter exit alike; the
-        # stages that took the ring let go of it first.
-        self._finalizer = weakref.finalize(self, _shutdown, ring, pool, opened)
+        # stages that took the ring let go of it first.  Only in this process: a
+        # child forked from it inherits the finalizer, and must not stop the
+        # parent's workers when it exits.
+        self._finalizer = weakref.finalize(self, _shutdown, self._owner_pid, ring, pool, opened)
         self._stats.started = time.perf_counter()
         return self
 
     def close(self):
-        """Stop the workers and remove the shared memory.  Idempotent."""
+        """Stop the workers and remove the shared memory.  Idempotent.
+
+        Iterators taken before ``close()`` are finished (their next ``next()``
+        raises); iterating again, or ``start()``, starts new workers where the
+        stream stood."""
+        self._iteration.end()
+        self._stop()
+
+    def _stop(self):
         self._held = None
         try:
             if self._finalizer is not None:
@@ -336,7 +468,7 @@ class Loader:
             return
         running = self._ring is not None
         if running:
-            self.close()
+            self._stop()
         self._ticket = ticket
         if plan is not self.plan:
             self.plan, self._history = plan, history
@@ -352,8 +484,7 @@ class Loader:
         Calling it with the epoch the loader is already in costs nothing, and
         keeps a position restored mid-epoch by ``load_state_dict``.
         """
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        epoch = check_epoch(epoch, len(self))
         if self._ticket // len(self) != epoch:
             self.seek(epoch * len(self))
 
@@ -403,10 +534,14 @@ class Loader:
             A state from another seed, source size or batch count; one rank's
             state given to a job of another world size (all ranks' are needed).
         """
+        if not isinstance(state, (dict, list, tuple)):
+            raise TypeError(f"load_state_dict takes a state_dict() (a dict), or the list of "
+                            f"every rank's, got {type(state).__name__}")
         if not isinstance(state, dict) or "ranks" in state:
             merged = merge_states(state) if not isinstance(state, dict) else state
             return self._resume_elastic(merged)
         _check_state(self, state)
+        self._iteration.end()
         ticket, plan, history = int(state["ticket"]), self._base, state.get("resumed")
         if history is not None:
             # A rank of an elastically resumed epoch: its shard came from the history.
@@ -417,9 +552,17 @@ class Loader:
 
     def _resume_elastic(self, merged):
         base = self._base
-        if merged.get("seed", base.seed) != base.seed:
-            raise ValueError(f"states were saved with seed={merged['seed']}, this loader has "
-                             f"seed={base.seed}; the epoch's order would not be the same")
+        ranks = merged.get("ranks")
+        if not isinstance(ranks, list) or not ranks:
+            raise ValueError("a merged state needs 'ranks', the list of every rank's state "
+                             "(see echo_native.merge_states)")
+        for s in ranks:
+            check_state_values(s)
+        for key in ("seed", "shuffle"):
+            if merged.get(key, getattr(base, key)) != getattr(base, key):
+                raise ValueError(f"states were saved with {key}={merged[key]}, this loader "
+                                 f"has {key}={getattr(base, key)}; the epoch's order would "
+                                 f"not be the same")
         plan = self._resumed_plan(merged)
         if plan is None:  # nothing of the epoch consumed yet: a whole epoch as usual
             self._move(merged["epoch"] * base.batches_per_epoch, base, None)
@@ -479,6 +622,9 @@ class Loader:
 
     def __iter__(self):
         """The rest of the current epoch (all of it unless resumed mid-epoch)."""
+        return self._iteration.iterate(self._epoch_batches)
+
+    def _epoch_batches(self):
         self.start()
         for _ in range(self.left_in_epoch):
             yield self.next_batch()
@@ -543,6 +689,8 @@ class Loader:
                 warnings.warn(f"{dropped} failed sample(s) of batch {ticket} could not be "
                               f"replaced either (every stand-in failed too): dropped, the "
                               f"batch has {count} samples", SampleFailureWarning, stacklevel=3)
+        if (ticket + 1) % len(self) == 0:
+            self._summarize_epoch(ticket // len(self))
         slot = ring.slots[ticket % ring.layout.nslots]
         self._stats.batches += 1
         self._stats.delivered += count
@@ -595,10 +743,17 @@ class Loader:
         return self._ring is not None and self._ring.is_published(self._ticket)
 
     def _report_failures(self, records, failures):
-        action = {"replace": "replaced", "skip": "skipped", "raise": "raised"}[
-            self.plan.on_error]
+        """One warning per failed file, the first time it fails; later failures of the
+        same file (every epoch reads it again) are counted, and told in the epoch's
+        summary (:meth:`_summarize_epoch`)."""
+        action = self._action()
+        books = self._stats
         for r in records:
             self._count_failure(REASONS.get(r.reason, "other"))
+            if r.path in books.reported:
+                books.repeats += 1
+                continue
+            books.reported.add(r.path)
             # A name with control characters (newline, tab, U+2028) or undecodable
             # bytes is shown escaped, so it cannot break or forge a log line; the
             # exact name is the warning's ``failure.path``.
@@ -609,12 +764,38 @@ class Loader:
             warnings.warn(w, stacklevel=4)
         if failures > len(records):  # more than the slot's report area could name
             self._count_failure("unreported", failures - len(records))
-            warnings.warn(f"{failures - len(records)} more samples of this batch failed "
-                          f"({action}); their paths did not fit in the report",
-                          SampleFailureWarning, stacklevel=4)
+
+    def _action(self):
+        return {"replace": "replaced", "skip": "skipped", "raise": "raised"}[
+            self.plan.on_error]
 
     def _count_failure(self, reason, n=1):
-        self._stats.failures[reason] = self._stats.failures.get(reason, 0) + n
+        books = self._stats
+        books.failures[reason] = books.failures.get(reason, 0) + n
+        books.epoch_failures[reason] = books.epoch_failures.get(reason, 0) + n
+
+    def _summarize_epoch(self, epoch):
+        """At the end of an epoch in which samples failed: one warning with the counts,
+        so that what the per-file warnings left out (files already named, samples the
+        slot's report could not name) is still said."""
+        books = self._stats
+        counts, repeats = books.epoch_failures, books.repeats
+        books.epoch_failures, books.repeats = {}, 0
+        total = sum(counts.values())
+        if not total:
+            return
+        by = ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()))
+        quiet = []
+        if repeats:
+            quiet.append(f"{repeats} of files already named in an earlier warning")
+        if counts.get("unreported"):
+            quiet.append(f"{counts['unreported']} whose paths did not fit the batch's report")
+        w = SampleFailureWarning(
+            f"epoch {epoch}: {total} sample(s) failed ({by}), {self._action()}"
+            f"{'; not warned one by one: ' + '; '.join(quiet) if quiet else ''}; "
+            f"totals in stats()['failures']")
+        w.failure = None
+        warnings.warn(w, stacklevel=4)
 
     def stats(self):
         s = self._stats
@@ -655,6 +836,9 @@ class _Counters:
         self.batches = self.fresh = self.delivered = self.dropped = self.warned = 0
         self.stall_s = 0.0
         self.failures = {}
+        self.epoch_failures = {}   # this epoch's, for its summary
+        self.repeats = 0           # this epoch's failures of files named before
+        self.reported = set()      # paths named in a warning already
 
 
 def _image_shape(transform):
@@ -665,7 +849,56 @@ def _image_shape(transform):
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
+#: A resume position beyond this is no real job's (and would overflow the ring's words).
+MAX_TICKET = 2**62
+
+#: The type of each key a state may hold, and the test its value must pass.
+_STATE_KEYS = {
+    "ticket": ("an integer >= 0", lambda v: _is_int(v) and 0 <= v <= MAX_TICKET),
+    "epoch": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    "batches_per_epoch": ("a positive integer", lambda v: _is_int(v) and v >= 1),
+    "total_samples": ("a positive integer", lambda v: _is_int(v) and v >= 1),
+    "batch_size": ("a positive integer", lambda v: _is_int(v) and v >= 1),
+    "world_size": ("a positive integer", lambda v: _is_int(v) and v >= 1),
+    "rank": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    "seed": ("an integer in [0, 2**64)", lambda v: _is_int(v) and 0 <= v < 2**64),
+    "shuffle": ("True or False", lambda v: isinstance(v, (bool, np.bool_))),
+    "pad": ("True or False", lambda v: isinstance(v, (bool, np.bool_))),
+    "drop_last": ("True or False", lambda v: isinstance(v, (bool, np.bool_))),
+    "skip": ("a list of sample ids", lambda v: isinstance(v, (list, tuple, np.ndarray))
+             and all(_is_int(x) and x >= 0 for x in v)),
+    "resumed": ("a merged state or None", lambda v: v is None or isinstance(v, dict)),
+}
+
+
+def check_state_values(state):
+    """Refuse a state whose values are not what :meth:`Loader.state_dict` writes, naming
+    the key: a float, string or bool ticket, a negative or absurd one, a wrong type
+    anywhere (a state edited by hand, or from another program)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"a state must be a dict from state_dict(), got "
+                        f"{type(state).__name__}")
+    if "ticket" not in state:
+        raise ValueError("state has no 'ticket': it is not a state_dict() of a Loader or "
+                         "EchoRing")
+    for key, (what, ok) in _STATE_KEYS.items():
+        if key in state and not ok(state[key]):
+            raise ValueError(f"state[{key!r}] must be {what}, got {state[key]!r:.80}")
+
+
+def check_epoch(epoch, batches_per_epoch):
+    """``epoch`` as an int, or a clear error (``set_epoch(1.5)`` or ``set_epoch('2')``
+    must not read part of an epoch or compare strings)."""
+    if not _is_int(epoch):
+        raise TypeError(f"epoch must be an integer, got {epoch!r}")
+    if not 0 <= epoch <= MAX_TICKET // batches_per_epoch:
+        raise ValueError(f"epoch must be between 0 and {MAX_TICKET // batches_per_epoch}, "
+                         f"got {epoch}")
+    return int(epoch)
+
+
 def _check_state(owner, state):
+    check_state_values(state)
     plan = owner._base
     world = state.get("world_size", plan.world_size)
     if world != plan.world_size:
@@ -676,10 +909,13 @@ def _check_state(owner, state):
                          f"list, or echo_native.merge_states of it, to load_state_dict)")
     for key, mine in (("seed", plan.seed), ("rank", plan.rank),
                       ("batches_per_epoch", plan.batches_per_epoch),
-                      ("total_samples", plan.total_samples), ("batch_size", plan.batch_size)):
+                      ("total_samples", plan.total_samples), ("batch_size", plan.batch_size),
+                      ("shuffle", plan.shuffle), ("drop_last", plan.drop_last),
+                      ("pad", plan.pad)):
         if key in state and state[key] != mine:
             raise ValueError(f"state was saved with {key}={state[key]}, this loader has "
-                             f"{key}={mine}; the fresh stream would not continue exactly")
+                             f"{key}={mine}; the fresh stream would not continue exactly "
+                             f"(samples would be read twice or never)")
 
 
 # ---- elastic resume: the states of all ranks, resumed by a job of any size ------------
@@ -727,6 +963,7 @@ def merge_states(states):
         if not isinstance(s, dict) or "ranks" in s or \
                 not {"ticket", "rank", "world_size", "batches_per_epoch"} <= set(s):
             raise ValueError(f"merge_states takes the state_dict() of each rank, got {s!r:.200}")
+        check_state_values(s)
     merged = {}
     for key in _JOB_KEYS:
         values = {repr(s[key]) for s in states if key in s}
@@ -873,11 +1110,19 @@ def _release_in(loader_ref, ring, ticket):
         ring.release(ticket)
 
 
-def _shutdown(ring, pool, watchers=()):
+_NOT_PICKLABLE = ("a {0} cannot be pickled: it owns worker processes and shared memory "
+                  "that only its own process may use. Pickle (or send) its source and specs "
+                  "instead, and build a new {0} from them where it is needed")
+
+
+def _shutdown(owner_pid, ring, pool, watchers=()):
     """Let the watchers go, stop the workers, let go of the ring (close a memfd's
     descriptor, unlink a named segment; the memory goes with the last mapping): all of
     it even if a step fails; the first failure is raised afterwards (not at interpreter
-    exit, where CUDA may already be gone)."""
+    exit, where CUDA may already be gone).  Nothing in any process but the ring's
+    owner: a forked child's mappings go with it, and the ring stays the parent's."""
+    if os.getpid() != owner_pid:
+        return
     error = None
     for _, closing in watchers:
         try:

@@ -19,7 +19,8 @@ import numpy as np
 from echo_native import _kernel
 from echo_native.transforms import CenterCrop, RandomResizedCrop, canvas_for
 from echo_native.ring import OK
-from echo_native.loader import Batch, Loader, fold_shorthands
+from echo_native.loader import (_NOT_PICKLABLE, Batch, IterationGuard, Loader, as_source,
+                                 check_epoch, fold_shorthands)
 from echo_native.echo import (AutoEcho, BatchWindow, Echo, ExampleBuffer, batch_rng,
                               buffer_bytes, counts_from, echo_counts, echo_draws,
                               shuffle_rng)
@@ -98,6 +99,7 @@ class EchoRing:
                  on_error="replace", shard=None, decode=None, slots=None, timeout=120.0,
                  sample_timeout=60.0, worker_mode="process", mix=None, on_batch=None,
                  **shorthands):
+        source = as_source(source, "EchoRing")
         echo = _fold_echo(echo, shorthands)
         output = _fold_output(output, shorthands)
         augment, ops = split_augment("EchoRing", augment)
@@ -178,8 +180,12 @@ class EchoRing:
         self._yielded = None       # ticket of the last batch passed straight through
         self._outputs = {}
         self._books = _Books()
+        self._iteration = IterationGuard("EchoRing")
         # The device follows the ring through restarts (a seek makes a new one).
         self.loader.watch_ring(self.device.attach, self.device.detach)
+
+    def __reduce__(self):
+        raise TypeError(_NOT_PICKLABLE.format(type(self).__name__))
 
     @property
     def image_size(self):
@@ -218,7 +224,10 @@ class EchoRing:
 
     def close(self):
         """Stop workers, free shared memory.  Idempotent; also runs on GC and at exit.
-        Every batch delivered so far stops being valid (``copy()`` what you keep)."""
+        Every batch delivered so far stops being valid (``copy()`` what you keep), and
+        every iterator taken before it is finished (its next ``next()`` raises);
+        iterating again starts new workers where the stream stood."""
+        self._iteration.end()
         self.loader.close()
         self._drop_stash()
         try:
@@ -265,6 +274,9 @@ class EchoRing:
         return self._auto.value if self.auto else self.echo
 
     def __iter__(self):
+        return self._iteration.iterate(self._batches)
+
+    def _batches(self):
         self.start()
         if self.passthrough:
             gen = self._passthrough()
@@ -580,6 +592,9 @@ class EchoRing:
             job's ranks, each read fresh once, with equal steps per rank (see
             :meth:`Loader.load_state_dict`).
         """
+        if not isinstance(state, (dict, list, tuple)):
+            raise TypeError(f"load_state_dict takes a state_dict() (a dict), or the list of "
+                            f"every rank's, got {type(state).__name__}")
         if not isinstance(state, dict):
             state = list(state)
         saved = state if isinstance(state, list) else [state] + state.get("ranks", [])
@@ -587,6 +602,7 @@ class EchoRing:
             if isinstance(s, dict) and s.get("placement", self.placement) != self.placement:
                 raise ValueError(f"state was saved with placement={s['placement']!r}, this "
                                  f"ring has {self.placement!r}")
+        self._iteration.end()  # an iterator of the old stream must not read the new one
         self.loader.load_state_dict(state)
         # Resumed from all ranks, the plan leaves out what was emitted: nothing to skip.
         elastic = isinstance(state, list) or "ranks" in state
@@ -599,7 +615,9 @@ class EchoRing:
 
     def set_epoch(self, epoch):
         """As ``DistributedSampler.set_epoch``: the next iteration is ``epoch``."""
+        epoch = check_epoch(epoch, len(self.loader))
         if self.epoch != epoch:
+            self._iteration.end()
             self._skip = set()
             self._drop_stash()
             self._window = self._unfinished = None
