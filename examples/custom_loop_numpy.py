@@ -36,6 +36,7 @@ def echo_arg(text):
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--data", help="an ImageFolder (default: the built-in corpus)")
+parser.add_argument("--val-data", help="a separate validation ImageFolder (default: --data)")
 parser.add_argument("--steps", type=int, default=200, help="stop after this many steps")
 parser.add_argument("--echo", type=echo_arg, default=2.0, help="echo factor (>= 1) or 'auto'")
 parser.add_argument("--image-size", type=int, default=32)
@@ -50,6 +51,10 @@ source = en.ImageFolder(args.data or default_corpus())
 classes = len(source.classes)
 ring = en.EchoRing(source, args.batch_size, augment=en.RandomResizedCrop(args.image_size),
                    echo=args.echo, workers=args.workers, seed=0)   # output: uint8 NHWC
+# Validation: every sample once, in order, torchvision's Resize + CenterCrop.
+val_ring = en.EchoRing(en.ImageFolder(args.val_data or args.data or default_corpus()),
+                       args.batch_size, augment=en.CenterCrop(args.image_size),
+                       echo=1, shuffle=False, workers=args.workers)
 
 # Softmax regression on 8x8 mean-pooled pixels (192 features).
 POOL = 8
@@ -90,6 +95,13 @@ with ring:
         epoch += 1
     s = ring.stats()
 
+with val_ring:
+    val_right = val_seen = 0
+    for batch in val_ring:
+        val_right += int(((features(batch.images) @ W + b).argmax(axis=1) == batch.labels).sum())
+        val_seen += len(batch)
+print(f"validation accuracy {val_right / val_seen:.3f} over {val_seen} images")
+
 # What stats() says (all counted since the ring started):
 print("stats():")
 # fresh: examples read and decoded by the workers and taken into the echo
@@ -124,6 +136,10 @@ print(f"  ring_occupancy  {s['ring_occupancy']:.2f}")
 # failures: {reason: count} of samples that could not be read or decoded; each
 #   was replaced by another sample (on_error="replace") and reported by path.
 print(f"  failures        {s['failures']}")
-print(f"done: {step} steps, {s['fresh']} fresh images, {s['delivered']} delivered, "
-      f"{repeats} repeats (effective echo {s['effective_echo']:.2f}), "
+# The counts add up: every delivered example is a first emission or a repeat, and a
+# fresh example not yet emitted is still waiting in the echo stage's buffer.
+first = s["delivered"] - repeats
+print(f"done: {step} steps, {s['fresh']} fresh images, {s['delivered']} delivered "
+      f"({first} first emissions + {repeats} repeats; {s['fresh'] - first} fresh images "
+      f"not yet emitted, in the echo buffer), effective echo {s['effective_echo']:.2f}, "
       f"train accuracy {right / max(1, seen):.3f}")
