@@ -98,8 +98,8 @@ def test_h2d_bandwidth(benchmark):
 def _canvases(n, h=300, w=400):
     """An echo buffer on the GPU holding ``n`` random h x w canvases."""
     import cupy
-    from echo_native.echo import ExampleBuffer
-    buf = ExampleBuffer(n, h * w * 3, cupy)
+    from echo_native.echo.images import ImageStore
+    buf = ImageStore(n, h * w * 3, cupy)
     buf.pixels[...] = cupy.random.randint(0, 256, buf.pixels.shape, dtype=cupy.uint8)
     buf.shape[:] = (h, w)
     cupy.cuda.Device().synchronize()  # written on the default stream, read on ours

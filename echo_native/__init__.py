@@ -1,7 +1,7 @@
 """echo_native: a fast image input pipeline with data echoing.
 
 Pipeline order, one module per stage (open them in this order to follow a
-batch from file bytes to the GPU):
+batch from file bytes to the GPU; each imports only modules above it):
 
   source      where the bytes come from (ImageFolder, FileList, TarShards, Samples);
               remote (fsspec URLs, retries, prefetch), tarindex, shards (the writer)
@@ -9,13 +9,19 @@ batch from file bytes to the GPU):
   transforms  what each sample becomes: RandomResizedCrop, CenterCrop
   augment     per-example ops after the crop: ColorJitter, RandomGrayscale,
               TrivialAugmentWide, RandomErasing (in workers or per emission)
-  ring        shared-memory ring of batch slots (layout and atomics in C)
-  workers     processes that fill slots; Plan and Shard say which samples
-  loader      the consumer end: ordered zero-copy batches, supervision, clean-up
-  echo        data echoing: Echo, echo counts, the shuffle buffer, auto echo
+  plan        which samples each batch (ticket) holds: Plan, Shard
+  ring        shared-memory ring of batch slots (layout and atomics in C);
+              failures (the binary failure records), memory (the memory budget)
+  workers     processes that fill slots; a dead one's ticket is redone
+  batch       Batch, and the Fresh batch an echo stage takes
+  resume      the state format, its checks, elastic resume (merge_states)
+  specs       the constructor's arguments as specs, folded once (Workers)
+  loader      the ring's consumer end: ordered zero-copy batches, supervision
+  echo        data echoing: Echo, counts, shuffle buffer, auto echo, the stages
   output      Output: normalisation, layout, dtype; BFloat16Array
-  mix         MixUp / CutMix with soft targets, and the user's batch op
+  mix         MixUp / CutMix with soft targets
   backends    where echoes are made: NumPy on the CPU, CuPy on a GPU
+  delivery    an emission becomes the consumer's batch (normalise, Mix, on_batch)
   pipeline    EchoRing, which wires the specs to all of the above
 
 The lab (benchmark corpus, peers, demo) is :mod:`echo_native.lab`; the library
@@ -41,9 +47,12 @@ from echo_native.decode import (
 )
 from echo_native.transforms import CenterCrop, RandomResizedCrop
 from echo_native.augment import ColorJitter, RandomErasing, RandomGrayscale, TrivialAugmentWide
+from echo_native.plan import Shard
 from echo_native.ring import RingMemoryError
-from echo_native.workers import Shard
-from echo_native.loader import Batch, Loader, SampleFailureWarning, WorkerError, merge_states
+from echo_native.batch import Batch
+from echo_native.resume import merge_states
+from echo_native.specs import Workers
+from echo_native.loader import Loader, SampleFailureWarning, WorkerError
 from echo_native.echo import Echo
 from echo_native.output import BFloat16Array, DeviceArray, Output
 from echo_native.mix import Mix
@@ -78,6 +87,7 @@ __all__ = [
     "TarShards",
     "TrivialAugmentWide",
     "WorkerError",
+    "Workers",
     "__version__",
     "center_crop_box",
     "decode",

@@ -721,3 +721,37 @@ class TarShards:
 
     def __repr__(self):
         return f"TarShards({len(self.shards)} shards, {len(self)} samples)"
+
+
+_SOURCE_KINDS = "en.ImageFolder(root), en.FileList(list, root=...), en.TarShards([...]) or " \
+    "en.Samples(blobs, labels)"
+
+
+def as_source(source, owner="EchoRing"):
+    """The source a loader reads, checked at construction so that nothing fails later
+    in the workers.
+
+    A folder path (``str`` or ``os.PathLike``) becomes ``ImageFolder(path)``, the
+    source a path most often means; any other path, and any object that is not a
+    source (``len``, ``labels``, ``read(i)``, ``describe(i)``), is refused here,
+    naming the argument and the sources there are."""
+    if isinstance(source, (str, bytes, os.PathLike)):
+        path = os.fsdecode(source)
+        if os.path.isdir(path):
+            return ImageFolder(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{owner}: source {path!r} does not exist (a folder path "
+                                    f"is read as en.ImageFolder(path))")
+        raise TypeError(f"{owner}: source {path!r} is a file, not a folder; a file is read "
+                        f"by en.FileList({path!r}, root=...) (a 'path,label' list) or "
+                        f"en.TarShards([{path!r}]) (a tar shard)")
+    missing = [name for name in ("__len__", "labels", "read") if not hasattr(source, name)]
+    if missing:
+        raise TypeError(f"{owner}: source must be {_SOURCE_KINDS}, or an object with len(), "
+                        f"labels and read(i) (and optionally describe(i)); got "
+                        f"{type(source).__name__} (no {', '.join(missing)})")
+    for name in ("read", "describe"):
+        if not callable(getattr(source, name, len)):
+            raise TypeError(f"{owner}: source.{name} must be a method, got "
+                            f"{type(getattr(source, name)).__name__}")
+    return source

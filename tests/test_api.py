@@ -154,7 +154,7 @@ def test_echo_number_and_auto_shorthands(samples):
     assert en.EchoRing(samples, 8, echo=2.0, workers=1).spec == en.Echo(2.0)
     assert en.EchoRing(samples, 8, echo="auto", max_echo=3, workers=1).spec == \
         en.Echo("auto", max_echo=3)
-    assert en.EchoRing(samples, 8, echo=1, workers=1).passthrough
+    assert en.EchoRing(samples, 8, echo=1, workers=1).spec.off
     with pytest.raises(ValueError, match=r"^echo must be"):
         en.EchoRing(samples, 8, echo=0)
     with pytest.raises(ValueError, match=r"echo must be an echo_native.Echo"):

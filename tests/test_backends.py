@@ -14,7 +14,7 @@ import echo_native as en
 from echo_native.backends import resolve
 from echo_native.backends.array import ArrayDevice, SlotReturns, pillow_weights
 from echo_native.backends.cpu import CpuDevice
-from echo_native.echo import ExampleBuffer
+from echo_native.echo.images import ImageStore
 
 
 def _photo(name="astronaut", size=None):
@@ -27,7 +27,7 @@ def _photo(name="astronaut", size=None):
 
 def _buffer_with(canvases, xp=np):
     entry = max(c.size for c in canvases)
-    buf = ExampleBuffer(len(canvases), entry, xp)
+    buf = ImageStore(len(canvases), entry, xp)
     for i, c in enumerate(canvases):
         buf.pixels[i, : c.size] = c.reshape(-1)
         buf.shape[i] = c.shape[:2]
@@ -87,7 +87,7 @@ def test_array_path_matches_pillow():
 def test_gather_and_flip_move_exact_bytes():
     """gather copies whole entries and flip mirrors exactly the masked images."""
     rng = np.random.default_rng(1)
-    buf = ExampleBuffer(6, 8 * 8 * 3)
+    buf = ImageStore(6, 8 * 8 * 3)
     buf.pixels[...] = rng.integers(0, 256, buf.pixels.shape, dtype=np.uint8)
     dev = ArrayDevice(np)
     out = np.empty((3, 8, 8, 3), np.uint8)
@@ -106,7 +106,7 @@ def test_cpu_gather_on_the_host_thread_matches_the_array_device():
     a bad entry fails the job with an error naming it (once: the clean-up after it
     does not raise it again), never a stray read."""
     rng = np.random.default_rng(2)
-    buf = ExampleBuffer(7, 9 * 5 * 3)
+    buf = ImageStore(7, 9 * 5 * 3)
     buf.pixels[...] = rng.integers(0, 256, buf.pixels.shape, dtype=np.uint8)
     entries, mirror = np.array([6, 0, 3, 6]), np.array([True, False, True, False])
     want = np.empty((4, 9, 5, 3), np.uint8)

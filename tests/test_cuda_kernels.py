@@ -23,7 +23,7 @@ from echo_native.backends import cuda
 from echo_native.backends.array import ArrayDevice
 from echo_native.backends.cpu import CpuDevice
 from echo_native.output import bfloat16_bits, output_dtype
-from echo_native.echo import ExampleBuffer
+from echo_native.echo.images import ImageStore
 
 HERE = os.path.dirname(__file__)
 PACKAGE = os.path.join(os.path.dirname(en.__file__), "backends")
@@ -139,7 +139,7 @@ def _photo(name):
 def _buffer(canvases, slots=None):
     """An echo buffer holding ``canvases`` in entries ``slots`` (in order by default)."""
     slots = list(range(len(canvases))) if slots is None else slots
-    buf = ExampleBuffer(max(slots) + 1, max(c.size for c in canvases))
+    buf = ImageStore(max(slots) + 1, max(c.size for c in canvases))
     buf.pixels[...] = 77  # whatever lies past a canvas must never be read
     for s, c in zip(slots, canvases):
         buf.pixels[s, :c.size] = c.reshape(-1)

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from echo_native.loader import distributed_rank
+from echo_native.plan import distributed_rank
 from echo_native.transforms import RandomResizedCrop
-from echo_native.workers import Plan
+from echo_native.plan import Plan
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -414,8 +414,8 @@ def test_resume_bookkeeping_stays_bounded(samples, placement):
     with _ring(samples, placement, 2, 1, "thread", shuffle_buffer=2 * B) as ring:
         for _ in range(3):
             for _ in ring:
-                held = sum(len(ids) for ids in ring._sent.values())
-                assert held <= 4 * B and len(ring._unsent) <= 4, (held, ring._unsent)
+                batches, ids = ring.stage.ledger.size()
+                assert ids <= 4 * B and batches <= 4, (batches, ids)
         assert ring.state_dict()["skip"] == []
 
 

@@ -164,7 +164,7 @@ def test_recount_follows_a_new_e_and_keeps_first_emissions():
     made, never dropping an example's first emission; entries left with none are freed."""
     from echo_native.echo import ExampleBuffer
 
-    buf = ExampleBuffer(4, 8)
+    buf = ExampleBuffer(4)
     entries = buf.allocate(4)
     buf.remaining[entries] = 2
     buf.emit(entries[:2])                    # entries 0, 1 made 1 of their 2

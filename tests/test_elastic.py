@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from echo_native.loader import merge_states
+from echo_native.resume import merge_states
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

@@ -399,10 +399,10 @@ def test_crop_resize_launches_batches_beyond_65535():
     every image written, the last ones as the first."""
     import cupy
     from echo_native.backends.cuda import CudaDevice
-    from echo_native.echo import ExampleBuffer
+    from echo_native.echo.images import ImageStore
     dev = CudaDevice(0)
     rng = np.random.default_rng(0)
-    buf = ExampleBuffer(3, 6 * 8 * 3, dev)
+    buf = ImageStore(3, 6 * 8 * 3, dev)
     buf.pixels[...] = cupy.asarray(rng.integers(0, 256, (3, 6 * 8 * 3), dtype=np.uint8))
     buf.shape[:] = (6, 8)
     cupy.cuda.Device().synchronize()
@@ -443,8 +443,8 @@ def test_gpu_kernels_equal_the_host_build_bit_for_bit(tmp_path):
     want = np.empty((len(entries), 96, 80, 3), np.uint8)
     host.crop_resize(buf, entries, boxes, flips, want)
     dev = CudaDevice(0)
-    from echo_native.echo import ExampleBuffer
-    gbuf = ExampleBuffer(buf.capacity, buf.pixels.shape[1], dev)
+    from echo_native.echo.images import ImageStore
+    gbuf = ImageStore(buf.capacity, buf.pixels.shape[1], dev)
     gbuf.pixels[...] = cupy.asarray(buf.pixels)
     gbuf.shape[...] = buf.shape
     cupy.cuda.Device().synchronize()

@@ -241,7 +241,7 @@ def test_num_classes_from_the_source_or_the_spec(small):
     with _ring(small, mix=Mix(num_classes=10)) as ring:
         assert next(iter(ring)).targets.shape[1] == 10
     with _ring(small, mix=Mix()) as ring:
-        assert ring.num_classes == 6
+        assert ring.delivery.num_classes == 6
 
 
 def test_on_batch_sees_numpy_and_the_row_keys(small):

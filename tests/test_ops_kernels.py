@@ -34,7 +34,7 @@ from echo_native import _kernel
 from echo_native.backends import ops_codes as op
 from echo_native.backends.array import ArrayDevice
 from echo_native.backends.cpu import CpuDevice
-from echo_native.echo import ExampleBuffer
+from echo_native.echo.images import ImageStore
 from photos import fit, photo
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
@@ -506,7 +506,7 @@ def test_array_device_augment_is_apply_ops():
 
 def _canvas_buffer(h=40, w=50):
     canvases = [fit(photo(name), h, w) for name in PHOTOS]
-    buf = ExampleBuffer(len(canvases), h * w * 3)
+    buf = ImageStore(len(canvases), h * w * 3)
     for i, c in enumerate(canvases):
         buf.pixels[i] = c.reshape(-1)
         buf.shape[i] = (h, w)

@@ -12,7 +12,8 @@ import numpy as np
 
 import echo_native as en
 from echo_native.ring import Ring
-from echo_native.workers import Plan, WorkerPool
+from echo_native.plan import Plan
+from echo_native.workers import WorkerPool
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

@@ -1,0 +1,103 @@
+"""Validators and constants shared by the specs: one definition each.
+
+Every spec checks its own arguments when it is made, so a mistake is reported
+where the user wrote it (naming the argument), never as a failed sample in a
+worker.  The checks all read the same way: ``owner: name must be ..., got ...``.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+#: Image file endings a folder or a tar shard is read for (torchvision's ``IMG_EXTENSIONS``).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+#: torchvision's evaluation convention: resize the shorter side to size / 0.875 (224 -> 256).
+CENTER_CROP_FRACTION = 0.875
+
+
+def is_int(x):
+    """An integer, NumPy's included, and not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_number(x):
+    """A real number, NumPy's included, and not a bool."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and \
+        not isinstance(x, (bool, np.bool_))
+
+
+def number(owner, name, v, lo=-math.inf, hi=math.inf, hi_open=False):
+    """``v`` as a float in [lo, hi] (or [lo, hi)), else a ValueError naming it."""
+    if not is_number(v) or not (lo <= v < hi if hi_open else lo <= v <= hi):
+        bound = f"[{lo}, {hi})" if hi_open else f"[{lo}, {hi}]"
+        raise ValueError(f"{owner}: {name} must be a number in {bound}, got {v!r}")
+    return float(v)
+
+
+def positive_int(owner, name, v, lo=1, hi=None):
+    """``v`` as an int in [lo, hi], else a ValueError naming it."""
+    if not is_int(v) or v < lo or (hi is not None and v > hi):
+        if hi is not None:
+            what = f"an integer from {lo} to {hi}"
+        else:
+            what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+        raise ValueError(f"{owner}: {name} must be {what}, got {v!r}")
+    return int(v)
+
+
+def optional_positive_int(owner, name, v):
+    """None, or a positive int (ValueError naming it)."""
+    return None if v is None else positive_int(owner, name, v)
+
+
+def seconds(owner, name, v, optional=False):
+    """A positive, finite number of seconds (None allowed with ``optional``): NaN or
+    infinity would disable the wait it bounds."""
+    if v is None and optional:
+        return None
+    what = "a positive number of seconds" + (" or None" if optional else "")
+    if not is_number(v):
+        raise TypeError(f"{owner}: {name} must be {what}, got {v!r}")
+    if not 0 < v < math.inf:
+        raise ValueError(f"{owner}: {name} must be {what}, got {v!r}")
+    return float(v)
+
+
+def flag(owner, name, v):
+    """True or False (NumPy's bool too), else a TypeError naming it."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{owner}: {name} must be True or False, got {v!r}")
+    return bool(v)
+
+
+def choice(owner, name, v, choices):
+    if v not in choices:
+        raise ValueError(f"{owner}: {name} must be one of {choices}, got {v!r}")
+    return v
+
+
+def size_pair(size, owner="size"):
+    """``size`` (an int for a square, or ``(height, width)``) as a checked pair."""
+    if is_int(size):
+        size = (size, size)
+    try:
+        h, w = size
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner} must be an int or (height, width), got {size!r}") from None
+    for v in (h, w):
+        if not is_int(v):
+            raise TypeError(f"{owner} must be an int or (height, width) of ints, got {size!r}")
+        if not 0 < v <= 65535:
+            raise ValueError(f"{owner} must be positive and at most 65535, got {size!r}")
+    return int(h), int(w)
+
+
+def cpus():
+    """The CPUs this process may run on (its affinity, else the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)

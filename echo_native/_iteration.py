@@ -1,0 +1,82 @@
+"""One iteration at a time over a stream that must not be read twice (Loader, EchoRing,
+EchoLoader), and what refuses to be pickled."""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+NOT_PICKLABLE = ("a {0} cannot be pickled: it owns worker processes and shared memory "
+                 "that only its own process may use. Pickle (or send) its source and specs "
+                 "instead, and build a new {0} from them where it is needed")
+
+
+class IterationGuard:
+    """One live iteration at a time, over a stream that must not be read twice.
+
+    Iterating again takes over from an earlier iterator (whose next ``next()``
+    raises instead of reading on), as leaving a ``for`` loop early and starting
+    another does; ``close()`` ends every iterator taken before it; and a
+    ``next()`` while another thread is inside one is refused, never served
+    twice.  Each step holds a lock only while the stream moves, not while the
+    consumer works on its batch.
+    """
+
+    def __init__(self, owner):
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._token = None      # the live iterator's
+        self._source = None     # its generator of batches, to close on take-over
+
+    def iterate(self, make):
+        """Batches of the generator ``make()`` returns, guarded."""
+        token = object()
+        with self._step():
+            self._close_source()
+            self._token, self._source = token, make()
+        source = self._source
+        try:
+            while True:
+                with self._step():
+                    if self._token is not token:
+                        raise RuntimeError(
+                            f"this {self._owner} iterator was superseded: the {self._owner} "
+                            f"was closed, or iterated again, since it was taken (one "
+                            f"iteration at a time; start a new `for` loop over it)")
+                    try:
+                        batch = next(source)
+                    except StopIteration:
+                        self._token = self._source = None
+                        return
+                yield batch
+        finally:
+            # Left early (break, an exception): the stream stops here, and a later
+            # iteration continues from it.  (Only this generator can hold the lock
+            # for its own token; the timeout is a guard, not a wait.)
+            if self._token is token and self._lock.acquire(timeout=60):
+                try:
+                    self._close_source()
+                    self._token = None
+                finally:
+                    self._lock.release()
+
+    def end(self):
+        """End every live iterator (close())."""
+        with self._step():
+            self._close_source()
+            self._token = None
+
+    def _close_source(self):
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
+
+    @contextlib.contextmanager
+    def _step(self):
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"this {self._owner} is being iterated by another thread: one "
+                               f"thread at a time may take its batches (give each thread its "
+                               f"own {self._owner}, or hand batches over through a queue)")
+        try:
+            yield
+        finally:
+            self._lock.release()

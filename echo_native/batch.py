@@ -1,0 +1,80 @@
+"""What crosses from the ring to the consumer: a :class:`Batch`, and the :class:`Fresh`
+batch an echo stage takes from its upstream.
+
+A batch's arrays are views where they can be: of a ring slot (echo=1 on the
+CPU, valid until the next batch is requested or :meth:`Batch.release`), or of
+the pipeline's rotating output buffers.  ``copy()`` what you keep longer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Batch:
+    """One batch.
+
+    Straight from the ring (echo=1 on the CPU), the arrays are views of the
+    slot until the next batch is requested or :meth:`release` is called.
+    From :class:`EchoRing` otherwise (echoing, normalising, on a GPU), images
+    live in rotating output buffers (two; three on a GPU, so that the copy of
+    the next batch overlaps the work on this one), valid until the batch after
+    next is requested, and until ``close()``.  Either way ``copy()`` what you
+    keep longer.  The arrays export DLPack: ``torch.from_dlpack(batch.images)``
+    shares the memory.  On a GPU, images are a ``DeviceArray`` (or a
+    ``BFloat16Array``) whose every export orders the stream it is taken on
+    after the batch and the pipeline's reuse of the buffer after that stream
+    (docs/gpu.md).
+    """
+
+    images: np.ndarray       # (B, H, W, 3) uint8
+    labels: np.ndarray       # (B,) int64
+    sample_ids: np.ndarray   # (B,) int64, indices into the source
+    fresh: np.ndarray        # (B,) bool: first emission of a sample read this epoch
+    echo_index: np.ndarray   # (B,) int64: 0 for the fresh emission, 1.. for echoes
+    boxes: np.ndarray        # (B, 4) float32: crop (top, left, height, width) in the original
+    flips: np.ndarray        # (B,) bool
+    epoch: int = 0
+    _release: object = None
+    targets: object = None   # (B, classes) float32 soft targets with Mix, else None
+
+    def __len__(self):
+        return len(self.labels)
+
+    def release(self):
+        """Give the slot back to the workers now; the arrays must not be used after."""
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+    def copy(self):
+        """A batch that owns its memory (survives the slot's reuse)."""
+        return Batch(self.images.copy(), self.labels.copy(), self.sample_ids.copy(),
+                     self.fresh.copy(), self.echo_index.copy(), self.boxes.copy(),
+                     self.flips.copy(), self.epoch,
+                     targets=None if self.targets is None else self.targets.copy())
+
+
+@dataclass
+class Fresh:
+    """A fresh batch as an echo stage takes it from its upstream (the ring's consumer
+    end, :class:`echo_native.loader.Loader`, or a wrapped iterator of batches).
+
+    ``sample_ids`` and ``ok`` are per row: the sample's id, and whether the row is
+    the sample asked for (False for a stand-in that replaced a failed sample).
+    ``payload`` is what the stage stores or emits: the ring slot's views, or the
+    user's batch.  ``fill_s`` is the upstream's work for it (seconds), for auto echo.
+    """
+
+    ticket: int
+    epoch: int
+    sample_ids: np.ndarray
+    ok: np.ndarray
+    payload: object
+    fill_s: float = 0.0
+
+    @property
+    def count(self):
+        return len(self.sample_ids)

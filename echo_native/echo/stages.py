@@ -1,0 +1,500 @@
+"""The echo stages: one epoch of emitted batches from the fresh batches of an upstream.
+
+A stage reads fresh batches through :class:`~echo_native.echo.upstream.Upstream`
+and hands out batches made by ``finish``; *what* it stores and emits is the
+business of its ``examples`` (:mod:`echo_native.echo.images` for ring slots and
+the device, :mod:`echo_native.echo.pytree` for a user's batches).  The base
+:class:`Stage` owns the steps every placement shares, written once: the timed
+take of a fresh batch, the recovery of one taken before an interruption, the
+epoch left early and reset, the books of :meth:`Stage.stats`, and the ledger of
+first emissions that makes a resume exact.  Subclasses, one per placement:
+
+- :class:`PassThrough` (e = 1): each fresh batch as it comes;
+- :class:`ExampleEcho` (before / after augmentation): examples into a shuffle
+  buffer with their echo counts, batches of distinct examples out of it;
+- :class:`BatchEcho`: whole batches repeated through a shuffled window.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import signal
+import threading
+import time
+
+import numpy as np
+
+from echo_native.echo.buffer import BatchWindow, ExampleBuffer
+from echo_native.echo.counts import counts_from, echo_counts, echo_draws, shuffle_rng
+from echo_native.echo.ledger import FreshLedger
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Hold a Ctrl-C until the block is done.
+
+    The block moves examples between the upstream, the echo buffer and a batch;
+    a KeyboardInterrupt in its middle would lose an example or emit one twice,
+    and a training loop may catch the interrupt and iterate on.  Only the main
+    thread receives KeyboardInterrupt, and only there can the handler be
+    swapped; a handler the user installed is left alone.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if caught:
+            raise KeyboardInterrupt
+
+
+class Books:
+    """What a stage counts for :meth:`Stage.stats` (since start)."""
+
+    def __init__(self):
+        self.started = 0.0
+        self.fresh = self.delivered = self.batches = self.fresh_batches = 0
+        self.wait_s = self.consumer_s = self.fill_s = 0.0
+
+
+class Emission:
+    """One emitted batch on its way to the consumer: the job making its pixels, the first
+    emissions it carries (booked at hand-over), its parts for ``finish``, and the batch
+    once handed over."""
+
+    __slots__ = ("job", "sent", "parts", "batch")
+
+    def __init__(self, job, sent, parts):
+        self.job, self.sent, self.parts, self.batch = job, sent, parts, None
+
+
+class Stage:
+    """The steps every placement shares.
+
+    Parameters
+    ----------
+    upstream : Upstream
+    examples : what stores and emits examples (``store``, ``make``, ``pass_through``,
+        ``keep``, ``repeat``; see :mod:`echo_native.echo.images`)
+    finish : callable(parts) -> batch, the delivery of an emission
+    factor : float, or None with ``auto`` (an :class:`~echo_native.echo.auto.AutoEcho`)
+    device : where the emissions are made (``release_after_copies``, ``synchronize``)
+    """
+
+    def __init__(self, upstream, examples, finish, *, seed, batch_size, drop_last, device,
+                 factor=1.0, auto=None):
+        self.upstream, self.examples, self.finish = upstream, examples, finish
+        self.seed, self.batch_size, self.drop_last = seed, batch_size, drop_last
+        self.device, self.factor, self.auto = device, factor, auto
+        self.books = Books()
+        self.ledger = FreshLedger()
+        self.last_echo_index = None   # of the batch delivered last, for loss feedback
+        self._unfinished = None       # epoch of an iteration left early
+
+    # -- the factor and the epoch -----------------------------------------------------
+    @property
+    def e(self):
+        """The echo factor in use (auto's current choice)."""
+        return self.auto.value if self.auto is not None else self.factor
+
+    @property
+    def epoch(self):
+        """The epoch the next iteration works on (one left early continues)."""
+        return self.upstream.epoch if self._unfinished is None else self._unfinished
+
+    def open_epoch(self):
+        """The epoch an iteration works on: the upstream's, unless an earlier iteration
+        was left early (break, a caught Ctrl-C) and its epoch is not done yet, although
+        all its fresh batches may have been taken already."""
+        if self._unfinished is None:
+            self._unfinished = self.upstream.epoch
+        return self._unfinished
+
+    def end_epoch(self):
+        self.ledger.end_epoch()
+        self._unfinished = None
+
+    def start(self):
+        if not self.books.started:
+            self.books.started = time.perf_counter()
+
+    def reset(self, skip=()):
+        """A new stream position (set_epoch, a restored state): forget what an
+        interrupted epoch left; ``skip`` the ids a restored state says were emitted."""
+        self.ledger.clear(skip)
+        self._unfinished = None
+
+    def close(self):
+        """The upstream is stopping: let go of work in flight."""
+
+    # -- fresh batches ------------------------------------------------------------------
+    def take(self):
+        """The next fresh batch, its wait and its upstream cost booked."""
+        t0 = time.perf_counter()
+        fresh = self.upstream.next_fresh()
+        self.books.wait_s += time.perf_counter() - t0
+        self.books.fill_s += fresh.fill_s
+        if self.auto is not None:
+            self.auto.upstream(fresh.fill_s / max(1, self.upstream.workers))
+        return fresh
+
+    def release(self):
+        """The fresh batch taken last goes back upstream once the copies out of it are done."""
+        self.device.release_after_copies(self.upstream.hand_off())
+
+    def book_fresh(self, count):
+        self.books.fresh += int(count)
+        self.books.fresh_batches += 1
+
+    # -- emissions ----------------------------------------------------------------------
+    def batches(self):
+        """One epoch of batches (the rest of one left early), booked: the consumer's time
+        between two batches, less the time the stage blocked on the upstream, is what
+        auto echo weighs against the upstream's."""
+        books, auto = self.books, self.auto
+        last = waited = None
+        for batch in self.emit_epoch():
+            now = time.perf_counter()
+            if auto is not None and last is not None:
+                auto.consumer(now - last - (books.wait_s - waited))
+            last, waited = now, books.wait_s
+            books.delivered += len(batch)
+            books.batches += 1
+            self.last_echo_index = batch.echo_index
+            yield batch
+            books.consumer_s += time.perf_counter() - now
+
+    def emit_epoch(self):
+        raise NotImplementedError
+
+    def batches_in(self, epoch):
+        """Batches the epoch will deliver (auto echo: at the current e)."""
+        raise NotImplementedError
+
+    def state(self):
+        """The upstream's state at the position a resume re-reads from, with the ids
+        emitted from there on (``skip``)."""
+        ticket, skip = self.ledger.position(self.upstream.position)
+        state = self.upstream.state_at(ticket)
+        state["skip"] = skip
+        return state
+
+    def stats(self):
+        b, elapsed = self.books, time.perf_counter() - self.books.started
+        elapsed = elapsed if b.started else 0.0
+        t_down = b.consumer_s / b.batches if b.batches else 0.0
+        workers = max(1, self.upstream.workers)
+        t_up = b.fill_s / workers / b.fresh_batches if b.fresh_batches else 0.0
+        return {
+            "fresh": b.fresh,
+            "delivered": b.delivered,
+            "batches": b.batches,
+            "fresh_per_s": b.fresh / elapsed if elapsed else 0.0,
+            "delivered_per_s": b.delivered / elapsed if elapsed else 0.0,
+            "effective_echo": b.delivered / b.fresh if b.fresh else 0.0,
+            "echo_factor": self.e,
+            # echo="auto": every change of e, when (t_s, batch), to what, and why.
+            "echo_trace": list(self.auto.trace) if self.auto else [],
+            "echo_loss_ratio": self.auto.loss_ratio if self.auto else None,
+            "estimated_R": t_up / t_down if t_down > 0 else float("nan"),
+            "stall_s": b.wait_s,
+            "consumer_s": b.consumer_s,
+        }
+
+
+class PassThrough(Stage):
+    """e = 1: every fresh batch as it comes, on the device and in the output format."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._delivered = None   # ticket of the last batch handed out
+
+    def emit_epoch(self):
+        up = self.upstream
+        held = up.held()
+        if held is not None and held.ticket != self._delivered:
+            yield self._deliver(held)   # taken before an interruption, never delivered
+        for _ in range(up.left_in_epoch):
+            yield self._deliver(self.take())
+
+    def _deliver(self, fresh):
+        self.book_fresh(np.count_nonzero(fresh.ok))
+        parts, copied = self.examples.pass_through(fresh)
+        if copied:  # the batch's pixels were copied out: the fresh batch goes back
+            self.release()
+        # else the batch is the fresh batch's memory; it goes back with the next one.
+        self._delivered = fresh.ticket
+        return self.finish(parts)
+
+    def batches_in(self, epoch):
+        return self.upstream.batches_per_epoch
+
+
+class ExampleEcho(Stage):
+    """Example echoing, before or after augmentation: each fresh example goes into a
+    shuffle buffer with its echo count, and each batch is drawn from it.
+
+    The buffer is kept as full as a whole fresh batch allows, blocking for data:
+    with a fixed e the emission order then depends only on the seed, and every
+    batch is drawn from a full buffer of distinct examples.  Auto echo does the
+    same (repeats are kept, never evicted for fresh data), and tells its
+    controller when the consumer stalls: less than a batch left to emit and no
+    fresh batch ready.  Waiting early costs no throughput: upstream-bound, the
+    rate is the upstream's times e either way; consumer-bound, the buffer is
+    full anyway.
+    """
+
+    def __init__(self, *args, capacity, **kw):
+        super().__init__(*args, **kw)
+        self.capacity = int(capacity)
+        self.buffer = None
+        self._stash = []   # emissions made and not delivered by an iteration left early
+
+    def start(self):
+        super().start()
+        if self.buffer is None:
+            self.examples.allocate(self.capacity)   # MemoryError: the caller explains
+            self.buffer = ExampleBuffer(self.capacity)
+
+    def reset(self, skip=()):
+        super().reset(skip)
+        self._drop_stash()
+        if self.buffer is not None:
+            self.buffer.clear()
+
+    def close(self):
+        self._drop_stash()
+        self.buffer = None
+        self.examples.free()
+
+    def _drop_stash(self):
+        if self._stash:
+            self.device.synchronize()
+            self._stash = []
+
+    def draws(self, epoch):
+        """The :func:`echo_draws` of this epoch, per sample id (per position in the rank's
+        share when the data is sharded: see :attr:`Upstream.sharded`)."""
+        up = self.upstream
+        draws = echo_draws(self.seed, epoch, up.id_space())
+        if up.sharded:
+            order = up.epoch_ids(epoch)
+            draws[order] = echo_draws(self.seed, epoch, len(order))
+        return draws
+
+    def batches_in(self, epoch):
+        B = self.batch_size
+        if self.auto is not None:
+            total = round(self.upstream.samples_per_epoch * self.auto.value)
+        else:
+            counts = counts_from(self.draws(epoch), self.factor)
+            total = int(counts[self.upstream.epoch_ids(epoch)].sum())
+        return total // B if self.drop_last else math.ceil(total / B)
+
+    def emit_epoch(self):
+        up, buf, B, auto = self.upstream, self.buffer, self.batch_size, self.auto
+        epoch = self.open_epoch()
+        counts = self.draws(epoch)  # auto echo: the draws, for counts at the e of the moment
+        echo_now = self.e           # auto echo: the e the buffer's counts were made at
+        if auto is None:
+            counts = counts_from(counts, self.factor)
+        rng = shuffle_rng(self.seed, epoch)
+        fresh_left = max(0, (epoch + 1) * up.batches_per_epoch - up.position)
+        held = up.held()
+        if held is not None:  # taken before an interruption (Ctrl-C)
+            if held.ticket in self.ledger:
+                self.release()  # stored already
+            else:
+                self._add(held, counts)
+        # A device that prepares ahead makes the next batch (re-augmented, or gathered
+        # from the buffer) while the consumer works on this one, so one emission stays
+        # in flight across each yield.
+        keep = 1 if self.device.prepares_ahead else 0
+        made = collections.deque(self._stash)
+        self._stash = []
+        try:
+            while True:
+                while len(made) > keep:
+                    batch = self._hand_over(made[0])
+                    yield batch
+                    made.popleft()
+                if made:
+                    self.device.synchronize()  # _fill may reuse the entries it reads
+                fresh_left -= self._fill(counts, fresh_left)
+                pending = buf.pending
+                want = min(B, pending)
+                if want < B and fresh_left > 0:
+                    continue  # _fill blocks for more fresh data
+                if pending == 0 or (want < B and self.drop_last):
+                    while made:
+                        batch = self._hand_over(made[0])
+                        yield batch
+                        made.popleft()
+                    if pending:
+                        buf.clear()  # drop_last: the short last batch is not emitted
+                    self.end_epoch()
+                    return
+                made.append(self._emit(buf.choose(want, rng), epoch))
+                if auto is not None and auto.value != echo_now:
+                    echo_now = auto.value
+                    live = buf.active()
+                    buf.recount(live, counts_from(counts[buf.sample_id[live]], echo_now))
+        except GeneratorExit:
+            made.popleft()  # closed at a yield: the consumer has that batch
+            raise
+        finally:
+            # Left early (break, Ctrl-C): what was made waits for the next iteration,
+            # kept before the wait for its pixels, which a second Ctrl-C may cut short.
+            self._stash = list(made)
+            self.device.synchronize()
+
+    def _fill(self, counts, fresh_left):
+        """Move fresh batches into the buffer while a whole one fits; how many moved."""
+        buf, B, moved = self.buffer, self.batch_size, 0
+        while fresh_left - moved > 0 and buf.free >= B:
+            if self.auto is not None and buf.pending < B and not self.upstream.ready() and \
+                    self.books.batches:  # the first fill is start-up, not a stall
+                self.auto.stalled()
+            self._add(self.take(), counts)
+            moved += 1
+        return moved
+
+    def _add(self, fresh, counts):
+        """A fresh batch into the buffer, its memory back upstream."""
+        buf, ids = self.buffer, fresh.sample_ids
+        k = self.auto.counts(counts[ids]) if self.auto is not None else counts[ids]
+        with deferred_interrupts():
+            entries = buf.allocate(len(ids))
+            self.examples.store(entries, fresh)
+            buf.sample_id[entries] = ids
+            buf.ok[entries] = fresh.ok
+            buf.remaining[entries] = k
+            buf.next_echo[entries] = 0
+            buf.epoch[entries] = fresh.epoch
+            buf.ticket[entries] = fresh.ticket
+            skip = self.ledger.skip
+            if skip:  # resumed: these had their fresh emission before the save
+                done = np.isin(ids, list(skip)) & fresh.ok
+                buf.remaining[entries[done]] = 0
+            zero = entries[buf.remaining[entries] == 0]
+            if len(zero):
+                buf.retire(zero)
+            live = entries[buf.remaining[entries] > 0]
+            self.ledger.add(fresh.ticket, len(live))
+            self.book_fresh(np.count_nonzero(buf.ok[live]))
+            self.release()
+
+    def _emit(self, entries, epoch):
+        """Emit buffer ``entries``: book the echo and start making the pixels (a device
+        that prepares ahead makes them in the background)."""
+        buf = self.buffer
+        sample_ids, tickets = buf.sample_id[entries].copy(), buf.ticket[entries].copy()
+        with deferred_interrupts():
+            echo_index = buf.emit(entries)
+        first = echo_index == 0
+        ok = buf.ok[entries]
+        job, parts = self.examples.make(entries, sample_ids, echo_index, first & ok,
+                                        buf.epoch[entries], epoch)
+        return Emission(job, (tickets[first], sample_ids[first], ok[first]), parts)
+
+    def _hand_over(self, emission):
+        """The batch of an emission, ready for the consumer.  Its first emissions count
+        as sent (for :meth:`state`) only now, so a batch made ahead and never delivered
+        is read again after a resume."""
+        if emission.batch is None:
+            self.device.synchronize(emission.job)  # its pixels, not those made after it
+            batch = self.finish(emission.parts)
+            with deferred_interrupts():
+                self.ledger.sent(*emission.sent)
+                emission.batch = batch
+        return emission.batch
+
+    def fill_level(self):
+        return len(self.buffer) / self.buffer.capacity if self.buffer is not None else 0.0
+
+
+class BatchEcho(Stage):
+    """Batch echoing: whole fresh batches, each emitted its count of times, drawn at
+    random from a window of batches (never the one just emitted when there is a
+    choice).  The window outlives one iteration: leaving the loop early and
+    iterating again goes on with the batches it holds."""
+
+    def __init__(self, *args, window, **kw):
+        super().__init__(*args, **kw)
+        self.window_size = int(window)
+        self._window = None   # (epoch, BatchWindow)
+
+    def reset(self, skip=()):
+        super().reset(skip)
+        self._window = None
+
+    def batches_in(self, epoch):
+        up, B = self.upstream, self.batch_size
+        counts = echo_counts(self.seed, epoch, up.batches_per_epoch, self.e)
+        if self.drop_last and up.samples_per_epoch % B:
+            counts = counts[:-1]  # the short last batch is never delivered
+        return int(counts.sum())
+
+    def emit_epoch(self):
+        up = self.upstream
+        epoch = self.open_epoch()
+        nb = up.batches_per_epoch
+        # auto echo: the draws, for counts at the e of the moment
+        counts = echo_draws(self.seed, epoch, nb) if self.auto is not None else \
+            echo_counts(self.seed, epoch, nb, self.factor)
+        rng = shuffle_rng(self.seed, epoch)
+        if self._window is None or self._window[0] != epoch:
+            self._window = (epoch, BatchWindow(self.window_size))
+        window = self._window[1]
+        held = up.held()
+        if held is not None:  # taken before an interruption (Ctrl-C)
+            if held.ticket in self.ledger:
+                self.release()  # in the window already
+            else:
+                self._add(window, held, counts, nb)
+        while True:
+            while up.position < (epoch + 1) * nb and self._want_fresh(window):
+                self._add(window, self.take(), counts, nb)
+            if not len(window):
+                self._window = None
+                self.end_epoch()
+                return
+            with deferred_interrupts():
+                kept, echo, ticket = window.take(rng, fresh_first=self.auto is not None)
+                if echo == 0:
+                    self.ledger.emitted_whole(ticket, kept.sample_ids[kept.fresh].tolist())
+            if self.drop_last and len(kept) < self.batch_size:
+                continue
+            yield self.finish(self.examples.repeat(kept, echo, epoch))
+
+    def _add(self, window, fresh, counts, nb):
+        """A fresh batch into the window, as a copy."""
+        skip = self.ledger.skip
+        if skip and np.isin(fresh.sample_ids[fresh.ok], list(skip)).all():
+            self.release()  # resumed: this batch was emitted before the save
+            return
+        self.book_fresh(np.count_nonzero(fresh.ok))
+        kept = self.examples.keep(fresh)  # owns its memory: the fresh batch goes back below
+        with deferred_interrupts():
+            self.release()
+            k = counts[fresh.ticket % nb]
+            window.add(kept, self.auto.counts(k) if self.auto is not None else k,
+                       fresh.ticket)
+            self.ledger.add(fresh.ticket, 1)
+
+    def _want_fresh(self, window):
+        """Pull the next fresh batch now?  While the window has room (repeats are kept);
+        auto echo counts a stall when no batch is left to repeat and no fresh one is
+        ready."""
+        if len(window) >= window.size:
+            return False
+        if self.auto is not None and not len(window) and not self.upstream.ready() and \
+                self.books.batches:
+            self.auto.stalled()
+        return True
