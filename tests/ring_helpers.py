@@ -516,7 +516,7 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown command {cmd!r}")
 
 
-def wait_until_holding(loader, worker, timeout=10.0):
+def wait_until_holding(loader, worker, timeout=60.0):
     """Block until ``worker`` holds a ticket the consumer has not taken and that is not
     yet published (so the consumer must wait for it); return that ticket.
 

@@ -82,7 +82,7 @@ def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
             for i, batch in enumerate(it, start=1):
                 if i in (1, 6):                   # kill worker 0, later worker 1
                     w = 0 if i == 1 else 1
-                    rh.wait_until_holding(L, w, timeout=5.0)
+                    rh.wait_until_holding(L, w, timeout=60)
                     killed.append(L.worker_pids()[w])
                     os.kill(killed[-1], signal.SIGKILL)
                 got.append(batch.copy())
@@ -118,7 +118,8 @@ def test_second_death_while_the_first_replacement_boots(corpus_root):
             for w in (0, 1):  # the second death lands before the first replacement boots
                 p = pool._workers[w]
                 os.kill(p.pid, signal.SIGKILL)
-                p.join(5)
+                p.join(60)   # returns once it is dead: the check below must see the death
+                assert not p.is_alive()
                 pool.check(L.position)
             got = _epoch(L)
     redone = [t for _, redo in given for t in redo]
