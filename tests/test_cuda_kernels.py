@@ -39,15 +39,15 @@ class HostKernels:
         p, dim = ctypes.c_void_p, ctypes.c_ulonglong
         lib.host_crop_resize.argtypes = [dim] * 3 + [p, ctypes.c_int64, p, p, p, p,
                                                      ctypes.c_int, ctypes.c_int, p]
-        lib.host_normalize.argtypes = [dim] * 2 + [p, ctypes.c_int64, ctypes.c_int,
+        lib.host_normalize.argtypes = [dim] * 3 + [p, ctypes.c_int64, ctypes.c_int,
                                                    ctypes.c_int, p, ctypes.c_int, p]
         lib.host_crop_resize.restype = lib.host_normalize.restype = ctypes.c_int
         for name in ("host_half_array", "host_bfloat16_array"):
             getattr(lib, name).argtypes = [p, p, ctypes.c_int64]
         i32, i64 = ctypes.c_int, ctypes.c_int64
-        lib.host_ops_histogram.argtypes = [dim] * 2 + [p, i64, i32, p, i32, i32, p]
-        lib.host_ops_tables.argtypes = [dim] * 2 + [p, p, i32, i32, i64, i32, p, p]
-        lib.host_ops_apply.argtypes = [dim] * 2 + [p, p, i64, i32, i32, p, p, i32, i32, p]
+        lib.host_ops_histogram.argtypes = [dim] * 3 + [p, i64, i32, p, i32, i32, p]
+        lib.host_ops_tables.argtypes = [dim] * 3 + [p, p, i32, i32, i64, i32, p, p]
+        lib.host_ops_apply.argtypes = [dim] * 3 + [p, p, i64, i32, i32, p, p, i32, i32, p]
         for name in ("host_ops_histogram", "host_ops_tables", "host_ops_apply"):
             getattr(lib, name).restype = ctypes.c_int
         self.lib = lib
@@ -73,7 +73,7 @@ class HostKernels:
         coef = cuda.normalize_coefficients(mean, std)
         kind = cuda.NORMALIZE_KIND[output_dtype(out)]
         images = np.ascontiguousarray(images)
-        rc = self.lib.host_normalize(gx, bx, images.ctypes.data, n * h * w, h * w,
+        rc = self.lib.host_normalize(gx, 1, bx, images.ctypes.data, n * h * w, h * w,
                                      int(layout == "NCHW"), coef.ctypes.data, kind,
                                      out.ctypes.data)
         assert rc == 0, f"launch refused: grid {gx}, block {bx} (beyond CUDA's limits)"
@@ -93,15 +93,15 @@ class HostKernels:
         for k, count, tables in cuda.ops_steps(codes):
             if count:
                 hist[...] = 0
-                rc = self.lib.host_ops_histogram(gx, bx, src.ctypes.data, n * h * w, h * w,
+                rc = self.lib.host_ops_histogram(gx, 1, bx, src.ctypes.data, n * h * w, h * w,
                                                  codes.ctypes.data, steps, k, hist.ctypes.data)
                 assert rc == 0
             if tables:
-                rc = self.lib.host_ops_tables(tx, tb, codes.ctypes.data, args.ctypes.data,
+                rc = self.lib.host_ops_tables(tx, 1, tb, codes.ctypes.data, args.ctypes.data,
                                               steps, k, n, h * w, hist.ctypes.data,
                                               luts.ctypes.data)
                 assert rc == 0
-            rc = self.lib.host_ops_apply(gx, bx, src.ctypes.data, dst.ctypes.data, n * h * w,
+            rc = self.lib.host_ops_apply(gx, 1, bx, src.ctypes.data, dst.ctypes.data, n * h * w,
                                          h, w, codes.ctypes.data, args.ctypes.data, steps, k,
                                          luts.ctypes.data)
             assert rc == 0
