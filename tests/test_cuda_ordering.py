@@ -465,9 +465,10 @@ def test_the_copy_of_the_next_batch_overlaps_the_current_step(gpu, source):
 
 
 # -- 8. the GPU check kit -----------------------------------------------------------------
-def _check_kit(tmp_path, tests_rc, bench_rc):
+def _check_kit(tmp_path, tests_rc, bench_rc, toolkit_rc=0):
     """Run benchmarks/gpu_check.sh with stand-ins for nvidia-smi and python3 that record
-    their environment and exit with the given statuses for the tests and the benchmark."""
+    their environment and exit with the given statuses for the toolkit check, the tests
+    and the benchmark (the script's own Python snippets, ``python3 -``, run for real)."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho 'Fake GPU, 1, 1 MiB'\n")
@@ -475,7 +476,10 @@ def _check_kit(tmp_path, tests_rc, bench_rc):
         #!/bin/sh
         env > "{tmp_path}/env.$$"
         case "$*" in
-          *tests/test_gpu.py*) echo "1 failed"; exit {tests_rc} ;;
+          -) exec "{sys.executable}" - ;;
+          *CudaDevice*) echo "no toolkit"; exit {toolkit_rc} ;;
+          *tests/test_gpu.py*) echo "PASSED tests/test_gpu.py::test_the_memfd_ring_is_page_locked"
+                               echo "1 failed"; exit {tests_rc} ;;
           *bench_gpu.py*) echo "bench"; exit {bench_rc} ;;
         esac
         exit 0
@@ -487,7 +491,7 @@ def _check_kit(tmp_path, tests_rc, bench_rc):
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(out))
     env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
     r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, check=False)
     envs = [p.read_text() for p in tmp_path.glob("env.*")]
     return r, envs
 
@@ -505,6 +509,25 @@ def test_gpu_check_fails_when_a_gpu_test_fails(tmp_path, tests_rc, bench_rc, wan
     assert envs and all("XLA_PYTHON_CLIENT_PREALLOCATE=false" in e for e in envs)
     assert (tmp_path / "out" / "status.txt").read_text().strip() == \
         f"gpu_check: tests exit {tests_rc}, benchmark exit {bench_rc}"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_reports_every_section(tmp_path):
+    """A machine whose CuPy cannot compile the kernels: every later section still runs,
+    the check fails with the toolkit check's status, and gpu_check.json (beside the
+    full log) says which section and which named check failed, and which figures of
+    the design card were not measured."""
+    import json
+    r, _ = _check_kit(tmp_path, 0, 0, toolkit_rc=3)
+    assert r.returncode == 3, r.stdout + r.stderr
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["sections"] == {"build": "PASS", "toolkit": "FAIL", "tests": "PASS",
+                                  "bench": "PASS"}
+    assert report["checks"]["kernels compile with the installed extra"] == "FAIL"
+    assert report["checks"]["memfd ring registered (cudaHostRegister)"] == "PASS"
+    assert set(report["targets"].values()) == {"NOT MEASURED"}
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert "no toolkit" in log and "bench" in log
 
 
 def test_gpu_prepare_uses_private_temporary_folders():
