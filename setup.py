@@ -7,13 +7,20 @@ Environment switches:
   ECHO_NATIVE_JPEG_DIR=D  build against D/include and D/lib/libjpeg.so (found there at run
                           time too): for machines without libjpeg-turbo installed, see
                           benchmarks/gpu_prepare.sh.
+
+Before anything compiles, a one-file probe with the compiler setuptools chose (CC, CFLAGS,
+CPATH and ECHO_NATIVE_JPEG_DIR all apply) checks that jpeglib.h can be included; where it
+cannot, the build stops with one line naming the header and the package that provides it.
 """
 import os
+import subprocess
+import tempfile
 
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import PlatformError
 
 
 def _flag(name):
@@ -54,13 +61,72 @@ directives = {
 
 
 JPEG_DIR = os.environ.get("ECHO_NATIVE_JPEG_DIR")
+JPEG_PACKAGES = "libjpeg62-turbo-dev (Debian/Ubuntu) or libjpeg-turbo-devel (Fedora/RHEL)"
+# jpeglib.h uses FILE and size_t without including their headers.
+JPEG_PROBE = ("#include <stddef.h>\n#include <stdio.h>\n#include <jpeglib.h>\n"
+              "int probe(void) { return JPEG_LIB_VERSION; }\n")
+
+
+def _probe_compile(cc, source, suffix, include_dirs):
+    """Compile ``source`` with the command ``cc``; (ok, the compiler's first error line).
+    Output is captured: a failed probe must not print the compiler's own diagnostics."""
+    with tempfile.TemporaryDirectory(prefix="echo_native-probe-") as tmp:
+        src = os.path.join(tmp, "probe" + suffix)
+        with open(src, "w") as f:
+            f.write(source)
+        cmd = [*cc, *(f"-I{d}" for d in include_dirs), "-c", src,
+               "-o", os.path.join(tmp, "probe.o")]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except FileNotFoundError:
+            return False, None
+    lines = [ln for ln in r.stderr.splitlines() if "error" in ln] or r.stderr.splitlines()
+    return r.returncode == 0, (lines[0].strip() if lines else "")
+
+
+def check_build_requirements(compiler, extensions):
+    """Refuse, in one line each, a build that would end in a compiler traceback: no C or
+    C++ compiler, or no libjpeg-turbo headers where the extensions look for them."""
+    cc = getattr(compiler, "compiler_so", None)
+    if not cc:  # not a Unix-style compiler: the build itself reports what is missing
+        return
+    jpeg_exts = [e for e in extensions if "jpeg" in e.libraries]
+    if JPEG_DIR and jpeg_exts:
+        # A prefix without the header would silently build against the system's header
+        # and link the prefix's library: two versions of one ABI.
+        header = os.path.join(JPEG_DIR, "include", "jpeglib.h")
+        if not os.path.isfile(header):
+            raise PlatformError(f"ECHO_NATIVE_JPEG_DIR={JPEG_DIR} has no include/jpeglib.h: "
+                                "point it at a libjpeg-turbo prefix (include/ and lib/), "
+                                f"or unset it and install {JPEG_PACKAGES}")
+    ok, why = _probe_compile(cc, "int probe(void) { return 0; }\n", ".c", [])
+    if not ok:
+        if why is None:
+            raise PlatformError(f"no C compiler ({cc[0]}) found: install build-essential "
+                                "(Debian/Ubuntu) or gcc gcc-c++ (Fedora/RHEL), or install "
+                                "echo_native's binary wheel")
+        raise PlatformError(f"the C compiler ({' '.join(cc)}) cannot build a test file: {why}")
+    if any(s.endswith(".cpp") for e in extensions for s in e.sources):
+        ok, why = _probe_compile(cc, "int probe() { return 0; }\n", ".cpp", [])
+        if not ok:
+            raise PlatformError(f"no C++ compiler for {cc[0]} ({why}): install g++ "
+                                "(Debian/Ubuntu) or gcc-c++ (Fedora/RHEL)")
+    if jpeg_exts:
+        ok, why = _probe_compile(cc, JPEG_PROBE, ".c", jpeg_exts[0].include_dirs)
+        if not ok and "jpeglib.h" in why:
+            raise PlatformError("jpeglib.h (libjpeg-turbo's headers) not found: install "
+                                f"{JPEG_PACKAGES}, or set ECHO_NATIVE_JPEG_DIR to a "
+                                "libjpeg-turbo prefix")
+        if not ok:
+            raise PlatformError(f"jpeglib.h does not compile with {cc[0]}: {why}")
 
 
 class BuildExt(build_ext):
     """build_ext passing each source the flags of its language (setuptools has one list
-    for every source of an extension)."""
+    for every source of an extension), after checking that the build can succeed."""
 
     def build_extensions(self):
+        check_build_requirements(self.compiler, self.extensions)
         compile_one = self.compiler._compile
 
         def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):

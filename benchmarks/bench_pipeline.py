@@ -1,5 +1,5 @@
-"""Ring + worker pipeline throughput vs a torch DataLoader and NVIDIA DALI's CPU pipeline,
-on the same files in one run.
+"""Ring + worker pipeline throughput vs a torch DataLoader, NVIDIA DALI's CPU pipeline, SPDL
+and turboloader, on the same files in one run.
 
     python -m pytest benchmarks/bench_pipeline.py -s --benchmark-json=/tmp/pipeline.json
 
@@ -24,6 +24,24 @@ dali_w1, dali_w2       NVIDIA DALI's CPU pipeline (``echo_native.lab.peers.dali_
                        ``num_threads`` = 1 or 2, batches taken as NumPy (a
                        zero-copy view).  Without DALI installed these rows are
                        left out and the summary says so.
+spdl_w1, spdl_w2       SPDL 0.8's thread pipeline (``echo_native.lab.peers.spdl_pipeline``,
+                       ``pip install spdl==0.8.0`` + FFmpeg's shared libraries):
+                       ``.pipe(decode, concurrency=W)`` -> ``.aggregate(B)`` ->
+                       collate, ``num_threads=W``; each decode demuxes the file,
+                       draws the same RandomResizedCrop box and flip, and decodes
+                       through a per-image FFmpeg filter (crop -> bilinear scale ->
+                       rgb24 -> hflip), uint8.  Its source hands out samples only
+                       as batches are taken, so it runs exactly 2 batches ahead.
+turbo_wT,              turboloader's fused ``train_aug`` loader (``pip install
+turbo_noaa_wT          turboloader``) over the files packed once into a TAR
+                       (cached, untimed), antialias on and off: its own
+                       RandomResizedCrop on the whole image decoded at a DCT
+                       scale, float32 output.  Its pool has T = the machine's
+                       cores threads (no setting), so these rows exist only
+                       where T is 1 or 2, beside the Loader at as many workers;
+                       no read-ahead (``prefetch_batches=0``): the pool decodes
+                       each batch as it is asked for, so nothing runs between
+                       rounds.
 kernel                 ``echo_native.decode_random_crop`` in a loop, one thread,
                        bytes preloaded (the per-core ceiling the workers scale)
 
@@ -63,7 +81,9 @@ import collections
 import json
 import math
 import statistics
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -83,16 +103,30 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "pipeline.json"
 TORCH_LABEL = "torch DataLoader + torchvision-style Pillow transforms"
 DALI_LABEL = "NVIDIA DALI CPU pipeline: image_random_crop + resize + flip"
+SPDL_LABEL = "SPDL thread pipeline: FFmpeg decode + per-image crop/scale/flip filter"
+TURBO_LABEL = "turboloader train_aug over a TAR, float32, antialias {}"
 
-try:                                        # DALI is optional: its rows are left out without it
-    peers.import_dali()
-    DALI_MISSING = None
-except ImportError as e:
-    DALI_MISSING = str(e)
+
+def _missing(check):
+    """None when the peer's package imports, else why not (with what to install)."""
+    try:
+        check()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+# The optional peers: their rows are left out without them, and the summary says why.
+DALI_MISSING = _missing(peers.import_dali)
+SPDL_MISSING = _missing(peers.import_spdl)
+TURBO_MISSING = _missing(peers.import_turboloader)
+TURBO_THREADS = peers.turboloader_threads()
 
 # Design targets of Loader / peer, per worker count (None: reported, no target).
-TARGETS = {"torch": {1: 2.5, 2: 4.0}, "dali": {1: None, 2: 3.0}}
-PEERS = {"torch": "torch DataLoader", "dali": "DALI CPU"}
+TARGETS = {"torch": {1: 2.5, 2: 4.0}, "dali": {1: None, 2: 3.0}, "spdl": {1: None, 2: 1.0},
+           "turbo": {1: None, 2: None}, "turbo_noaa": {1: None, 2: None}}
+PEERS = {"torch": "torch DataLoader", "dali": "DALI CPU", "spdl": "SPDL",
+         "turbo": "turboloader", "turbo_noaa": "turboloader (no antialias)"}
 
 
 BATCH = env_int("ECHO_NATIVE_BENCH_BATCH", 64)
@@ -287,6 +321,104 @@ class DaliStream:
         self.pipe = None                   # the last reference: DALI shuts its threads down
 
 
+class SpdlStream:
+    """SPDL's pipeline fed by a source that hands out samples only against credit: one
+    batch's worth each time a batch is taken, ``ahead`` batches at the start.  So it
+    runs exactly ``ahead`` batches ahead, and ``settle`` waits for those (its collate
+    stage counts the batches it finishes).  The source never ends (epoch after epoch,
+    each shuffled): every batch is full."""
+    label = SPDL_LABEL
+    ahead = 2
+
+    def __init__(self, src, workers, batch_size):
+        self.batch_size, self.n = batch_size, len(src)
+        self.cond = threading.Condition()
+        self.credit = 0                    # samples the source may still hand out
+        self.issued = self.done = 0        # batches asked for / finished
+        self.closed = False
+        self.pipe, self.decode = peers.spdl_pipeline(
+            src, batch_size, workers, SIZE, SEED, source=self._source(),
+            buffer=self.ahead + 1, collate=self._collate)
+        self.pipe.start(timeout=60)
+        self._issue(self.ahead)
+
+    def _source(self):
+        epoch = 0
+        while True:
+            for i in np.random.default_rng([SEED, epoch]).permutation(self.n):
+                with self.cond:
+                    if not self.cond.wait_for(lambda: self.credit or self.closed, timeout=60):
+                        raise TimeoutError("SPDL's source waited 60 s for a batch to be taken")
+                    if self.closed:
+                        return
+                    self.credit -= 1
+                yield epoch, int(i)
+            epoch += 1
+
+    def _collate(self, items):
+        batch = peers.spdl_collate(items)
+        with self.cond:
+            self.done += 1
+            self.cond.notify_all()
+        return batch
+
+    def _issue(self, batches):
+        with self.cond:
+            self.issued += batches
+            self.credit += batches * self.batch_size
+            self.cond.notify_all()
+
+    def next(self):
+        self._issue(1)
+        return len(self.pipe.get_item(timeout=60)[0])
+
+    def settle(self):
+        """Until every batch handed out is finished (waiting in the sink)."""
+        with self.cond:
+            done = self.cond.wait_for(
+                lambda: self.done >= self.issued or self.decode.failures, timeout=60)
+        # a file it could not decode leaves a batch short of its last sample
+        assert not self.decode.failures, f"SPDL could not decode: {self.decode.errors}"
+        if not done:
+            raise TimeoutError(f"SPDL finished {self.done} of {self.issued} batches in 60 s")
+
+    def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.pipe.stop(timeout=60)
+
+
+class TurboStream:
+    """turboloader without read-ahead, epoch after epoch (``drop_last``: every batch full);
+    each ``next`` is one batch decoded by its whole pool, in the calling thread and the
+    pool's."""
+    ahead = 0
+
+    def __init__(self, src, workers, batch_size, antialias=True):
+        self.label = TURBO_LABEL.format("on" if antialias else "off")
+        self.loader = peers.TurboLoader(src, batch_size, SIZE, SEED, antialias=antialias,
+                                        prefetch_batches=0, drop_last=True)
+        if not len(self.loader):
+            raise pytest.UsageError(f"turboloader needs at least {batch_size} files for one "
+                                    f"full batch (ECHO_NATIVE_BENCH_N={len(src)})")
+        self.it = self._forever()
+
+    def _forever(self):
+        while True:
+            yield from self.loader
+
+    def next(self):
+        return len(next(self.it)[0])
+
+    def settle(self):
+        pass
+
+    def close(self):
+        self.it.close()
+        self.loader.close()
+
+
 class KernelStream:
     """One thread running the fused kernel over the preloaded bytes of the same files."""
     label = "echo_native.decode_random_crop, one thread, bytes preloaded"
@@ -314,11 +446,19 @@ class KernelStream:
 ROLES = {  # role -> (kind, workers), in the order of a paired cycle
     "kernel": ("kernel", 1),
     "loader_w1": ("loader", 1), "torch_w1": ("torch", 1), "dali_w1": ("dali", 1),
+    "spdl_w1": ("spdl", 1),
     "loader_w2": ("loader", 2), "torch_w2": ("torch", 2), "dali_w2": ("dali", 2),
+    "spdl_w2": ("spdl", 2),
 }
-if DALI_MISSING:
-    ROLES = {role: spec for role, spec in ROLES.items() if spec[0] != "dali"}
-STREAMS = {"loader": LoaderStream, "torch": TorchStream, "dali": DaliStream}
+if TURBO_THREADS in (1, 2):
+    ROLES |= {f"turbo_w{TURBO_THREADS}": ("turbo", TURBO_THREADS),
+              f"turbo_noaa_w{TURBO_THREADS}": ("turbo_noaa", TURBO_THREADS)}
+_LEFT_OUT = {"dali": DALI_MISSING, "spdl": SPDL_MISSING, "turbo": TURBO_MISSING,
+             "turbo_noaa": TURBO_MISSING}
+ROLES = {role: spec for role, spec in ROLES.items() if not _LEFT_OUT.get(spec[0])}
+STREAMS = {"loader": LoaderStream, "torch": TorchStream, "dali": DaliStream,
+           "spdl": SpdlStream, "turbo": TurboStream,
+           "turbo_noaa": partial(TurboStream, antialias=False)}
 
 
 class Streams:
@@ -422,6 +562,29 @@ def test_dali_cpu_throughput(benchmark, streams, workers):
     if DALI_MISSING:
         pytest.skip(DALI_MISSING)
     _throughput(benchmark, streams, f"dali_w{workers}")
+
+
+@pytest.mark.benchmark(group="pipeline")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_spdl_throughput(benchmark, streams, workers):
+    """Images/s of SPDL's thread pipeline with ``workers`` threads, null consumer."""
+    if SPDL_MISSING:
+        pytest.skip(SPDL_MISSING)
+    _throughput(benchmark, streams, f"spdl_w{workers}")
+
+
+@pytest.mark.benchmark(group="pipeline")
+@pytest.mark.parametrize("antialias", [True, False], ids=["antialias", "no_antialias"])
+def test_turboloader_throughput(benchmark, streams, antialias):
+    """Images/s of turboloader's fused loader (its pool: the machine's cores), null
+    consumer."""
+    if TURBO_MISSING:
+        pytest.skip(TURBO_MISSING)
+    role = f"turbo{'' if antialias else '_noaa'}_w{TURBO_THREADS}"
+    if role not in ROLES:
+        pytest.skip(f"turboloader's pool has {TURBO_THREADS} threads (the machine's cores, "
+                    f"no setting): no Loader row with as many workers to set it beside")
+    _throughput(benchmark, streams, role)
 
 
 @pytest.mark.benchmark(group="pipeline")
@@ -581,6 +744,26 @@ def _dali_version():
     return f"nvidia-dali {nvidia.dali.__version__}, CPU only"
 
 
+def _peer_versions():
+    """One line per optional peer: its version, or why its rows are left out."""
+    from importlib.metadata import version
+
+    lines = [f"DALI rows left out, DALI is not installed: {DALI_MISSING}" if DALI_MISSING
+             else f"DALI: {_dali_version()}",
+             f"SPDL rows left out: {SPDL_MISSING}" if SPDL_MISSING
+             else f"SPDL: spdl {version('spdl')}, thread pipeline, FFmpeg on the CPU"]
+    if TURBO_MISSING:
+        lines.append(f"turboloader rows left out: {TURBO_MISSING}")
+    elif TURBO_THREADS not in (1, 2):
+        lines.append(f"turboloader rows left out: its pool has {TURBO_THREADS} threads (the "
+                     f"machine's cores, no setting), beside no 1- or 2-worker Loader row")
+    else:
+        lines.append(f"turboloader: {version('turboloader')}, {TURBO_THREADS} threads (its "
+                     f"pool, sized to the cores); float32 output, its own crop on a DCT-scaled "
+                     f"whole image; packed TAR read from the page cache")
+    return lines
+
+
 def _ratio(num, den, key):
     if num in _results and den in _results:
         return _results[num][key] / _results[den][key]
@@ -653,8 +836,7 @@ def _finish(res):
              f"{m.get('wall_s', float('nan')):.0f} s run "
              f"({m.get('other_cores_avg', float('nan')):.2f} cores on average: "
              f"well above 0.1 means the numbers are disturbed)",
-             (f"DALI rows left out, DALI is not installed: {DALI_MISSING}" if DALI_MISSING
-              else f"DALI: {_dali_version()}"),
+             *_peer_versions(),
              "", "| role | pipeline | workers | img/s (best round) | img/s (median round) |",
              "|---|---|---:|---:|---:|", *rows,
              "", "| ratio / cost | best | median | target | |", "|---|---:|---:|---:|---|"]
@@ -687,6 +869,8 @@ def _finish(res):
     with open(RESULTS, "w") as f:
         json.dump({"batch_size": BATCH, "results": res,
                    "dali": _dali_version() if not DALI_MISSING else None,
-                   "dali_missing": DALI_MISSING,
+                   "dali_missing": DALI_MISSING, "spdl_missing": SPDL_MISSING,
+                   "turboloader_missing": TURBO_MISSING,
+                   "turboloader_threads": TURBO_THREADS,
                    "ratios": [dict(zip(("label", "best", "median", "target", "verdict"), r))
                               for r in ratios]}, f, indent=1)

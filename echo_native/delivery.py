@@ -116,7 +116,8 @@ class Delivery:
             keys = np.empty((len(labels), 4), np.int64)
             keys[:, 0], keys[:, 1] = self.seed, epoch
             keys[:, 2], keys[:, 3] = sample_ids, echo_index
-            out = self.on_batch(images, self.device.xp, keys)
+            # On the device's stream: after the batch's kernels, before ready()'s event.
+            out = self.device.run_user_op(self.on_batch, images, keys)
             if out is not None:
                 if tuple(out.shape) != tuple(images.shape) or out.dtype != images.dtype:
                     raise ValueError(f"on_batch returned {out.dtype} {tuple(out.shape)}, "

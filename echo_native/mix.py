@@ -138,10 +138,18 @@ def mix_params(spec, rng, height, width):
 
 def soft_targets(xp, labels, num_classes, lam, smoothing):
     """``lam * smooth(labels) + (1 - lam) * smooth(labels reversed)``, float32 (B, C)."""
-    labels = xp.asarray(labels, dtype=xp.int64)
-    if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
-        raise ValueError(f"Mix: labels must be in [0, {num_classes}), got "
-                         f"{int(labels.min())}..{int(labels.max())} (set Mix(num_classes=...))")
+    if hasattr(labels, "__cuda_array_interface__"):
+        # Labels already on the GPU: checking them waits for them (the pipeline's
+        # labels are host arrays, checked below without a wait).
+        labels = xp.asarray(labels, dtype=xp.int64)
+        lo, hi = (int(labels.min()), int(labels.max())) if len(labels) else (0, 0)
+    else:
+        host = np.asarray(labels, dtype=np.int64)
+        lo, hi = (int(host.min()), int(host.max())) if len(host) else (0, 0)
+        labels = xp.asarray(host)
+    if lo < 0 or hi >= num_classes:
+        raise ValueError(f"Mix: labels must be in [0, {num_classes}), got {lo}..{hi} "
+                         f"(set Mix(num_classes=...))")
     off = smoothing / num_classes
     on = 1.0 - smoothing + off
     rows = xp.arange(len(labels))

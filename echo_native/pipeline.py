@@ -77,7 +77,10 @@ class EchoRing:
         CuPy), ``keys`` a host (B, 4) int64 array of (seed, epoch, sample id, echo
         index) per row, the key the crop is drawn from, to derive per-emission
         randomness.  Change ``images`` in place (return None) or return an array
-        of the same shape and dtype.
+        of the same shape and dtype.  On a GPU it runs with the ring's device
+        current and the pipeline's stream as CuPy's current stream (after the
+        batch's kernels, before delivery); work queued through another
+        framework's streams is not ordered.
 
     Shorthands (the flat names of the original contract, still supported):
     ``image_size``, ``scale``, ``ratio``, ``flip_p`` build the

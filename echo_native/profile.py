@@ -18,15 +18,17 @@ __all__ = ["measure_upstream", "time_step", "recommend", "trial_auto"]
 
 
 def measure_upstream(source, batch_size, image_size, workers, seconds=2.0, min_batches=8,
-                     placement="after_augment"):
+                     placement="after_augment", clock=None):
     """Fresh images/s of the pipeline with a null consumer (echo=1), after warm-up.
 
     ``source`` is anything ``EchoRing`` reads (an ``ImageFolder``, a wrapper of one).
     The batches prepared before the clock starts are skipped; then the clock runs for
-    at least ``min_batches`` batches and ``seconds``.
+    at least ``min_batches`` batches and ``seconds``.  ``clock`` (seconds, default
+    ``time.perf_counter``) is what times it: tests pass a scripted one.
     """
     import echo_native as en
 
+    clock = clock or time.perf_counter
     ring = en.EchoRing(source, batch_size=batch_size, image_size=image_size, echo=1,
                        placement=placement, workers=workers, seed=0)
     skip = ring.loader.slots  # batches prepared before the clock starts
@@ -37,32 +39,35 @@ def measure_upstream(source, batch_size, image_size, workers, seconds=2.0, min_b
             for batch in ring:
                 seen += 1
                 if seen == skip:
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     continue
                 if t0 is None:
                     continue
                 n += len(batch)
                 k += 1
-                if k >= min_batches and time.perf_counter() - t0 >= seconds:
-                    return n / (time.perf_counter() - t0)
+                if k >= min_batches and clock() - t0 >= seconds:
+                    return n / (clock() - t0)
 
 
 def time_step(fn, source, batch_size, image_size, workers, seed=0, device="cpu",
-              min_s=1.0, warmup=2, max_calls=50):
-    """Seconds per call of ``fn(batch)`` on a real batch from the pipeline."""
+              min_s=1.0, warmup=2, max_calls=50, clock=None):
+    """Seconds per call of ``fn(batch)`` on a real batch from the pipeline: after
+    ``warmup`` calls, at least 3 timed calls and ``min_s`` seconds, at most
+    ``max_calls`` calls, on ``clock`` (default ``time.perf_counter``)."""
     import echo_native as en
 
+    clock = clock or time.perf_counter
     ring = en.EchoRing(source, batch_size=batch_size, image_size=image_size, echo=1,
                        workers=workers, seed=seed, device=device)
     with ring:
         batch = next(iter(ring))
         for _ in range(warmup):
             fn(batch)
-        n, t0 = 0, time.perf_counter()
-        while n < max_calls and (n < 3 or time.perf_counter() - t0 < min_s):
+        n, t0 = 0, clock()
+        while n < max_calls and (n < 3 or clock() - t0 < min_s):
             fn(batch)
             n += 1
-        return (time.perf_counter() - t0) / n
+        return (clock() - t0) / n
 
 
 def recommend(t_up, t_down, cap=4.0):
@@ -77,29 +82,40 @@ def recommend(t_up, t_down, cap=4.0):
 
 
 def trial_auto(step, source, batch_size, image_size, workers, seconds=5.0, max_echo=4.0,
-               seed=0, device="cpu"):
+               seed=0, device="cpu", batches=None, clock=None, sleep=None):
     """Run ``echo="auto"`` for ``seconds`` against a consumer and return the ring's
     ``stats()``: ``echo_factor`` where auto got to, ``echo_trace`` how.
 
     ``step`` is the consumer: a callable ``step(batch)``, or a step time in seconds that
     the trial sleeps per batch.  A sleep is cut at the trial's end, on the trial's own
-    clock, so a step longer than the trial ends it after one batch.
+    clock, so a step longer than the trial ends it after one batch.  ``batches`` ends
+    the trial after that many batches if it has not ended before.  ``clock`` and
+    ``sleep`` (default ``time.perf_counter`` and ``time.sleep``) are the trial's time:
+    tests pass scripted ones, whose sleep moves their clock.
     """
     import echo_native as en
 
+    if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int)
+                                or batches < 1):
+        raise ValueError(f"trial_auto: batches must be an integer >= 1 or None, got {batches!r}")
+    clock = clock or time.perf_counter
+    sleep = sleep or time.sleep
+    limit = math.inf if batches is None else batches
     ring = en.EchoRing(source, batch_size=batch_size, image_size=image_size,
                        echo=en.Echo("auto", max_echo=max_echo), workers=workers, seed=seed,
                        device=device)
     with ring:
-        end = time.perf_counter() + seconds
+        end = clock() + seconds
         if callable(step):
             consume = step
         else:
             def consume(batch, step_s=float(step)):
-                time.sleep(max(0.0, min(step_s, end - time.perf_counter())))
-        while time.perf_counter() < end:
+                sleep(max(0.0, min(step_s, end - clock())))
+        n = 0
+        while clock() < end and n < limit:
             for batch in ring:
                 consume(batch)
-                if time.perf_counter() >= end:
+                n += 1
+                if clock() >= end or n >= limit:
                     break
         return ring.stats()

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Generate the hostile-input corpus as files: ``python fuzz/hostile_corpus.py OUTDIR``.
 
-Nothing here is checked in as a blob: every file is made from scikit-image's
-photographs by the same builders the tests use (``tests/conftest.py``: Pillow,
-the small compiled libjpeg writer, byte surgery), plus ``jpegtran`` when it is
-installed.  Generation is deterministic (fixed seeds), so the same corpus comes
-out on every machine with the same Pillow/libjpeg.
+The corpus itself is not checked in: every file is made from scikit-image's
+photographs by the builders the tests use (``tests/conftest.py``: Pillow, byte
+surgery) and from the tests' committed JPEG fixtures (``tests/data/jpeg/``: the
+arithmetic, many-scan, lossless, 12-bit, CMYK/YCCK and restart-interval files that
+Pillow cannot write), so it needs no compiler or command-line tool.  Generation is
+deterministic (fixed seeds), so the same corpus comes out on every machine with the
+same Pillow.
 
 Every file must make every public entry point raise ``DecodeError`` (or
 ``ValueError``/``TypeError``) or return a correct image, quickly, with bounded
@@ -17,9 +19,11 @@ memory (``tests/robustness/test_hostile_corpus.py`` checks that).  Categories:
   dims-*        wrong SOF dimensions: larger/smaller than the data, 0x0, 65500^2, 65535^2
   scans-*       thousands of progressive scans (valid 1135-scan file, repeated scans)
   cmyk-*        CMYK/YCCK with and without the Adobe marker
-  precision-*   12-bit / 16-bit (patched SOF precision), lossless, hierarchical
-  arith-*       arithmetic coding (libjpeg writer; jpegtran -arithmetic when present)
-  restart-*     restart interval mismatches (DRI changed, added, removed; RST renumbered)
+  precision-*   12-bit / 16-bit (patched SOF precision and real 12-bit / lossless
+                files), lossless, hierarchical
+  arith-*       arithmetic coding (jpegtran -arithmetic fixtures), corrupt arithmetic data
+  restart-*     restart interval mismatches (DRI changed, added, removed; RST renumbered),
+                libjpeg's own restart intervals
   notjpeg-*     PNG/GIF/WebP/BMP/TIFF/text/HTML/empty/random files named .jpg
   regress-*     regression inputs from fuzzing (see fuzz/README.md)
 
@@ -31,19 +35,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TESTS = os.path.join(os.path.dirname(_HERE), "tests")
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
+for _p in (_TESTS, os.path.join(_TESTS, "data")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import conftest as C  # noqa: E402  (the tests' photo/encoder/byte-surgery helpers)
+import jpeg_fixtures as fx  # noqa: E402  (the committed JPEGs Pillow cannot write)
 
 ERROR, IMAGE, ANY = "error", "image", "any"
 
@@ -75,9 +78,8 @@ def bases() -> dict[str, bytes]:
         "restart": C.pil_jpeg(src, 85, restart_marker_blocks=2),
         "gray": C.pil_jpeg(_small("camera"), 85),
         "cmyk": C.pil_encode(ink, "JPEG", "CMYK", quality=85),
-        "arith": C.libjpeg(src, "rgb", "ycc", 85, "2x2,1x1,1x1", arithmetic=True),
-        "arithprog": C.libjpeg(src, "rgb", "ycc", 85, "2x1,1x1,1x1", progressive=1,
-                               arithmetic=True, restart_rows=1),
+        "arith": fx.read("arith-sequential.jpg"),
+        "arithprog": fx.read("arith-progressive-restart.jpg"),   # restart every 16 MCUs
     }
 
 
@@ -204,12 +206,12 @@ def dimensions(c: Corpus, base: dict[str, bytes]):
 
 
 def many_scans(c: Corpus, base: dict[str, bytes]):
-    src = C.fit(C.photo("coffee"), 64, 96)
-    valid = C.libjpeg(src, "rgb", "ycc", 90, progressive=7)
+    valid = fx.read("progressive-1135-scans.jpg")
     assert C.count_scans(valid) == 1135
     c.add("scans-valid-1135", valid, ERROR)   # over the default max_scans
-    c.add("scans-valid-190", C.libjpeg(src, "rgb", "ycc", 90, "2x2,1x1,1x1", progressive=2),
-          IMAGE)
+    c.add("scans-valid-190", fx.read("progressive-190-scans.jpg"), IMAGE)
+    c.add("scans-valid-97", fx.read("progressive-97-scans.jpg"), IMAGE)
+    c.add("scans-valid-script-12", fx.read("progressive-script.jpg"), IMAGE)
     p = base["progressive"]
     last, eoi = p.rfind(b"\xff\xda"), p.rfind(b"\xff\xd9")
     for n in (300, 2000, 5000):
@@ -232,14 +234,13 @@ def many_scans(c: Corpus, base: dict[str, bytes]):
 
 def cmyk(c: Corpus, base: dict[str, bytes]):
     rgb = _small("astronaut")
-    ink = C.rgb_to_ink(rgb)
-    c.add("cmyk-plain-no-adobe", C.libjpeg(ink, "cmyk", "cmyk", 90, adobe=0), IMAGE)
+    ycck = fx.read("ycck-adobe.jpg")
+    c.add("cmyk-plain-no-adobe", fx.read("cmyk-plain.jpg"), IMAGE)
     c.add("cmyk-adobe", base["cmyk"], IMAGE)
     c.add("cmyk-adobe-stripped", _strip(base["cmyk"], 0xEE), IMAGE)
-    c.add("cmyk-ycck-adobe", C.libjpeg(255 - ink, "cmyk", "ycck", 90), IMAGE)
-    c.add("cmyk-ycck-no-adobe", _strip(C.libjpeg(255 - ink, "cmyk", "ycck", 90), 0xEE), IMAGE)
-    c.add("cmyk-progressive-no-adobe",
-          C.libjpeg(ink, "cmyk", "cmyk", 90, progressive=1, adobe=0), IMAGE)
+    c.add("cmyk-ycck-adobe", ycck, IMAGE)
+    c.add("cmyk-ycck-no-adobe", _strip(ycck, 0xEE), IMAGE)
+    c.add("cmyk-progressive-no-adobe", fx.read("cmyk-plain-progressive.jpg"), IMAGE)
     # An Adobe marker claiming YCCK on plain CMYK data, and one claiming CMYK on YCCK data.
     d = base["cmyk"]
     app14 = C.find_segment(d, 0xEE)
@@ -264,9 +265,16 @@ def precision(c: Corpus, base: dict[str, bytes]):
     c.add("precision-sof1-8bit", C.patch(base["baseline"],
                                          C.find_segment(base["baseline"], C.SOF_MARKERS) + 1,
                                          b"\xc1"), IMAGE)
+    # Real files of the unsupported processes (libjpeg-turbo 3 wrote them), whole and cut.
+    for name in ("lossless-rgb.jpg", "lossless-gray-16bit.jpg", "twelve-bit-rgb.jpg"):
+        d = fx.read(name)
+        stem = name[:-4]
+        c.add(f"precision-real-{stem}", d, ERROR)
+        c.add(f"precision-real-{stem}-truncated", d[:len(d) // 2], ERROR)
+        c.add(f"precision-real-{stem}-headers-only", d[:d.find(b"\xff\xda") + 4], ERROR)
 
 
-def arithmetic(c: Corpus, base: dict[str, bytes], tmp: str):
+def arithmetic(c: Corpus, base: dict[str, bytes]):
     c.add("arith-sequential", base["arith"], IMAGE)
     c.add("arith-progressive-restart", base["arithprog"], IMAGE)
     rng = np.random.default_rng(12)
@@ -277,15 +285,8 @@ def arithmetic(c: Corpus, base: dict[str, bytes], tmp: str):
             if bad[o] != 0xFF and bad[o - 1] != 0xFF:
                 bad[o] = int(rng.integers(0, 255))
         c.add(f"arith-corrupt-{k:02d}", bad, ANY)
-    tool = shutil.which("jpegtran")
-    if tool:
-        src = os.path.join(tmp, "in.jpg")
-        with open(src, "wb") as f:
-            f.write(base["baseline"])
-        for extra in ([], ["-progressive"], ["-restart", "1"]):
-            out = subprocess.run([tool, "-arithmetic", *extra, src], capture_output=True,
-                                 check=True).stdout
-            c.add(f"arith-jpegtran{''.join(extra).replace('-', '_')}", out, IMAGE)
+    c.add("arith-jpegtran-progressive", fx.read("arith-progressive.jpg"), IMAGE)
+    c.add("arith-jpegtran-restart-rows-1", fx.read("arith-restart.jpg"), IMAGE)
 
 
 def restarts(c: Corpus, base: dict[str, bytes]):
@@ -316,6 +317,15 @@ def restarts(c: Corpus, base: dict[str, bytes]):
           ANY)
     c.add("restart-rst-injected-in-baseline",
           C.patch(b, (b.find(b"\xff\xda") + len(b)) // 2, b"\xff\xd3"), ANY)
+    # libjpeg's own intervals (cjpeg / jpegtran fixtures): every MCU, every 5 MCUs
+    # (straddling rows), every 3 rows, in a progressive file; and the densest one damaged.
+    for name in ("restart-mcus-1.jpg", "restart-mcus-5.jpg", "restart-rows-3.jpg",
+                 "restart-progressive.jpg"):
+        c.add(f"restart-libjpeg-{name[8:-4]}", fx.read(name), IMAGE)
+    dense = fx.read("restart-mcus-1.jpg")
+    dri = C.find_segment(dense, 0xDD)
+    c.add("restart-libjpeg-mcus-1-dri-to-2", C.patch(dense, dri + 4, b"\x00\x02"), ANY)
+    c.add("restart-libjpeg-mcus-1-dri-removed", _strip(dense, 0xDD), ANY)
 
 
 def not_jpeg(c: Corpus, base: dict[str, bytes]):
@@ -353,18 +363,17 @@ def build(outdir: str) -> dict:
     os.makedirs(outdir, exist_ok=True)
     c = Corpus()
     base = bases()
-    with tempfile.TemporaryDirectory(prefix="en-corpus-") as tmp:
-        truncations(c, base)
-        bit_flips(c, base)
-        corruptions(c, base)
-        dimensions(c, base)
-        many_scans(c, base)
-        cmyk(c, base)
-        precision(c, base)
-        arithmetic(c, base, tmp)
-        restarts(c, base)
-        not_jpeg(c, base)
-        regressions(c, base)
+    truncations(c, base)
+    bit_flips(c, base)
+    corruptions(c, base)
+    dimensions(c, base)
+    many_scans(c, base)
+    cmyk(c, base)
+    precision(c, base)
+    arithmetic(c, base)
+    restarts(c, base)
+    not_jpeg(c, base)
+    regressions(c, base)
     manifest = {}
     for name, (data, category, expect) in sorted(c.files.items()):
         with open(os.path.join(outdir, name), "wb") as f:

@@ -51,6 +51,9 @@ static int launch(unsigned long long gx, unsigned long long gy, unsigned long lo
     return 0;
 }
 
+// Every kernel's launcher takes the launch (gridDim.x, gridDim.y, blockDim.x) and then
+// the kernel's own parameters, in order: tests/fake_cupy.py calls host_<kernel> with
+// the arguments of a launch as it finds them in the kernel's signature.
 extern "C" int host_crop_resize(unsigned long long gx, unsigned long long gy,
                                 unsigned long long bx, const u8* pixels, i64 entry_bytes,
                                 const i64* entries, const int* shapes, const double* boxes,
@@ -60,28 +63,34 @@ extern "C" int host_crop_resize(unsigned long long gx, unsigned long long gy,
     });
 }
 
-extern "C" int host_normalize(unsigned long long gx, unsigned long long bx, const u8* src,
-                              i64 pixels, int hw, int nchw, const float* coef, int kind,
-                              void* out) {
-    return launch(gx, 1, bx, [&] { normalize(src, pixels, hw, nchw, coef, kind, out); });
+extern "C" int host_normalize(unsigned long long gx, unsigned long long gy,
+                              unsigned long long bx, const u8* src, i64 pixels, int hw,
+                              int nchw, const float* coef, int kind, void* out) {
+    return launch(gx, gy, bx, [&] { normalize(src, pixels, hw, nchw, coef, kind, out); });
 }
 
-extern "C" int host_ops_histogram(unsigned long long gx, unsigned long long bx, const u8* src,
-                                  i64 pixels, int hw, const int* codes, int steps, int k,
-                                  int* hist) {
-    return launch(gx, 1, bx, [&] { ops_histogram(src, pixels, hw, codes, steps, k, hist); });
+extern "C" int host_to_bfloat16(unsigned long long gx, unsigned long long gy,
+                                unsigned long long bx, const float* src, i64 count, u16* out) {
+    return launch(gx, gy, bx, [&] { to_bfloat16(src, count, out); });
 }
 
-extern "C" int host_ops_tables(unsigned long long gx, unsigned long long bx, const int* codes,
-                               const float* args, int steps, int k, i64 n, int hw,
-                               const int* hist, u8* luts) {
-    return launch(gx, 1, bx, [&] { ops_tables(codes, args, steps, k, n, hw, hist, luts); });
+extern "C" int host_ops_histogram(unsigned long long gx, unsigned long long gy,
+                                  unsigned long long bx, const u8* src, i64 pixels, int hw,
+                                  const int* codes, int steps, int k, int* hist) {
+    return launch(gx, gy, bx, [&] { ops_histogram(src, pixels, hw, codes, steps, k, hist); });
 }
 
-extern "C" int host_ops_apply(unsigned long long gx, unsigned long long bx, const u8* src,
-                              u8* dst, i64 pixels, int h, int w, const int* codes,
-                              const float* args, int steps, int k, const u8* luts) {
-    return launch(gx, 1, bx, [&] {
+extern "C" int host_ops_tables(unsigned long long gx, unsigned long long gy,
+                               unsigned long long bx, const int* codes, const float* args,
+                               int steps, int k, i64 n, int hw, const int* hist, u8* luts) {
+    return launch(gx, gy, bx, [&] { ops_tables(codes, args, steps, k, n, hw, hist, luts); });
+}
+
+extern "C" int host_ops_apply(unsigned long long gx, unsigned long long gy,
+                              unsigned long long bx, const u8* src, u8* dst, i64 pixels, int h,
+                              int w, const int* codes, const float* args, int steps, int k,
+                              const u8* luts) {
+    return launch(gx, gy, bx, [&] {
         ops_apply(src, dst, pixels, h, w, codes, args, steps, k, luts);
     });
 }

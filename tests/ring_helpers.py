@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-EPOCHS = 8          # fast-consumer epochs of the one-CPU run
+EPOCHS = 4          # progress epochs of the one-CPU run
+WINDOW = 0.5        # seconds each waiting side is watched for in that run
 
 
 # ---- a small corpus of real-photo JPEGs ---------------------------------------------
@@ -91,6 +92,23 @@ class SlowSource(_Wrapped):
             with open(self.log, "a") as f:  # one short append: whole lines, any process
                 f.write(f"{int(i)}\n")
         time.sleep(self.delay)
+        return self.base.read(i)
+
+
+class GatedSource(_Wrapped):
+    """Every read waits until the file ``gate`` exists (workers that cannot make progress
+    until the test lets them); a gate still shut after ``limit`` seconds fails the read."""
+
+    def __init__(self, base, gate, limit=120.0):
+        super().__init__(base)
+        self.gate, self.limit = str(gate), float(limit)
+
+    def read(self, i):
+        deadline = time.monotonic() + self.limit
+        while not os.path.exists(self.gate):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ring_helpers: the gate {self.gate} stayed shut")
+            time.sleep(0.01)
         return self.base.read(i)
 
 
@@ -255,6 +273,78 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# ---- waiting on a condition, never on the clock ------------------------------------------
+def wait_for(condition, what, timeout=60.0, poll=0.005):
+    """Return once ``condition()`` is true; fail naming ``what`` after ``timeout`` seconds.
+
+    The timeout is a hang guard, generous on purpose: a slow or busy machine only
+    makes the wait longer, never the test's outcome different."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(poll)
+
+
+# The futex system call's number, which /proc/<pid>/task/<tid>/syscall shows first while a
+# thread is blocked in it (Linux's own numbering, per architecture).
+FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98, "riscv64": 98, "ppc64le": 221,
+                 "s390x": 238, "loongarch64": 98}.get(os.uname().machine)
+
+
+def _mappings(pid, label):
+    """Address ranges of ``pid``'s mappings whose path contains ``label``."""
+    spans = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and label in parts[5]:
+                    lo, hi = parts[0].split("-")
+                    spans.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        pass
+    return spans
+
+
+def asleep_on_ring(pid, tid=None, ring_name="echo_native-"):
+    """True while thread ``tid`` of ``pid`` (its main thread by default) is blocked in a
+    futex wait on a word of the ring ``ring_name`` (any echo_native ring by default):
+    asleep in the ring's wait, not merely descheduled or queued for the GIL."""
+    assert FUTEX_SYSCALL is not None, f"no futex syscall number for {os.uname().machine}"
+    tid = pid if tid is None else tid
+    try:
+        with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+            fields = f.read().split()
+    except OSError:
+        return False
+    if len(fields) < 2 or fields[0] != str(FUTEX_SYSCALL):
+        return False
+    addr = int(fields[1], 16)
+    label = ring_name.lstrip("/")
+    return any(lo <= addr < hi for lo, hi in _mappings(pid, label))
+
+
+PF_EXITING = 0x4   # include/linux/sched.h: set as a task starts to exit
+SIGKILL_BIT = 1 << (9 - 1)
+
+
+def doomed(pid):
+    """True when ``pid`` is gone, a zombie, exiting, or has a SIGKILL pending: a signal
+    sent to it before this call can no longer leave it looking alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return True
+    if fields[0] in ("Z", "X", "x") or int(fields[6]) & PF_EXITING:
+        return True
+    pending = int(status["SigPnd"].strip(), 16) | int(status["ShdPnd"].strip(), 16)
+    return bool(pending & SIGKILL_BIT)
+
+
 def _pids():
     return [int(e) for e in os.listdir("/proc") if e.isdigit()]
 
@@ -325,15 +415,6 @@ def ring_memory(pid):
             for label, holders in memfd_holders(f"echo_native-{pid}-").items()}
 
 
-def shmem_bytes():
-    """Shmem of /proc/meminfo (memfd and /dev/shm pages of the whole machine), in bytes."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no Shmem line in /proc/meminfo")
-
-
 # ---- subprocess bodies --------------------------------------------------------------------
 def _parent_main(root, out):
     """Start a process-mode Loader, report (pid, worker pids, ring name), then block."""
@@ -353,44 +434,69 @@ def _parent_main(root, out):
             time.sleep(1)
 
 
-def _onecpu_main(root, out):
-    """Three phases with 2 process workers; wall times and CPU use of each side.
+def _task_cpu_seconds(tid):
+    """User + system CPU seconds of thread ``tid`` of this process."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    fast:   EPOCHS epochs, null consumer (progress: every id, promptly)
-    sleepy: the workers' reads sleep, the consumer waits (a spinning consumer
-            would be the only runnable task and burn the core)
-    slow:   the consumer sleeps per batch, the ring stays full (spinning
-            workers would burn the core)
+
+def _onecpu_main(root, out):
+    """Three phases with 2 process workers on one CPU; CPU use of the waiting side.
+
+    progress:    EPOCHS epochs, null consumer: every id arrives
+    full ring:   the consumer holds a batch and the workers, with every slot filled,
+                 sleep in the ring's wait: their CPU over a WINDOW of it (spinning
+                 workers would share the core between them, the consumer asleep)
+    no data:     the workers' reads wait on a shut gate and the consumer sleeps in the
+                 ring's wait for a batch: its CPU over a WINDOW of it (a spinning
+                 consumer would be the only runnable task and take the core)
+
+    Each window starts once the waiting side is asleep on the ring (/proc shows it in
+    a futex wait on the ring's memory), so what is measured is the wait itself,
+    whatever the machine's speed or load.
     """
+    import threading
+
     import echo_native as en
 
     src = en.ImageFolder(root)
-    info = {"n": len(src), "affinity": sorted(os.sched_getaffinity(0)), "ids": []}
-    t0 = time.perf_counter()
+    info = {"n": len(src), "affinity": sorted(os.sched_getaffinity(0)), "ids": [],
+            "window": WINDOW}
     with en.Loader(src, batch_size=8, image_size=160, workers=2, worker_mode="process",
-                   slots=3, seed=5, timeout=30) as L:
-        c0, w0 = time.process_time(), time.perf_counter()
+                   slots=3, seed=5, timeout=60) as L:
         for _ in range(EPOCHS):
             for batch in L:
                 info["ids"].extend(int(i) for i in batch.sample_ids)
-        info["fast_wall"] = time.perf_counter() - w0
-        info["fast_consumer_cpu"] = time.process_time() - c0
+        it = iter(L)
+        next(it)                        # held: the workers fill the other slots and wait
         pids = L.worker_pids()
-        wcpu0, w1 = sum(cpu_seconds(p) for p in pids), time.perf_counter()
-        for batch in L:
-            time.sleep(0.1)
-        info["slow_wall"] = time.perf_counter() - w1
-        info["slow_worker_cpu"] = sum(cpu_seconds(p) for p in pids) - wcpu0
+        for pid in pids:
+            wait_for(lambda p=pid: asleep_on_ring(p, ring_name=L.ring_name),
+                     f"worker {pid} asleep on the full ring")
+        cpu0 = sum(cpu_seconds(p) for p in pids)
+        time.sleep(WINDOW)
+        info["full_ring_worker_cpu"] = sum(cpu_seconds(p) for p in pids) - cpu0
         info["restarts"] = L.stats()["worker_restarts"]
-    with en.Loader(SlowSource(src, 0.01), batch_size=4, image_size=16, workers=2,
-                   worker_mode="process", slots=2, seed=5, timeout=30) as L:
-        next(iter(L))                   # started
-        c0, w0 = time.process_time(), time.perf_counter()
-        for batch in L:
-            pass
-        info["sleepy_wall"] = time.perf_counter() - w0
-        info["sleepy_consumer_cpu"] = time.process_time() - c0
-    info["total"] = time.perf_counter() - t0
+    gate = out + ".gate"
+    with en.Loader(GatedSource(src, gate), batch_size=4, image_size=16, workers=2,
+                   worker_mode="process", slots=2, seed=5, timeout=60) as L:
+        L.start()
+        main, spent = threading.get_native_id(), {}
+
+        def measure():
+            wait_for(lambda: asleep_on_ring(os.getpid(), main, L.ring_name),
+                     "the consumer asleep waiting for a batch")
+            cpu0 = _task_cpu_seconds(main)
+            time.sleep(WINDOW)
+            spent["cpu"] = _task_cpu_seconds(main) - cpu0
+            open(gate, "w").close()
+
+        th = threading.Thread(target=measure)
+        th.start()
+        info["gated_ids"] = [int(i) for i in L.next_batch().sample_ids]
+        th.join()
+        info["waiting_consumer_cpu"] = spent["cpu"]
     with open(out, "w") as f:
         json.dump(info, f)
 
@@ -410,7 +516,7 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown command {cmd!r}")
 
 
-def wait_until_holding(loader, worker, timeout=10.0):
+def wait_until_holding(loader, worker, timeout=60.0):
     """Block until ``worker`` holds a ticket the consumer has not taken and that is not
     yet published (so the consumer must wait for it); return that ticket.
 

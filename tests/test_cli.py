@@ -8,6 +8,7 @@ photographs (tests/sources_helpers.py).  The lab's commands (``bench``,
 """
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -42,6 +43,37 @@ def _error(capsys, argv, *needles):
     return cli_error(main, 'echo-native', capsys, argv, *needles)
 
 
+class ScriptedClock:
+    """A clock that moves only when the code under test sleeps on it (its ``sleep``):
+    what a trial or a measurement decides then depends on the script, never on the
+    machine's speed."""
+
+    def __init__(self, tick=0.0):
+        self.t, self.tick, self.slept = 0.0, tick, []
+
+    def __call__(self):
+        now = self.t
+        self.t += self.tick   # a ticking clock: every reading is one tick later
+        return now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.t += seconds
+
+
+TRIAL_BATCHES = 12   # the CLI's auto trial in these tests: exactly this many batches
+
+
+@pytest.fixture
+def bounded_trial(monkeypatch):
+    """The CLI's auto trial ends after TRIAL_BATCHES batches (at any speed: its seconds
+    are made too long to end it first), and time_step stops after its 3 timed calls."""
+    def trial(*args, **kw):
+        return profile.trial_auto(*args, **{**kw, "seconds": 3600.0, "batches": TRIAL_BATCHES})
+    monkeypatch.setattr(cli, "trial_auto", trial)
+    monkeypatch.setattr(cli, "time_step", functools.partial(profile.time_step, min_s=0.0))
+
+
 # ---- profile -------------------------------------------------------------------------
 def _profile(folder, tmp_path, *extra):
     js = tmp_path / "p.json"
@@ -57,7 +89,13 @@ def _profile(folder, tmp_path, *extra):
     return data
 
 
-def test_profile_consumer_bound(folder, tmp_path, capsys):
+def test_profile_consumer_bound(folder, tmp_path, capsys, monkeypatch):
+    """A 100 s step: R < 1, no echo recommended, and the auto trial's one sleep is cut at
+    the trial's end (on the trial's clock, scripted here), so it sees one batch and says
+    that is too few to measure."""
+    clock = ScriptedClock()
+    monkeypatch.setattr(cli, "trial_auto", functools.partial(profile.trial_auto, clock=clock,
+                                                             sleep=clock.sleep))
     data = _profile(folder, tmp_path, "--step-ms", "100000")
     assert data["R"] < 1 and not data["input_bound"]
     assert data["recommended_echo"] == 1.0
@@ -66,22 +104,28 @@ def test_profile_consumer_bound(folder, tmp_path, capsys):
     # A 100 s step: the trial's sleep is cut at the trial's end, on the trial's clock
     # (not one started before the ring), so it sees exactly one batch and says so.
     assert data["auto_trial"]["batches"] == 1 and not data["auto_trial"]["measured"]
+    assert clock.slept == [1.5]   # --auto-seconds, not the 100 s step
     assert "only 1 batch, too few to measure the rates" in out
 
 
-def test_profile_input_bound_is_capped(folder, tmp_path, capsys):
+def test_profile_input_bound_is_capped(folder, tmp_path, capsys, bounded_trial):
+    """A 0.1 us step: input bound, the recommendation capped at --max-echo, and the auto
+    trial's result printed and saved as it ran."""
     data = _profile(folder, tmp_path, "--step-ms", "0.0001", "--max-echo", "3")
     assert data["R"] > 3 and data["input_bound"]
     assert data["recommended_echo"] == 3.0
     out = capsys.readouterr().out
     assert "recommended echo=3" in out and "before_augment" in out
-    # The auto trial: the consumer's real time per batch is the ring's own work (tiny
-    # images), about what a batch costs the worker, so auto moves from its start (2)
-    # to somewhere in [1, cap] by the measured rates; the trace printed and saved says
-    # how it got there (that auto rises for a slow upstream is test_echo's to show).
+    # The auto trial: where auto goes depends on the measured rates (the consumer's time
+    # per batch is the ring's own work here), so only its bounds and its report are
+    # checked; where auto goes for given rates is test_echo's to show, with scripted ones.
     trial = data["auto_trial"]
-    assert trial["measured"] and 1.0 <= trial["echo"] <= 3.0
-    assert trial["delivered"] > trial["fresh"]  # it echoed (it starts at e = 2)
+    assert trial["measured"] and trial["batches"] == TRIAL_BATCHES
+    assert 1.0 <= trial["echo"] <= 3.0
+    # batches of at most 8 (the last of an epoch may be short); repeats or not, never
+    # fewer deliveries than fresh examples
+    assert TRIAL_BATCHES < trial["delivered"] <= 8 * TRIAL_BATCHES
+    assert 0 < trial["fresh"] <= trial["delivered"]
     assert {t["reason"] for t in trial["trace"]} <= {"stall", "rates"}
     assert f"echo='auto' for 1.5 s: e = {trial['echo']:.2f} after {trial['batches']} " \
            f"batches" in out and f"{len(trial['trace'])} changes of e" in out
@@ -90,19 +134,29 @@ def test_profile_input_bound_is_capped(folder, tmp_path, capsys):
         assert f"e -> {last['echo']:.2f}  ({last['reason']}" in out
 
 
-def test_profile_model_fn_file_and_module(folder, tmp_path, monkeypatch, capsys):
+def test_profile_model_fn_file_and_module(folder, tmp_path, monkeypatch, capsys,
+                                          bounded_trial):
+    """--model-fn as file:function and module:function: timed on real batches; a name
+    that is not there, a module that cannot be imported, a bad spec and a missing file
+    are one-line errors."""
     mod = tmp_path / "my_step.py"
-    mod.write_text("import time\nSEEN = []\n"
-                   "def step(batch):\n    SEEN.append(batch.images.shape)\n"
-                   "    time.sleep(0.02)\n")
+    mod.write_text("import time\nSEEN, SPENT = [], []\n"
+                   "def step(batch):\n    t0 = time.perf_counter()\n"
+                   "    SEEN.append(batch.images.shape)\n    time.sleep(0.02)\n"
+                   "    SPENT.append(time.perf_counter() - t0)\n")
     data = _profile(folder, tmp_path, "--model-fn", f"{mod}:step")
-    # fn sleeps 20 ms per call; the 1 s measuring window is split over the calls
-    assert 15 <= data["t_downstream_ms"] < 1000
+    assert data["t_downstream_ms"] >= 20    # fn sleeps 20 ms per call
     assert data["step_time_from"].startswith("--model-fn")
     monkeypatch.syspath_prepend(str(tmp_path))
     data = _profile(folder, tmp_path, "--model-fn", "my_step:step")
     import my_step
-    assert my_step.SEEN and my_step.SEEN[0] == (8, 32, 32, 3)
+    assert my_step.SEEN and set(my_step.SEEN) == {(8, 32, 32, 3)}
+    # time_step's 2 warm-up calls and 3 timed ones, then the auto trial's consumer; the
+    # step time is the timed calls' mean as the step itself measured them (their sum
+    # would be 3 times that), whatever each call took
+    assert len(my_step.SPENT) == 5 + TRIAL_BATCHES
+    mean_ms = 1000 * sum(my_step.SPENT[2:5]) / 3
+    assert mean_ms <= data["t_downstream_ms"] < 2 * mean_ms
     small = ["--batch-size", "8"]
     _error(capsys, ["profile", folder, *small, "--model-fn", "my_step:nope"], "no callable")
     _error(capsys, ["profile", folder, *small, "--model-fn", "no_such_module_xyz:f"],
@@ -135,35 +189,93 @@ def test_recommend_is_the_profile_modules():
 
 
 def test_measure_upstream_counts_fresh_images(folder):
+    """A real run: a positive, finite rate of fresh images."""
     import echo_native as en
 
     up = profile.measure_upstream(en.ImageFolder(folder), 8, 32, 1, seconds=0.1, min_batches=3)
     assert up > 0 and np.isfinite(up)
 
 
+@pytest.mark.parametrize("seconds, min_batches, batches", [(1.0, 3, 6), (0.1, 5, 5)])
+def test_measure_upstream_runs_for_seconds_and_min_batches(folder, seconds, min_batches,
+                                                           batches):
+    """On a clock that ticks 0.25 s per reading: the rate is over the batches after the
+    warm-up ones, until both ``seconds`` and ``min_batches`` are reached, exactly."""
+    import echo_native as en
+
+    clock = ScriptedClock(tick=0.25)
+    up = profile.measure_upstream(en.ImageFolder(folder), 8, 32, 1, seconds=seconds,
+                                  min_batches=min_batches, clock=clock)
+    # t0 is the first reading; each batch from min_batches on reads the clock once, and
+    # the last reading (one tick later) divides: 8 images per batch.
+    readings = batches - min_batches + 1
+    assert up == pytest.approx(8 * batches / (0.25 * (readings + 1)))
+
+
 def test_time_step_times_one_real_batch(folder):
+    """Warm-up calls, then at least 3 timed calls (min_s=0 stops right after them), each
+    on a real batch."""
     import echo_native as en
 
     shapes = []
     t = profile.time_step(lambda b: shapes.append(b.images.shape), en.ImageFolder(folder),
                           8, 32, 1, min_s=0.0, warmup=2, max_calls=5)
     assert t > 0
-    # warm-up calls, then at least 3 timed calls (min_s=0 stops right after them)
     assert len(shapes) == 2 + 3 and set(shapes) == {(8, 32, 32, 3)}
 
 
-
-def test_trial_auto_consumers(folder):
+@pytest.mark.parametrize("min_s, max_calls, timed", [(0.1, 50, 5), (10.0, 7, 7), (0.0, 50, 3)])
+def test_time_step_stops_at_min_s_or_max_calls(folder, min_s, max_calls, timed):
+    """A step that takes 20 ms on a scripted clock: timed over the calls until min_s
+    (at least 3) or max_calls, the average exactly 20 ms."""
     import echo_native as en
 
-    # A step time longer than the trial: its one sleep is cut at the trial's end.
-    s = profile.trial_auto(3600.0, en.ImageFolder(folder), 8, 32, 1, seconds=0.2)
-    assert s["batches"] == 1
-    # A callable consumer sees every batch the trial counts, each a real batch.
+    clock, calls = ScriptedClock(), []
+
+    def step(batch):
+        calls.append(batch.images.shape)
+        clock.sleep(0.02)
+
+    t = profile.time_step(step, en.ImageFolder(folder), 8, 32, 1, min_s=min_s, warmup=2,
+                          max_calls=max_calls, clock=clock)
+    assert t == pytest.approx(0.02)
+    assert len(calls) == 2 + timed
+
+
+def test_trial_auto_cuts_a_long_step_at_its_end(folder):
+    """A step time longer than the trial: its one sleep is cut at the trial's end, on
+    the trial's own clock, and the trial has seen one batch."""
+    import echo_native as en
+
+    clock = ScriptedClock()
+    s = profile.trial_auto(3600.0, en.ImageFolder(folder), 8, 32, 1, seconds=0.2,
+                           clock=clock, sleep=clock.sleep)
+    assert s["batches"] == 1 and clock.slept == [pytest.approx(0.2)]
+
+
+def test_trial_auto_sleeps_each_step_until_its_end(folder):
+    """A step of 0.125 s in a 1 s trial: exactly 8 batches, each step slept in full."""
+    import echo_native as en
+
+    clock = ScriptedClock()
+    s = profile.trial_auto(0.125, en.ImageFolder(folder), 8, 32, 1, seconds=1.0,
+                           clock=clock, sleep=clock.sleep)
+    assert s["batches"] == 8 and clock.slept == [0.125] * 8
+
+
+def test_trial_auto_stops_after_its_batches(folder):
+    """batches=3: a callable consumer sees exactly 3 batches, each a real full batch
+    (the epoch's first three: at any e, 24 images fill three batches first)."""
+    import echo_native as en
+
     shapes = []
     s = profile.trial_auto(lambda b: shapes.append(b.images.shape), en.ImageFolder(folder),
-                           8, 32, 1, seconds=0.3)
-    assert len(shapes) == s["batches"] >= 1 and set(shapes) == {(8, 32, 32, 3)}
+                           8, 32, 1, seconds=3600.0, batches=3)
+    assert s["batches"] == 3 and shapes == [(8, 32, 32, 3)] * 3
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="batches must be an integer >= 1"):
+            profile.trial_auto(1.0, en.ImageFolder(folder), 8, 32, 1, batches=bad)
+
 
 # ---- errors a user can hit -----------------------------------------------------------
 def test_missing_folder(tmp_path, capsys):

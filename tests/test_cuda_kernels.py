@@ -7,8 +7,6 @@ the CPU, so its arithmetic is compared with the native resampler, the NumPy
 backend, NumPy's float16 and torch's bfloat16 rounding.
 """
 import ctypes
-import ctypes.util
-import glob
 import os
 import re
 import shutil
@@ -18,6 +16,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
+import fake_cupy
 from echo_native import _kernel
 from echo_native.backends import cuda
 from echo_native.backends.array import ArrayDevice
@@ -39,15 +38,15 @@ class HostKernels:
         p, dim = ctypes.c_void_p, ctypes.c_ulonglong
         lib.host_crop_resize.argtypes = [dim] * 3 + [p, ctypes.c_int64, p, p, p, p,
                                                      ctypes.c_int, ctypes.c_int, p]
-        lib.host_normalize.argtypes = [dim] * 2 + [p, ctypes.c_int64, ctypes.c_int,
+        lib.host_normalize.argtypes = [dim] * 3 + [p, ctypes.c_int64, ctypes.c_int,
                                                    ctypes.c_int, p, ctypes.c_int, p]
         lib.host_crop_resize.restype = lib.host_normalize.restype = ctypes.c_int
         for name in ("host_half_array", "host_bfloat16_array"):
             getattr(lib, name).argtypes = [p, p, ctypes.c_int64]
         i32, i64 = ctypes.c_int, ctypes.c_int64
-        lib.host_ops_histogram.argtypes = [dim] * 2 + [p, i64, i32, p, i32, i32, p]
-        lib.host_ops_tables.argtypes = [dim] * 2 + [p, p, i32, i32, i64, i32, p, p]
-        lib.host_ops_apply.argtypes = [dim] * 2 + [p, p, i64, i32, i32, p, p, i32, i32, p]
+        lib.host_ops_histogram.argtypes = [dim] * 3 + [p, i64, i32, p, i32, i32, p]
+        lib.host_ops_tables.argtypes = [dim] * 3 + [p, p, i32, i32, i64, i32, p, p]
+        lib.host_ops_apply.argtypes = [dim] * 3 + [p, p, i64, i32, i32, p, p, i32, i32, p]
         for name in ("host_ops_histogram", "host_ops_tables", "host_ops_apply"):
             getattr(lib, name).restype = ctypes.c_int
         self.lib = lib
@@ -73,7 +72,7 @@ class HostKernels:
         coef = cuda.normalize_coefficients(mean, std)
         kind = cuda.NORMALIZE_KIND[output_dtype(out)]
         images = np.ascontiguousarray(images)
-        rc = self.lib.host_normalize(gx, bx, images.ctypes.data, n * h * w, h * w,
+        rc = self.lib.host_normalize(gx, 1, bx, images.ctypes.data, n * h * w, h * w,
                                      int(layout == "NCHW"), coef.ctypes.data, kind,
                                      out.ctypes.data)
         assert rc == 0, f"launch refused: grid {gx}, block {bx} (beyond CUDA's limits)"
@@ -93,15 +92,15 @@ class HostKernels:
         for k, count, tables in cuda.ops_steps(codes):
             if count:
                 hist[...] = 0
-                rc = self.lib.host_ops_histogram(gx, bx, src.ctypes.data, n * h * w, h * w,
+                rc = self.lib.host_ops_histogram(gx, 1, bx, src.ctypes.data, n * h * w, h * w,
                                                  codes.ctypes.data, steps, k, hist.ctypes.data)
                 assert rc == 0
             if tables:
-                rc = self.lib.host_ops_tables(tx, tb, codes.ctypes.data, args.ctypes.data,
+                rc = self.lib.host_ops_tables(tx, 1, tb, codes.ctypes.data, args.ctypes.data,
                                               steps, k, n, h * w, hist.ctypes.data,
                                               luts.ctypes.data)
                 assert rc == 0
-            rc = self.lib.host_ops_apply(gx, bx, src.ctypes.data, dst.ctypes.data, n * h * w,
+            rc = self.lib.host_ops_apply(gx, 1, bx, src.ctypes.data, dst.ctypes.data, n * h * w,
                                          h, w, codes.ctypes.data, args.ctypes.data, steps, k,
                                          luts.ctypes.data)
             assert rc == 0
@@ -332,96 +331,91 @@ def test_ops_launches_follow_the_program():
 # -- the kernels through NVRTC ---------------------------------------------------------------
 def _nvrtc():
     """libnvrtc from the nvidia-cuda-nvrtc wheel (a test dependency on Linux) or the system."""
-    candidates = []
-    try:
-        import nvidia  # namespace of NVIDIA's wheels: cuda_nvrtc/lib (12), cu13/lib (13)
-        for d in nvidia.__path__:
-            candidates += sorted(glob.glob(os.path.join(d, "**", "libnvrtc.so*"),
-                                           recursive=True))
-    except ImportError:
-        pass
-    found = ctypes.util.find_library("nvrtc")
-    if found:
-        candidates.append(found)
-    for c in candidates:
-        if "builtins" in c or ".alt." in c:
-            continue
-        try:
-            return ctypes.CDLL(c)
-        except OSError:
-            continue
-    pytest.skip("needs NVRTC: pip install nvidia-cuda-nvrtc-cu12 (in the test extra on Linux)")
+    lib = fake_cupy.nvrtc_library()
+    if lib is None:
+        pytest.skip("needs NVRTC: pip install nvidia-cuda-nvrtc-cu12 (in the test extra on Linux)")
+    return lib
 
 
 def _compile(lib, source, options):
-    prog = ctypes.c_void_p()
-    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernels.cu", 0, None,
-                                None)
-    assert rc == 0, f"nvrtcCreateProgram: {rc}"
-    try:
-        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-        rc = lib.nvrtcCompileProgram(prog, len(options), opts)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        if rc != 0:
-            return None, log.value.decode()
-        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-        ptx = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetPTX(prog, ptx)
-        return ptx.value.decode(), log.value.decode()
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return fake_cupy.nvrtc_compile(lib, source, options)
 
 
-@pytest.mark.parametrize("arch", ["compute_75", "compute_80", "compute_90"])
+def _options(arch="90", options=cuda.NVRTC_OPTIONS):
+    """What CuPy compiles ``RawModule(options=options)`` with for compute capability
+    ``arch`` (as PTX, to read it here): the backend's options and CuPy's own,
+    ``-ftz=true`` among them."""
+    return list(fake_cupy.cupy_options(options, arch, virtual=True))
+
+
+@pytest.mark.parametrize("arch", ["75", "80", "90"])
 def test_kernels_compile_with_nvrtc(arch):
-    """The source CuPy compiles at run time builds, with the backend's own options and
-    without warnings, for Turing, Ampere and Hopper, and exports every kernel it
-    declares under its C name (the augmentation programs' ones among them)."""
+    """The source CuPy compiles at run time builds, with the options CuPy compiles it
+    with and without warnings, for Turing, Ampere and Hopper, and exports every
+    kernel it declares under its C name (the augmentation programs' ones among them)."""
     lib = _nvrtc()
-    ptx, log = _compile(lib, cuda.kernel_source(), [f"--gpu-architecture={arch}",
-                                                    *cuda.NVRTC_OPTIONS])
+    ptx, log = _compile(lib, cuda.kernel_source(), _options(arch))
     assert ptx is not None, log
     assert "warning" not in log.lower(), log
     names = re.findall(r'extern "C" __global__ void (\w+)\(', cuda.kernel_source())
-    assert {"crop_resize", "normalize", "ops_histogram", "ops_tables", "ops_apply"} <= set(names)
+    assert set(cuda.KERNELS) <= set(names)
     for name in names:
         assert f".entry {name}(" in ptx
 
 
-def _float_fmas(ptx, entry):
-    """The floating-point fused multiply-adds in the PTX of kernel ``entry``."""
+def _float_ops(ptx, entry, ops=("fma", "mad")):
+    """The floating-point instructions ``ops`` in the PTX of kernel ``entry``."""
     body = ptx.split(f".entry {entry}(", 1)[1].split(".entry ", 1)[0]
-    return re.findall(r"\b(?:fma|mad)(?:\.r[nzmp])?(?:\.ftz)?(?:\.sat)?\.f(?:32|64)\b", body)
+    return re.findall(rf"\b(?:{'|'.join(ops)})(?:\.(?:rn|rz|rm|rp|approx|full))?(?:\.ftz)?"
+                      rf"(?:\.sat)?\.f(?:32|64)\b", body)
 
 
 def test_device_arithmetic_is_the_host_builds():
-    """With the backend's options NVRTC fuses no multiply and add of its own
-    (--fmad=false): crop_resize and the augmentation programs' kernels have no
-    floating-point fma at all, normalize only the fmaf its source writes, the
-    arithmetic the host builds (-ffp-contract=off) check.  NVRTC's default would fuse
-    in crop_resize and ops_apply."""
+    """Under the options CuPy really compiles with (-ftz=true added to the backend's
+    --fmad=false), NVRTC fuses no multiply and add of its own: crop_resize and the
+    augmentation programs' kernels have no floating-point fma at all, normalize only
+    the fmaf its source writes; no division, reciprocal or square root is
+    approximate.  That is the host build's arithmetic (-ffp-contract=off, IEEE
+    division); -ftz flushes subnormal float32 values, which pixels, weights and
+    their products never are.  NVRTC's default would fuse in crop_resize and
+    ops_apply."""
     lib = _nvrtc()
-    ptx, log = _compile(lib, cuda.kernel_source(), ["--gpu-architecture=compute_80",
-                                                    *cuda.NVRTC_OPTIONS])
+    options = _options("80")
+    assert "-ftz=true" in options and "--fmad=false" in options
+    ptx, log = _compile(lib, cuda.kernel_source(), options)
     assert ptx is not None, log
-    assert _float_fmas(ptx, "crop_resize") == []
-    assert set(_float_fmas(ptx, "normalize")) == {"fma.rn.f32"}
+    assert _float_ops(ptx, "crop_resize") == []
+    assert set(_float_ops(ptx, "normalize")) == {"fma.rn.ftz.f32"}
     # The programs write no fmaf (the host's portable build has no fma instruction):
     # none at all, in float or in ops_mean's double sums.
-    for name in ("ops_histogram", "ops_tables", "ops_apply"):
-        assert _float_fmas(ptx, name) == [], name
-    default, log = _compile(lib, cuda.kernel_source(), ["--gpu-architecture=compute_80",
-                                                        "--std=c++11"])
-    assert _float_fmas(default, "crop_resize"), "NVRTC's default no longer fuses: recheck"
-    assert _float_fmas(default, "ops_apply"), "NVRTC's default no longer fuses: recheck"
+    for name in cuda.KERNELS:
+        if name != "normalize":
+            assert _float_ops(ptx, name) == [], name
+        inexact = [op for op in _float_ops(ptx, name, ("div", "rcp", "sqrt"))
+                   if ".approx" in op or ".full" in op]
+        assert inexact == [], (name, inexact)
+    default, log = _compile(lib, cuda.kernel_source(),
+                            _options("80", [o for o in cuda.NVRTC_OPTIONS if "fmad" not in o]))
+    assert _float_ops(default, "crop_resize"), "NVRTC's default no longer fuses: recheck"
+    assert _float_ops(default, "ops_apply"), "NVRTC's default no longer fuses: recheck"
+
+
+def test_the_nvrtc_options_are_cupys():
+    """The options the tests compile with are those of the installed CuPy's compiler
+    (cupy/cuda/compiler.py): it appends -ftz=true and --device-as-default-execution-space
+    to every RawModule's."""
+    import importlib.util
+    spec = importlib.util.find_spec("cupy")
+    if spec is None or spec.origin is None:
+        pytest.skip("CuPy is not installed here: checked where it is (benchmarks/gpu_check.sh)")
+    text = open(os.path.join(os.path.dirname(spec.origin), "cuda", "compiler.py")).read()
+    for option in fake_cupy.CUPY_ADDED_OPTIONS + fake_cupy.CUPY_NVRTC_OPTIONS:
+        assert f"options += ('{option}',)" in text, option
 
 
 def test_nvrtc_reports_errors():
     """The compile check above can fail: a broken kernel is refused with its line."""
     lib = _nvrtc()
     ptx, log = _compile(lib, cuda.kernel_source() + "\nextern \"C\" __global__ void k() { x; }\n",
-                        ["--gpu-architecture=compute_80"])
+                        _options("80"))
     assert ptx is None and "identifier \"x\" is undefined" in log

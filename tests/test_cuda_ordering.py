@@ -253,28 +253,34 @@ def test_torch_current_stream_is_waited_for(gpu, source, monkeypatch):
     assert gpu.violations == []
 
 
-def test_jax_reads_on_a_stream_it_does_not_show(gpu, source):
-    """JAX hands ``__dlpack__`` a stream whose work it waits for, but reads the array on
-    compute streams it does not expose: the pipeline cannot wait for those, so a late
-    read there races (hence docs/gpu.md's advice), and a copy that the host waits for
-    (``from_dlpack(x, copy=True).block_until_ready()``) does not."""
-    for late in (True, False):
+def test_a_stream_known_only_by_its_handle_is_never_used_later(gpu, source):
+    """JAX hands ``__dlpack__`` a bare handle of a stream of its own, which the pipeline
+    cannot hold, and reads on compute streams it does not expose.  The handle is
+    used at the export only (never recorded on later: it may be destroyed by then),
+    and while that batch is valid a buffer is reused only after the host has waited
+    for the device, so a late read on the hidden stream is safe.  A copy taken for
+    JAX (``copy=True``) needs no such wait."""
+    for copy in (False, True):
         dev = _device(gpu)
         ready, compute = gpu.stream(), gpu.stream()
-        held = None
+        held, batches, kept = None, 0, []
+        gpu.syncs.clear()
+        gpu.log.clear()
         with _ring(source, dev, echo=1) as ring:
             for b in ring:
-                b.images.__dlpack__(stream=ready.ptr)
+                x = b.images.copy() if copy else b.images
+                x.__dlpack__(stream=ready.ptr)
                 compute.wait_event(ready.record())       # JAX's import waits for `ready`
-                if late:
-                    if held is not None:
-                        gpu.read(held, compute)
-                    held = b.images
-                else:
-                    gpu.read(b.images, compute)          # the copy ...
-                    compute.synchronize()                # ... block_until_ready()
-        assert bool(gpu.violations) == late
-        gpu.violations.clear()
+                if held is not None:
+                    gpu.read(held, compute)              # read late, on a hidden stream
+                held, batches = x, batches + 1
+                kept.append(x)                           # JAX's arrays live on
+        assert gpu.violations == []
+        # The events recorded on `ready` are the consumer's own, one a batch: none of ours.
+        recorded = [c for c in gpu.log if c[0] == "eventRecord" and c[3] == ready.state.name]
+        assert len(recorded) == batches > 3
+        device_waits = [s for s in gpu.syncs if s[0] == "device"]
+        assert bool(device_waits) == (not copy)
 
 
 # -- 3. NVRTC options ----------------------------------------------------------------------
@@ -459,9 +465,10 @@ def test_the_copy_of_the_next_batch_overlaps_the_current_step(gpu, source):
 
 
 # -- 8. the GPU check kit -----------------------------------------------------------------
-def _check_kit(tmp_path, tests_rc, bench_rc):
+def _check_kit(tmp_path, tests_rc, bench_rc, toolkit_rc=0):
     """Run benchmarks/gpu_check.sh with stand-ins for nvidia-smi and python3 that record
-    their environment and exit with the given statuses for the tests and the benchmark."""
+    their environment and exit with the given statuses for the toolkit check, the tests
+    and the benchmark (the script's own Python snippets, ``python3 -``, run for real)."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho 'Fake GPU, 1, 1 MiB'\n")
@@ -469,7 +476,10 @@ def _check_kit(tmp_path, tests_rc, bench_rc):
         #!/bin/sh
         env > "{tmp_path}/env.$$"
         case "$*" in
-          *tests/test_gpu.py*) echo "1 failed"; exit {tests_rc} ;;
+          -) exec "{sys.executable}" - ;;
+          *CudaDevice*) echo "no toolkit"; exit {toolkit_rc} ;;
+          *tests/test_gpu.py*) echo "PASSED tests/test_gpu.py::test_the_memfd_ring_is_page_locked"
+                               echo "1 failed"; exit {tests_rc} ;;
           *bench_gpu.py*) echo "bench"; exit {bench_rc} ;;
         esac
         exit 0
@@ -481,7 +491,7 @@ def _check_kit(tmp_path, tests_rc, bench_rc):
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(out))
     env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
     r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, check=False)
     envs = [p.read_text() for p in tmp_path.glob("env.*")]
     return r, envs
 
@@ -501,6 +511,25 @@ def test_gpu_check_fails_when_a_gpu_test_fails(tmp_path, tests_rc, bench_rc, wan
         f"gpu_check: tests exit {tests_rc}, benchmark exit {bench_rc}"
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_reports_every_section(tmp_path):
+    """A machine whose CuPy cannot compile the kernels: every later section still runs,
+    the check fails with the toolkit check's status, and gpu_check.json (beside the
+    full log) says which section and which named check failed, and which figures of
+    the design card were not measured."""
+    import json
+    r, _ = _check_kit(tmp_path, 0, 0, toolkit_rc=3)
+    assert r.returncode == 3, r.stdout + r.stderr
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["sections"] == {"build": "PASS", "toolkit": "FAIL", "tests": "PASS",
+                                  "bench": "PASS"}
+    assert report["checks"]["kernels compile with the installed extra"] == "FAIL"
+    assert report["checks"]["memfd ring registered (cudaHostRegister)"] == "PASS"
+    assert set(report["targets"].values()) == {"NOT MEASURED"}
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert "no toolkit" in log and "bench" in log
+
+
 def test_gpu_prepare_uses_private_temporary_folders():
     """gpu_prepare.sh builds in a folder of its own (mktemp -d), not at fixed /tmp paths
     that concurrent runs would share, and stops at the first failing step."""
@@ -511,3 +540,264 @@ def test_gpu_prepare_uses_private_temporary_folders():
     assert "set -euo pipefail" in code
     check = open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")).read()
     assert "/tmp" not in "\n".join(line.split("#")[0] for line in check.splitlines())
+
+
+# -- issue 32: what a real CuPy audit found ----------------------------------------------
+def _scaled(images, xp, keys):
+    """A user op that changes the batch in place (``*=``) and through a setitem."""
+    images *= xp.float32(2.0)
+    images[:, 0] = images[:, 0] + xp.float32(1.0)
+
+
+@pytest.mark.parametrize("mix", [None, en.Mix(mixup_alpha=0.5)])
+@pytest.mark.parametrize("placement", ["after", "before", "e1"])
+def test_on_batch_runs_after_the_batch_on_the_pipelines_stream(gpu, source, placement, mix):
+    """(1) ``on_batch`` changes the normalised (and mixed) batch in place: its work is
+    ordered after the copy, normalise and Mix kernels of the pipeline's stream and
+    before the consumer's reads, and its result is the CPU backend's."""
+    kw = dict(normalize=True, layout="NCHW", on_batch=_scaled, mix=mix, **PLACEMENTS[placement])
+    with _ring(source, "cpu", **kw) as ring:
+        want = [_host(b.images) for b in ring]
+    dev = _device(gpu)
+    cur = gpu.cupy.cuda.get_current_stream()
+    got = []
+    with _ring(source, dev, **kw) as ring:
+        for b in ring:
+            gpu.read(b.images, cur)
+            got.append(_host(b.images))
+    assert gpu.violations == []
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=0.05 if placement == "before" else 1e-5)
+
+
+def test_on_batch_of_a_second_gpu_runs_on_that_gpu(gpu, source):
+    """(1) ``device="cuda:1"`` with device 0 current: the user's op runs with device 1
+    current, on the ring's stream there (what it allocates is device 1's memory)."""
+    seen = []
+
+    def op(images, xp, keys):
+        seen.append(xp.cuda.Device().id)
+        return images + xp.asarray(keys[:, 3].astype(np.float32)).reshape(-1, 1, 1, 1)
+
+    dev = _device(gpu, 1)
+    with _ring(source, dev, normalize=True, on_batch=op, **PLACEMENTS["after"]) as ring:
+        for b in ring:
+            assert gpu.current_device == 0
+            b.images.get()
+    assert seen and set(seen) == {1}
+    assert gpu.violations == []
+
+
+def test_a_missing_cuda_toolkit_is_one_line_at_construction(gpu, source):
+    """(2) CuPy >= 14 compiles with the CUDA headers and NVRTC: without them
+    ``EchoRing(device="cuda")`` fails at once, in one line naming what to install."""
+    for hide in ("cuda_headers", "nvrtc"):
+        setattr(gpu, hide, None)
+        with pytest.raises(RuntimeError) as e:
+            en.EchoRing(source, batch_size=4, device="cuda")
+        msg = str(e.value)
+        assert "\n" not in msg
+        assert 'pip install "echo_native[gpu]"' in msg and "cupy-cuda12x[ctk]" in msg, msg
+        assert ("Failed to find CUDA headers" if hide == "cuda_headers" else "libnvrtc") in msg
+        setattr(gpu, hide, fake_cupy.Gpu(1).__dict__[hide])
+
+
+def test_a_kernel_source_error_is_nvrtcs_own(gpu, monkeypatch):
+    """(2) The toolkit message is for a missing toolkit only: NVRTC refusing the
+    source is CuPy's CompileException with the compiler's log."""
+    monkeypatch.setattr(cuda, "kernel_source", lambda: textwrap.dedent("""
+        extern "C" __global__ void crop_resize(int n) { undefined_name; }"""))
+    with pytest.raises(fake_cupy.CompileException, match="undefined_name"):
+        cuda.CudaDevice(0)
+
+
+@pytest.mark.parametrize("spec", [en.Mix(mixup_alpha=0.4), en.Mix(mixup_alpha=0, cutmix_alpha=1)])
+def test_mix_never_makes_the_host_wait(gpu, source, spec):
+    """(3) Mix on the GPU: drawing the mix and checking the labels need no value from
+    the device (no conversion of a device array to a Python number), and the
+    targets are those of the CPU backend."""
+    kw = dict(normalize=True, mix=spec, **PLACEMENTS["after"])
+    with _ring(source, "cpu", **kw) as ring:
+        want = [b.targets.copy() for b in ring]
+    got = []
+    with _ring(source, _device(gpu), **kw) as ring:
+        for b in ring:
+            got.append(b.targets)
+        assert [s for s in gpu.syncs if s[0] == "scalar"] == []
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.get(), w, atol=1e-6)
+    assert gpu.violations == []
+
+
+def test_device_labels_are_still_checked(gpu):
+    """(3) Labels already on the device are checked too (that needs their values)."""
+    from echo_native.mix import soft_targets
+    cp = gpu.cupy
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 3\), got 0..3"):
+        soft_targets(cp, cp.asarray(np.array([0, 3, 1])), 3, 0.5, 0.1)
+    with pytest.raises(ValueError, match=r"got -1..2"):
+        soft_targets(cp, np.array([2, -1]), 3, 0.5, 0.1)
+    t = soft_targets(cp, np.array([0, 2]), 3, 1.0, 0.0).get()
+    np.testing.assert_array_equal(t, [[1, 0, 0], [0, 0, 1]])
+
+
+def test_a_consumer_stream_is_held_while_it_may_read(gpu, source):
+    """(4) A CuPy consumer takes each batch on a new stream of its own
+    (``cupy.from_dlpack`` under ``with s``), reads it late there, and drops the
+    stream: the pipeline holds each such stream while its batch is valid, so it
+    is not destroyed (and its handle not given to the next stream) while the
+    pipeline still records on it, and the late reads are waited for."""
+    dev = _device(gpu)
+    held = None
+    with _ring(source, dev, echo=1) as ring:
+        for b in ring:
+            s = gpu.stream()
+            with s:
+                x = gpu.cupy.from_dlpack(b.images)
+            assert x.data.ptr == b.images.array.data.ptr
+            if held is not None:
+                gpu.read(*held)                        # the late read, on its stream
+            held = (x, s)                              # the stream before goes
+            del s
+        gpu.read(*held)
+    assert gpu.violations == []
+    assert gpu.dead, "no consumer stream was ever destroyed: the test proves nothing"
+
+
+def test_a_second_device_does_not_inherit_the_first_ones_memory_unordered(gpu, source):
+    """(4) CuPy's pool keeps freed memory per stream handle and CUDA reuses a destroyed
+    stream's handle: a ring's device goes away while the consumer's last step still
+    reads its last batch, and a new device (whose stream gets that handle) allocates
+    the same memory.  Its writes must follow that step."""
+    import gc
+    dev = _device(gpu)
+    handle = dev.stream.ptr
+    cur = gpu.cupy.cuda.get_current_stream()
+    with _ring(source, dev, echo=1) as ring:
+        for b in ring:
+            pass
+        gpu.read(b.images, cur)                    # the last step, still queued
+        last = _raw(b.images)
+        span = (last.data.ptr, last.data.ptr + last.nbytes)
+        del b, last
+    step = gpu.accesses("consumer read")[-1]
+    del ring, dev
+    gc.collect()
+    dev = _device(gpu)
+    assert dev.stream.ptr == handle                # CUDA handed out the handle again
+    with _ring(source, dev, echo=2, placement="batch") as ring:
+        for _ in ring:
+            pass
+    later = [a for a in gpu.accesses() if a.seq > step.seq and a.kind == "w"
+             and a.lo < span[1] and span[0] < a.hi]
+    assert later, "the new device did not get the old one's memory: the test proves nothing"
+    assert gpu.violations == []
+
+
+# -- issue 32 (6): the stand-in refuses what CuPy refuses --------------------------------
+def test_the_stand_in_refuses_what_cupy_refuses():
+    """Implicit NumPy conversion, NumPy arrays in device arithmetic, ``set`` of another
+    shape or dtype, ``ascontiguousarray`` of a host array, grids that are not tuples
+    and kernel arguments that do not match the compiled signature are errors, as on
+    CuPy; an asynchronous copy from pageable memory is reported."""
+    gpu = fake_cupy.Gpu(1)
+    cp = gpu.cupy
+    a = cp.empty((4, 3), np.uint8)
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(a)
+    with pytest.raises(TypeError):
+        a * np.ones((4, 3), np.uint8)
+    with pytest.raises(TypeError):
+        np.ones((4, 3)) + a
+    with pytest.raises(TypeError, match="cannot be set"):
+        a.set(np.zeros((4, 3), np.int32))
+    with pytest.raises(ValueError, match="Shape mismatch"):
+        a.set(np.zeros((3, 4), np.uint8))
+    with pytest.raises(TypeError):
+        cp.ascontiguousarray(np.zeros(3))
+    s = gpu.stream()
+    a.set(np.zeros((4, 3), np.uint8), stream=s)
+    assert gpu.violations == [("an asynchronous copy from host memory that is neither pinned "
+                               "nor registered")]
+    module = cp.RawModule(code=cuda.kernel_source(), options=cuda.NVRTC_OPTIONS)
+    k = module.get_function("to_bfloat16")
+    src, out = cp.empty((8,), np.float32), cp.empty((8,), np.uint16)
+    with pytest.raises(TypeError, match="tuple"):
+        k([1], (8,), (src, np.int64(8), out))
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        k((1,), (8,), (src, out))
+    with pytest.raises(TypeError, match="count"):
+        k((1,), (8,), (src, 8, out))                 # a Python int: which width?
+    with pytest.raises(TypeError, match="float32"):
+        k((1,), (8,), (out, np.int64(8), out))       # uint16 where float* is declared
+
+
+def test_the_stand_in_compiles_with_nvrtc_and_cupys_options():
+    """RawModule compiles with NVRTC, with the options CuPy adds (-ftz=true among them);
+    a source NVRTC refuses is a CompileException at the first kernel taken."""
+    gpu = fake_cupy.Gpu(1)
+    m = gpu.cupy.RawModule(code=cuda.kernel_source(), options=cuda.NVRTC_OPTIONS)
+    m.get_function("normalize")
+    assert m.nvrtc_options[:len(cuda.NVRTC_OPTIONS)] == cuda.NVRTC_OPTIONS
+    assert "-ftz=true" in m.nvrtc_options and "--device-as-default-execution-space" in \
+        m.nvrtc_options
+    bad = gpu.cupy.RawModule(code='extern "C" __global__ void k(int n) { n = m; }')
+    with pytest.raises(fake_cupy.CompileException, match='identifier "m" is undefined'):
+        bad.get_function("k")
+
+
+def test_the_stand_ins_kernels_are_the_host_build(gpu):
+    """ops_histogram counts, ops_tables makes tables and ops_apply applies them, each
+    launch as the GPU runs it (the host build of kernels.cu), not a stand-in of it."""
+    from echo_native.backends import ops_codes as op
+    cp = gpu.cupy
+    with cp.cuda.Device(0):
+        dev = cuda.CudaDevice(0)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (2, 5, 7, 3), dtype=np.uint8)
+    images = cp.asarray(x)
+    codes = np.array([[op.EQUALIZE], [op.POSTERIZE]], np.int32)
+    args = np.zeros((2, 1, 8), np.float32)
+    args[1, 0, 0] = 3
+    dev.augment(images, codes, args)
+    ref = x.copy()
+    _kernel.apply_ops(ref, codes, args)
+    np.testing.assert_array_equal(images.get(), ref)
+    assert [n for n, *_ in gpu.launches] == ["ops_histogram", "ops_tables", "ops_apply"]
+    assert not (ref == x).all()
+
+
+def test_the_stand_in_logs_in_place_updates_and_staging_overwrites():
+    """``*=``, ``+=`` and ``fill`` are writes to the race checker; a pinned buffer written
+    while a copy out of it may still run is reported."""
+    gpu = fake_cupy.Gpu(1)
+    cp = gpu.cupy
+    a = cp.zeros((4,), np.float32)
+    side = gpu.stream()
+    side.wait_event(cp.cuda.get_current_stream().record())
+    for update in (lambda: a.__imul__(2), lambda: a.__iadd__(1), lambda: a.fill(3)):
+        gpu.read(a, side)
+        update()                                     # on the default stream, unordered
+        assert any("not ordered" in v for v in gpu.violations)
+        gpu.violations.clear()
+        cp.cuda.Device(0).synchronize()
+    staging = gpu.cupyx.empty_pinned((4,), np.float32)
+    staging[...] = 1
+    a.set(staging, stream=side)
+    staging[...] = 2                                 # the copy may still be running
+    assert gpu.violations == [("a pinned staging buffer overwritten while a copy out of it "
+                               "may still run")]
+
+
+def test_the_stand_in_destroys_and_reuses_stream_handles():
+    """A stream goes with its last reference; its handle is the next stream's; using it
+    after the destruction is an error (and reported)."""
+    gpu = fake_cupy.Gpu(1)
+    s = gpu.stream()
+    handle = s.ptr
+    del s
+    with pytest.raises(fake_cupy.CUDARuntimeError):
+        gpu.cupy.cuda.runtime.streamSynchronize(handle)
+    assert any("after the stream was destroyed" in v for v in gpu.violations)
+    assert gpu.stream().ptr == handle

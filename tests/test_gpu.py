@@ -612,3 +612,120 @@ def test_bfloat16_mix_on_the_gpu_is_its_float32_mix_rounded_once(source, spec):
         assert (g == c).mean() > 0.99
         np.testing.assert_allclose(BFloat16Array(g).to_float32(), BFloat16Array(c).to_float32(),
                                    rtol=2**-7, atol=1e-5)
+
+
+# -- issue 32: the first real run --------------------------------------------------------
+def test_kernels_compile_with_the_installed_toolkit():
+    """CuPy compiles kernels.cu with what is installed (the gpu extra's headers and
+    NVRTC), with its own options added to the backend's (-ftz=true among them)."""
+    import cupy
+    from echo_native.backends import cuda
+    dev = cuda.CudaDevice(0)
+    assert all(getattr(dev, f"_{name}") is not None for name in cuda.KERNELS)
+    assemble = getattr(cupy._core.core, "assemble_cupy_compiler_options", None)
+    if assemble is not None:  # CuPy >= 14.2: the include options it compiles with
+        assert set(cuda.NVRTC_OPTIONS) <= set(assemble(cuda.NVRTC_OPTIONS))
+
+
+def test_on_batch_runs_after_the_batch_on_the_gpu(source):
+    """``on_batch`` changes each normalised batch in place while the pipeline's stream is
+    slowed before every normalisation: the op still sees the finished batch (it runs
+    on that stream), and the consumer sees the op's result, the CPU backend's."""
+    from echo_native.backends.cuda import CudaDevice
+    spin = _spin()
+
+    class SlowDevice(CudaDevice):
+        def normalize(self, images, mean, std, layout, out):
+            with self.device, self.stream:
+                spin((1,), (1,), (np.int64(10_000_000),))  # ~5 ms of our stream's time
+            return super().normalize(images, mean, std, layout, out)
+
+    def op(images, xp, keys):
+        images *= xp.float32(2.0)
+        images[:, 0] += xp.asarray(keys[:, 3].astype(np.float32)).reshape(-1, 1, 1)
+
+    kw = dict(batch_size=8, image_size=32, echo=2, placement="after_augment", workers=2,
+              seed=6, normalize=True, layout="NCHW", on_batch=op)
+    with en.EchoRing(source, device="cpu", **kw) as ring:
+        ref = [np.array(b.images, np.float32) for b in ring]
+    with en.EchoRing(source, device=SlowDevice(0), **kw) as ring:
+        got = [b.images.get() for b in ring]
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-5)
+
+
+def test_the_memfd_ring_is_page_locked():
+    """cudaHostRegister accepts the ring's memfd mapping: fresh slots are copied by DMA
+    from the ring itself, not staged."""
+    from echo_native.backends.cuda import CudaDevice
+    from echo_native.ring import Ring
+    ring = Ring.create(2, 8, 32 * 32 * 3, backing="memfd")
+    dev = CudaDevice(0)
+    try:
+        assert ring.backing == "memfd"
+        dev.attach(ring)
+        assert dev.registration == "registered", dev.registration_error
+    finally:
+        dev.detach(ring)
+        ring.unlink()
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32", "bfloat16"])
+def test_torch_and_jax_take_batches_on_the_gpu(source, dtype):
+    """torch and JAX (on the GPU) receive each batch by DLPack on the device, with the
+    values the CPU backend delivers."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    try:
+        gpu = jax.devices("gpu")
+    except RuntimeError:
+        gpu = []
+    norm = {} if dtype == "uint8" else dict(normalize=True, dtype=dtype, layout="NCHW")
+    kw = dict(batch_size=8, image_size=32, echo=2, placement="after_augment", workers=2,
+              seed=4, **norm)
+    ref = _values(source, "cpu", **kw)
+    rtol = 2**-7 if dtype == "bfloat16" else 1e-6
+    got_t, got_j = [], []
+    with en.EchoRing(source, device="cuda", **kw) as ring:
+        for b in ring:
+            t = torch.from_dlpack(b.images)
+            assert t.is_cuda
+            got_t.append(t.float().cpu().numpy())
+            if gpu:
+                j = jax.dlpack.from_dlpack(b.images, copy=True)
+                assert j.devices() <= set(gpu)
+                got_j.append(np.asarray(j.astype("float32")))
+    assert gpu, "JAX sees no GPU: its batches could not be checked"
+    for t, j, r in zip(got_t, got_j, ref, strict=True):
+        np.testing.assert_allclose(t, r, rtol=rtol, atol=1e-6)
+        np.testing.assert_allclose(j, r, rtol=rtol, atol=1e-6)
+
+
+def test_a_cupy_consumer_on_a_stream_it_drops_reads_every_batch(source):
+    """A consumer takes each batch on a new CuPy stream (``cupy.from_dlpack`` under
+    ``with s``), reads it late there after a slow step, and drops the stream: the
+    pipeline holds the stream while it may read, and the reads see the batches."""
+    import cupy
+    spin = _spin()
+    kw = dict(batch_size=8, image_size=48, echo=1, workers=2, seed=3)
+    ref = _values(source, "cpu", **kw)
+    got, held = [], None
+    with en.EchoRing(source, device="cuda", **kw) as ring:
+        for b in ring:
+            s = cupy.cuda.Stream(non_blocking=True)
+            with s:
+                x = cupy.from_dlpack(b.images)
+            if held is not None:
+                px, ps = held
+                with ps:  # a slow step, then the read: both queued, not waited for
+                    spin((1,), (1,), (np.int64(10_000_000),))
+                    got.append(px.astype(cupy.float32))
+            held = (x, s)
+            del s
+        px, ps = held
+        with ps:
+            got.append(px.astype(cupy.float32))
+    cupy.cuda.Device().synchronize()
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(g.get(), r)

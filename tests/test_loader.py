@@ -220,12 +220,13 @@ def test_a_bad_worker_threads_setting_is_refused_by_name(corpus_root, monkeypatc
 
 
 # ---- no spinning on one CPU ------------------------------------------------------------------
-@pytest.mark.slow
 def test_one_cpu_progresses_without_spinning(corpus_root, tmp_path):
-    """Pinned to one CPU with 2 workers: completes (within the subprocess timeout), and
-    waiting sides sleep: on one core a side that spins instead of sleeping would take
-    the waiting side's CPU time close to its wall time.  The CPU shares are measured
-    inside the child (ring_helpers.py onecpu)."""
+    """Pinned to one CPU with 2 workers: every epoch completes (within the subprocess
+    timeout), and a waiting side sleeps: workers facing a full ring, and a consumer
+    facing workers that cannot deliver, each use under a quarter of the CPU over a
+    window watched once they are asleep on the ring (spinning, they would take the
+    core: ~90% measured when the futex wait is replaced by a sched_yield loop).  The
+    phases run in the child (ring_helpers.py onecpu)."""
     cpu = min(os.sched_getaffinity(0))
     out = tmp_path / "onecpu.json"
     cmd = [sys.executable, str(HERE / "ring_helpers.py"), "onecpu", str(corpus_root), str(out)]
@@ -235,19 +236,14 @@ def test_one_cpu_progresses_without_spinning(corpus_root, tmp_path):
     else:
         def pre():
             os.sched_setaffinity(0, {cpu})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=pre)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=pre)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(out.read_text())
     assert info["affinity"] == [cpu]
     n = info["n"]
     assert sorted(info["ids"]) == sorted(list(range(n)) * rh.EPOCHS)
     assert info["restarts"] == 0
-    # Fast phase: a consumer waiting for workers on the same core sleeps.
-    assert info["fast_consumer_cpu"] < 0.2 * info["fast_wall"] + 0.01, info
-    # Sleepy phase: the workers sleep in read(); a spinning consumer would be
-    # the only runnable task and take the whole core (measured: ~90% when the
-    # futex wait is replaced by a sched_yield loop; ~1% as built).
-    assert info["sleepy_consumer_cpu"] < 0.25 * info["sleepy_wall"], info
-    # Slow phase: the ring is full and the workers wait for free slots; they
-    # decode one epoch (~0.05 s) and must sleep the rest (spinning: ~100%).
-    assert info["slow_worker_cpu"] < 0.5 * info["slow_wall"], info
+    assert len(info["gated_ids"]) == 4          # the gate opened, the batch came
+    window = info["window"]
+    assert info["full_ring_worker_cpu"] < 0.25 * window, info
+    assert info["waiting_consumer_cpu"] < 0.25 * window, info

@@ -3,6 +3,7 @@ that sleep instead of spinning, attach by name, and thread/process stress with
 checksums.  The Loader on top of it is in ``test_loader.py``."""
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import os
 import pickle
@@ -117,7 +118,8 @@ def test_publish_wakes_a_sleeping_consumer(ring):
 
     th = threading.Thread(target=consumer)
     th.start()
-    time.sleep(0.2)                          # the consumer is past its spin, asleep
+    rh.wait_for(lambda: rh.asleep_on_ring(os.getpid(), th.native_id, ring.name),
+                "the consumer asleep in wait_filled")
     rh.fill_slot(ring, ring.take_ticket())
     ring.publish(0)
     th.join(5)
@@ -138,7 +140,9 @@ def test_close_wakes_waiters_with_wait_closed(ring):
                threading.Thread(target=wait, args=("producer", ring.wait_free, 3))]
     for th in threads:
         th.start()
-    time.sleep(0.2)
+    for th in threads:
+        rh.wait_for(lambda tid=th.native_id: rh.asleep_on_ring(os.getpid(), tid, ring.name),
+                    f"{th.name} asleep in its wait")
     ring.close()
     for th in threads:
         th.join(5)
@@ -227,32 +231,43 @@ def test_a_handle_passes_the_ring_to_a_child_as_a_descriptor():
         r.unlink()
 
 
+LIVE_READS = 250_000   # live samples the racing reader catches before it stops (~1.5 s here)
+
+
 def test_reading_words_never_pair_a_live_sample_with_a_cleared_time():
     """A worker sets and clears its reading words as fast as it can while the consumer
     reads them as its stall watchdog does: a live sample must always come with a start
-    time the worker stored (a cleared 0 would read as a read stalled since boot)."""
+    time the worker stored (a cleared 0 would read as a read stalled since boot).  The
+    race runs until the reader has caught LIVE_READS live samples, at any speed."""
     r = Ring.create(2, 1, 64)
+    stop = mmap.mmap(-1, 1)                   # shared with the forked worker
     first_ms = int(time.monotonic() * 1000)   # every start time the worker stores is later
     pid = os.fork()
-    if pid == 0:  # the worker: one sample after another, for 1.5 s
+    if pid == 0:  # the worker: one sample after another, until the reader has enough
         try:
-            end, sid = time.monotonic() + 1.5, 0
-            while time.monotonic() < end:
+            sid = 0
+            while not stop[0]:
                 r.set_reading(0, sid)
                 r.set_reading(0)
                 sid += 1
         finally:
             os._exit(0)
     try:
-        seen, torn = 0, 0
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        seen, torn, deadline = 0, 0, time.monotonic() + 120
+        while seen < LIVE_READS and time.monotonic() < deadline:
             sid1, since_ms = r.segment.reading_load(0)
             if sid1:
                 seen += 1
                 torn += since_ms < first_ms
-        assert seen > 0
+            elif os.waitpid(pid, os.WNOHANG) != (0, 0):
+                pid = None   # reaped
+                break
+        assert seen == LIVE_READS, f"{seen} live samples seen (the worker ended or 120 s)"
         assert torn == 0, f"{torn} of {seen} reads paired a live sample with a cleared time"
     finally:
+        stop[0] = 1
+        if pid is not None:
+            os.waitpid(pid, 0)
         r.close()
         r.unlink()
 

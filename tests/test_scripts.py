@@ -23,6 +23,7 @@ from PIL import Image
 import echo_native as en
 from photos import fit, photo
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
 N = 12
 
 
@@ -140,6 +141,16 @@ def test_jupyter_notebook(folder, tmp_path):
     assert f"AGAIN {2 * N}" in out  # echo=2: every example twice
 
 
+# The user's step, which the signal interrupts: short sleeps, so that a signal handled by
+# another thread (Python runs the handler in the main thread between bytecodes) ends it
+# too; a minute without one fails the script.
+_STEP_UNTIL_SIGNAL = """\
+t_end = time.monotonic() + 60
+while time.monotonic() < t_end:
+    time.sleep(0.01)
+raise AssertionError("no KeyboardInterrupt within 60 s")
+"""
+
 _CTRL_C_BODY = """\
     interrupted = taken = 0
     while True:
@@ -150,12 +161,18 @@ _CTRL_C_BODY = """\
                 if taken in (1, 2) and interrupted < taken:
                     interrupted += 1
                     {send}
-                    time.sleep(1.0)  # the signal arrives here, in the user's step
+                    {step}
             break
         except KeyboardInterrupt:
             print("caught Ctrl-C", file=sys.stderr)
     assert interrupted == 2, interrupted
 """
+
+
+def _ctrl_c_body(send, step=_STEP_UNTIL_SIGNAL):
+    """The loop of _CTRL_C_BODY with ``send`` (how the signal is sent) and ``step``."""
+    pad = "\n" + " " * 20
+    return _CTRL_C_BODY.format(send=send, step=pad.join(step.strip().splitlines()))
 
 
 @pytest.mark.timeout(300)
@@ -164,7 +181,7 @@ _CTRL_C_BODY = """\
 def test_caught_ctrl_c_keeps_workers_and_samples(folder, tmp_path, mode, echo):
     """SIGINT to the whole process group (a terminal's or Jupyter's Ctrl-C), caught by the
     loop: the same workers go on, no restart is counted, every sample is delivered once."""
-    body = _CTRL_C_BODY.format(send="os.killpg(os.getpgrp(), signal.SIGINT)")
+    body = _ctrl_c_body("os.killpg(os.getpgrp(), signal.SIGINT)")
     (tmp_path / "train.py").write_text(_script(folder, body, mode=mode, echo=echo))
     out = _run([sys.executable, "train.py"], tmp_path, start_new_session=True)
     assert _result(out) == (N, 0, True)
@@ -173,11 +190,18 @@ def test_caught_ctrl_c_keeps_workers_and_samples(folder, tmp_path, mode, echo):
 @pytest.mark.timeout(300)
 def test_ctrl_c_while_the_consumer_waits(folder, tmp_path):
     """Ctrl-C while the consumer is blocked on a slow upstream: caught, iteration goes on."""
-    body = "import threading\n" + textwrap.dedent(_CTRL_C_BODY).replace(
-        "{send}", "threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()")
-    body = body.replace("time.sleep(1.0)  # the signal arrives here, in the user's step",
-                        "pass  # the signal arrives while the ring waits for the next batch")
-    # echo=1: every batch waits for the (slow) worker, so the signal lands in a wait.
+    # A thread sends the signal once the consumer sleeps in the ring's wait for the next
+    # batch (echo=1: every batch waits for the slow worker), so it lands in that wait.
+    body = (f"sys.path.insert(0, {str(TESTS)!r})\n"
+            "import threading\nimport ring_helpers as rh\n"
+            "def interrupt_when_waiting(name):\n"
+            "    rh.wait_for(lambda: rh.asleep_on_ring(os.getpid(), ring_name=name),\n"
+            "                'the consumer asleep in the ring')\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            + textwrap.dedent(_ctrl_c_body(
+                "threading.Thread(target=interrupt_when_waiting,\n"
+                "                 args=(ring.loader.ring_name,)).start()",
+                "pass  # the signal arrives while the ring waits for the next batch")))
     (tmp_path / "train.py").write_text(_script(folder, body, echo=1, slow=0.15, workers=1))
     out = _run([sys.executable, "train.py"], tmp_path, start_new_session=True)
     assert _result(out)[1:] == (0, True)
@@ -186,11 +210,8 @@ def test_ctrl_c_while_the_consumer_waits(folder, tmp_path):
 def test_uncaught_ctrl_c_cleans_up(folder, tmp_path):
     """An uncaught Ctrl-C ends the script with KeyboardInterrupt and leaves no worker and
     no shared-memory segment behind."""
-    body = """\
-    for batch in ring:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1.0)
-    """
+    body = "for batch in ring:\n    os.kill(os.getpid(), signal.SIGINT)\n" + \
+        textwrap.indent(_STEP_UNTIL_SIGNAL, "    ")
     code = _script(folder, body).replace("seen = []", "seen = []\nprint('NAME', end=' ')")
     code = code.replace("pids = ring.loader.worker_pids()",
                         "pids = ring.loader.worker_pids()\n"

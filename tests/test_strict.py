@@ -23,7 +23,9 @@ files are refused with a message naming the cause.
 from __future__ import annotations
 
 import io
+import os
 import struct
+import sys
 import zlib
 
 import numpy as np
@@ -31,6 +33,10 @@ import pytest
 from PIL import Image, ImageFile
 
 import echo_native as en
+
+# The committed JPEG fixtures (tests/data/jpeg/): restart intervals as libjpeg writes them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
+import jpeg_fixtures as fx  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -314,21 +320,42 @@ def test_junk_before_restart_marker(images, sequential):
     assert dec.warnings == 1 and dec.harmless_warnings == 0
 
 
-def test_junk_before_restart_marker_cjpeg(images, tmp_path):
-    """The same with cjpeg -restart 1 (libjpeg's own writer), when installed."""
-    import shutil
-    import subprocess
-    if shutil.which("cjpeg") is None:
-        pytest.skip("cjpeg (libjpeg-turbo-progs) not installed; test_junk_before_restart_"
-                    "marker covers Pillow's restart markers")
-    ppm = tmp_path / "in.ppm"
-    Image.fromarray(images.photo("rocket")[::2, ::2]).save(ppm)
-    data = subprocess.run(["cjpeg", "-quality", "90", "-restart", "1", str(ppm)],
-                          capture_output=True, check=True).stdout
-    rst = rst_offsets(data)
-    bad = data[:rst[3]] + JUNK + data[rst[3]:]
+# Restart markers as libjpeg writes them (committed fixtures, made with cjpeg -restart and
+# jpegtran): every MCU row, every 3 rows, every MCU, every 5 MCUs, in a progressive file.
+RESTART_FILES = ["restart-rows-1.jpg", "restart-rows-3.jpg", "restart-mcus-1.jpg",
+                 "restart-mcus-5.jpg", "restart-progressive.jpg"]
+
+
+# restart-rows-3.jpg has a single RST0; the arithmetic-coded files restart the same way.
+@pytest.mark.parametrize("name", [n for n in RESTART_FILES if n != "restart-rows-3.jpg"]
+                         + ["arith-restart.jpg", "arith-progressive-restart.jpg"])
+def test_junk_before_restart_marker_libjpeg_files(name):
+    """The same with libjpeg's own restart intervals (Huffman and arithmetic): junk before
+    the first RST3 is refused, naming it; strict=False gives Pillow's pixels."""
+    data = fx.read(name)
+    rst3 = next(r for r in rst_offsets(data) if data[r + 1] == 0xD3)
+    bad = data[:rst3] + JUNK + data[rst3:]
     assert_refused_everywhere(bad, r"extraneous bytes before marker 0xd3.*restart marker")
     np.testing.assert_array_equal(en.decode(bad, strict=False), pillow(bad))
+
+
+@pytest.mark.parametrize("name", RESTART_FILES)
+def test_restart_intervals_decode_like_the_file_without_them(name):
+    """A file with restart markers (any interval, sequential or progressive) is accepted
+    in strict mode with no warning, and every entry point -- crops that skip rows across
+    intervals too -- gives the pixels of the same coefficients coded without them."""
+    data, clean = fx.read(name), fx.read("restart-none.jpg")
+    spec, st = fx.FIXTURES[name], fx.structure(data)
+    assert st.restart == (spec.restart,) and fx.structure(clean).restart == ()
+    if st.scans == 1:   # 4:2:0: 16 x 16 MCUs; a marker between intervals, none at the end
+        mcus = -(-st.height // 16) * -(-st.width // 16)
+        assert st.rst_markers == -(-mcus // spec.restart) - 1
+    assert_accepted_like_clean(data, clean, harmless=0)
+    h, w = st.height, st.width
+    for box, size in (((50, 0, 40, w), (20, 64)), ((70, 90, 26, 38), (26, 38)),
+                      ((h - 9, w - 17, 9, 17), (3, 5))):
+        np.testing.assert_array_equal(en.decode_crop(data, box, size),
+                                      en.decode_crop(clean, box, size))
 
 
 @pytest.mark.parametrize("kind", ["sequential", "progressive"])
@@ -352,7 +379,8 @@ def test_junk_before_eoi(images, sequential, progressive, kind):
 def test_corrupt_arithmetic_scan_with_only_surplus_is_refused(images):
     """Why junk before EOI is data loss: corrupt arithmetic-coded data whose only warning
     is surplus bytes before EOI decodes to garbage.  Strict mode refuses it."""
-    data = images.sample("arithmetic").data
+    data = fx.read("arith-sequential.jpg")
+    clean = pillow(data)
     rng = np.random.default_rng(4)
     seen = 0
     for _ in range(10):
@@ -369,7 +397,7 @@ def test_corrupt_arithmetic_scan_with_only_surplus_is_refused(images):
         msg = refused(r"(?i)corrupt JPEG data", en.decode, bad)
         if "before marker 0xd9" in msg:
             seen += 1
-            assert np.abs(img.astype(int) - images.sample("arithmetic").expected).mean() > 5
+            assert np.abs(img.astype(int) - clean).mean() > 5
     assert seen >= 3
 
 

@@ -90,6 +90,11 @@ class ArrayDevice:
         """Called on each batch before it reaches the consumer."""
         return batch
 
+    def run_user_op(self, fn, images, keys):
+        """``fn(images, xp, keys)``, the pipeline's ``on_batch``, where the batch's own
+        work runs: after everything queued for the batch, before :meth:`ready`."""
+        return fn(images, self.xp, keys)
+
     def order_consumer(self, stream, event, remember=True):
         """DLPack export on ``stream``: make it wait for the batch and, with ``remember``,
         wait for it before reusing the buffer (no-op on the host)."""

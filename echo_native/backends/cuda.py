@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import math
 import sys
+import weakref
 from importlib import resources
 
 import numpy as np
@@ -56,11 +57,57 @@ NVRTC_OPTIONS = ("--std=c++11", "--fmad=false")
 OUTPUT_BUFFERS = 3
 #: A batch stays valid until this many later batches have been requested.
 VALID_BATCHES = 2
+#: The kernels of kernels.cu the backend launches.
+KERNELS = ("crop_resize", "normalize", "to_bfloat16", "ops_histogram", "ops_tables",
+           "ops_apply")
+#: Stream handles that name no stream object: the legacy default stream (0, 1) and the
+#: per-thread one (2), which CUDA never destroys.
+DEFAULT_STREAMS = (0, 1, 2)
+#: What a missing CUDA toolkit needs, for the one-line error of a CudaDevice.
+TOOLKIT_HINT = ('install the CUDA headers and NVRTC that CuPy compiles with: pip install '
+                '"echo_native[gpu]" (CUDA 12: cupy-cuda12x[ctk]) or "echo_native[gpu13]" '
+                '(CUDA 13), or the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 wheels, '
+                'or set CUDA_PATH to a CUDA toolkit')
 
 
 def kernel_source():
     """The CUDA C++ source of the backend's kernels."""
     return resources.files("echo_native.backends").joinpath("kernels.cu").read_text()
+
+
+def compile_kernels(cupy, index):
+    """``{name: kernel}`` of kernels.cu, compiled for the current device.
+
+    CuPy compiles a module when the first kernel is taken from it, so this is
+    where a machine with only the driver fails (CuPy >= 14 compiles with the
+    CUDA headers and NVRTC): that is a one-line RuntimeError naming what to
+    install.  NVRTC refusing the source itself is a bug of ours, and CuPy's own
+    error (with the compiler's log) goes through unchanged."""
+    module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
+    try:
+        return {name: module.get_function(name) for name in KERNELS}
+    except Exception as e:
+        if type(e).__name__ == "CompileException":
+            raise
+        cause = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        raise RuntimeError(f"device='cuda:{index}': CuPy cannot compile echo_native's CUDA "
+                           f"kernels ({type(e).__name__}: {cause}); {TOOLKIT_HINT}") from None
+
+
+def _retire_stream(cupy, index, stream):
+    """Wait for everything queued on a device's stream before it is destroyed.
+
+    CuPy's pool keeps freed memory per stream handle, and CUDA hands a destroyed
+    stream's handle to the next stream made: memory the pipeline freed on its
+    stream (output and echo buffers, ordered there after the consumer's reads)
+    would reach the next stream with that handle, a second ring's, with none of
+    those waits.  Once the host has waited for the stream, nothing queued on it
+    still uses that memory."""
+    try:
+        with cupy.cuda.Device(index):
+            stream.synchronize()
+    except Exception:  # noqa: BLE001, S110 - at interpreter exit CUDA may be gone already
+        pass
 
 
 def check_launch(grid, block):
@@ -130,6 +177,8 @@ NORMALIZE_KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
 #: Batches during which a stream that took one (DLPack, the array interface) is
 #: waited on: until the batch it took is no longer valid.
 CONSUMER_BATCHES = VALID_BATCHES
+#: In a list of events to wait for: the whole device (a host wait).
+DEVICE = object()
 
 
 class CudaDevice(ArrayDevice):
@@ -151,14 +200,16 @@ class CudaDevice(ArrayDevice):
         self.index = int(index)
         self.device = cupy.cuda.Device(self.index)
         with self.device:
+            kernels = compile_kernels(cupy, self.index)
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
-            self._crop_resize = module.get_function("crop_resize")
-            self._normalize = module.get_function("normalize")
-            self._to_bfloat16 = module.get_function("to_bfloat16")
-            self._ops_histogram = module.get_function("ops_histogram")
-            self._ops_tables = module.get_function("ops_tables")
-            self._ops_apply = module.get_function("ops_apply")
+        self._crop_resize = kernels["crop_resize"]
+        self._normalize = kernels["normalize"]
+        self._to_bfloat16 = kernels["to_bfloat16"]
+        self._ops_histogram = kernels["ops_histogram"]
+        self._ops_tables = kernels["ops_tables"]
+        self._ops_apply = kernels["ops_apply"]
+        # The stream outlives the device object until the host has waited for it.
+        weakref.finalize(self, _retire_stream, cupy, self.index, self.stream)
         self.register = bool(register)
         self.registration = "none"
         self.registration_error = None  # why the system refused to page-lock the ring
@@ -168,7 +219,12 @@ class CudaDevice(ArrayDevice):
         self._staged = [None, None]   # ... and events: their last copy is done
         self._turn = 0
         self._returns = SlotReturns()  # slots whose copies may still be in flight
-        self._consumers = {}       # stream handle -> batches left, from an export
+        # Streams a batch was exported to: handle -> [the stream object, held so that
+        # CUDA cannot destroy it and reuse its handle while we still record on it (None
+        # for the default streams); batches left].
+        self._consumers = {}
+        # Batches left during which a stream we could not hold (a bare handle) may read.
+        self._unheld = 0
         self._delivered = collections.deque()  # buffers of the batches still valid
         self._free_after = {}      # buffer -> events after which no consumer reads it
         self.h2d_bytes = 0         # pixels copied host -> device (echoes add none)
@@ -400,18 +456,59 @@ class CudaDevice(ArrayDevice):
         return event
 
     def _consumer_streams(self):
-        """Streams a consumer may be using our batches on right now: CuPy's and torch's
-        current streams on our device, and the streams batches were exported to."""
+        """Streams a consumer may be using our batches on right now, handle -> the
+        stream object we hold: CuPy's and torch's current streams on our device, and
+        the streams batches were exported to."""
+        streams = {handle: owner for handle, (owner, _) in self._consumers.items()}
         with self.device:
-            streams = {self.cupy.cuda.get_current_stream().ptr}
+            current = self.cupy.cuda.get_current_stream()
+        streams[current.ptr] = current
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
-            streams.add(torch.cuda.current_stream(self.index).cuda_stream)
-        return (streams | set(self._consumers)) - {self.stream.ptr}
+            ts = torch.cuda.current_stream(self.index)
+            streams[ts.cuda_stream] = ts
+        streams.pop(self.stream.ptr, None)
+        return streams
 
     def _consumer_marks(self):
-        """Events after the work queued so far on every consumer stream."""
-        return [self._mark(handle) for handle in self._consumer_streams()]
+        """Events after the work queued so far on every consumer stream; ``DEVICE`` when
+        a stream we could not hold may read: only a wait for the whole device covers
+        it."""
+        marks = [self._mark(handle) for handle in self._consumer_streams()]
+        return marks + [DEVICE] if self._unheld else marks
+
+    def _wait_for(self, events):
+        """Order our stream after ``events`` (``DEVICE``: the host waits for the device)."""
+        with self.device:
+            for event in events:
+                if event is DEVICE:
+                    self.device.synchronize()
+                else:
+                    self.stream.wait_event(event)
+
+    def _hold(self, stream):
+        """``(handle, stream object or None)`` of a consumer stream given as a handle
+        (None: the legacy default stream) or an object.  A handle is held through the
+        object it belongs to where we can find it: CuPy's or torch's current stream of
+        our device, which those who export a batch hand us (cupy.from_dlpack,
+        torch.from_dlpack)."""
+        if stream is None:
+            return 0, None
+        if not isinstance(stream, (int, np.integer)):
+            return int(stream.ptr), stream
+        handle = int(stream)
+        if handle in DEFAULT_STREAMS:
+            return handle, None
+        with self.device:
+            current = self.cupy.cuda.get_current_stream()
+        if current.ptr == handle:
+            return handle, current
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            ts = torch.cuda.current_stream(self.index)
+            if ts.cuda_stream == handle:
+                return handle, ts
+        return handle, None
 
     @staticmethod
     def _key(array):
@@ -437,9 +534,7 @@ class CudaDevice(ArrayDevice):
             events = self._consumer_marks()
         else:
             events = self._free_after.pop(key, ())
-        with self.device:
-            for event in events:
-                self.stream.wait_event(event)
+        self._wait_for(events)
         return array
 
     def release_buffers(self):
@@ -449,9 +544,7 @@ class CudaDevice(ArrayDevice):
         read of them first."""
         events = [e for marks in self._free_after.values() for e in marks]
         events += self._consumer_marks()
-        with self.device:
-            for event in events:
-                self.stream.wait_event(event)
+        self._wait_for(events)
         self._delivered.clear()
         self._free_after.clear()
 
@@ -471,12 +564,13 @@ class CudaDevice(ArrayDevice):
                                          else images))
         while len(self._delivered) > VALID_BATCHES:
             self._free_after[self._delivered.popleft()] = marks
-        # A stream that took a batch matters while that batch is valid; forget it
-        # then: it may be destroyed.
+        # A stream that took a batch matters while that batch is valid; let go of it
+        # then (its owner may destroy it).
         for handle in list(self._consumers):
-            self._consumers[handle] -= 1
-            if self._consumers[handle] <= 0:
+            self._consumers[handle][1] -= 1
+            if self._consumers[handle][1] <= 0:
                 del self._consumers[handle]
+        self._unheld = max(0, self._unheld - 1)
         if isinstance(images, BFloat16Array):
             images.event = done
         else:
@@ -484,13 +578,22 @@ class CudaDevice(ArrayDevice):
         self._returns.poll()
         return batch
 
+    def run_user_op(self, fn, images, keys):
+        """``fn(images, cupy, keys)`` with our device current and our stream CuPy's
+        current stream: the CuPy work it queues follows the batch's copy, kernels and
+        Mix on our stream, and precedes the event :meth:`ready` records after them.
+        (A framework with streams of its own, torch say, runs its work on its own
+        current stream: that is not ordered.)"""
+        with self.device, self.stream:
+            return fn(images, self.xp, keys)
+
     def copy_out(self, array, after=None):
         """A copy made on the consumer's current stream (so that it may use it at once),
         after event ``after``; and the event after which the copy is complete.  That
         stream reads ``array``: it is remembered as a consumer stream."""
         with self.device:
             current = self.cupy.cuda.get_current_stream()
-            self.order_consumer(current.ptr, after)
+            self.order_consumer(current, after)
             copy = array.copy()
             return copy, self._mark(current.ptr)
 
@@ -506,19 +609,28 @@ class CudaDevice(ArrayDevice):
         """``__cuda_array_interface__`` of a batch: it names the current stream of our
         device, which is ordered after ``event`` (and remembered) first."""
         with self.device:
-            current = self.cupy.cuda.get_current_stream().ptr
-            self.order_consumer(current, event, remember)
+            self.order_consumer(self.cupy.cuda.get_current_stream(), event, remember)
             return array.__cuda_array_interface__
 
     def order_consumer(self, stream, event, remember=True):
-        """An export to stream ``stream`` (a handle; None: the legacy default stream;
-        -1: the consumer orders itself): make it wait for ``event`` and, with
-        ``remember``, make our stream wait for it before the buffer is reused."""
-        if stream == -1:
+        """An export to ``stream`` (a stream object, a handle, None: the legacy default
+        stream, -1: the consumer orders itself): make it wait for ``event`` and, with
+        ``remember``, make our stream wait for it before the buffer is reused.
+
+        A remembered stream is held by reference, so that it is never destroyed (and
+        its handle given to another stream) while we may still record on it.  A bare
+        handle we cannot hold (a stream of JAX's, one made by hand) is used now, while
+        its owner hands it to us, but never later: until the batch is no longer
+        valid, reusing a buffer waits for the whole device instead."""
+        if isinstance(stream, (int, np.integer)) and int(stream) == -1:
             return
-        handle = 0 if stream is None else int(stream)
+        handle, owner = self._hold(stream)
         if event is not None:
             with self.device:
                 self.cupy.cuda.runtime.streamWaitEvent(handle, event.ptr, 0)
-        if remember and handle != self.stream.ptr:
-            self._consumers[handle] = CONSUMER_BATCHES
+        if not remember or handle == self.stream.ptr:
+            return
+        if owner is not None or handle in DEFAULT_STREAMS:
+            self._consumers[handle] = [owner, CONSUMER_BATCHES]
+        else:
+            self._unheld = CONSUMER_BATCHES

@@ -4,12 +4,17 @@
 an ImageNet-like corpus cut from real photographs, built once and cached):
 fresh and delivered images/s for each echo setting, consumer stall, ring
 occupancy and failures, with the peers side by side, each when installed: the
-torch DataLoader (torchvision-style Pillow transforms) and NVIDIA DALI's CPU
-pipeline (``pip install nvidia-dali-cuda120``; no GPU needed), and every row's
-delivered images/s as a multiple of each peer's.  Each row is measured
-``--repeats`` times, round-robin across the rows, each time on a freshly built
-pipeline after one untimed warm-up epoch; the table gives medians and min-max,
-the ratios are paired by run, a chart is drawn and a one-line verdict ends it.
+torch DataLoader (torchvision-style Pillow transforms), NVIDIA DALI's CPU
+pipeline (``pip install nvidia-dali-cuda120``; no GPU needed), SPDL's thread
+pipeline over FFmpeg (``pip install spdl==0.8.0`` and FFmpeg's libraries) and
+turboloader (``pip install turboloader``; the folder packed into a TAR once,
+untimed; its antialias on and off), and every row's delivered images/s as a
+multiple of each peer's; a second table gives each peer's rate over echo_native
+at e=1 and what it does differently (a missing one says what to install).  Each
+row is measured ``--repeats`` times, round-robin across the rows, each time on a
+freshly built pipeline after one untimed warm-up epoch; the table gives medians
+and min-max, the ratios are paired by run, a chart is drawn and a one-line
+verdict ends it.
 
 ``echo-native-lab make-dataset fashion-mnist|imagenet-like OUT`` writes a JPEG
 ImageFolder; ``echo-native-lab demo`` runs the echo training demo
@@ -45,7 +50,33 @@ DEMO_LR = 2e-3
 # peer -> (row's "pipeline", short label in the table and chart, name in the verdict)
 PEERS = {"torch": ("torch DataLoader + torchvision-style Pillow", "torch", "torch DataLoader"),
          "dali": ("NVIDIA DALI CPU pipeline (image_random_crop + resize + flip)", "DALI",
-                  "DALI CPU")}
+                  "DALI CPU"),
+         "spdl": ("SPDL thread pipeline (FFmpeg decode + crop/scale/flip filter)", "SPDL",
+                  "SPDL"),
+         "turboloader": ("turboloader train_aug (TAR, float32, antialias on)", "turbo",
+                         "turboloader"),
+         "turboloader_noaa": ("turboloader train_aug (TAR, float32, antialias off)",
+                              "turbo no-AA", "turboloader (no antialias)")}
+# --peers name -> its rows (turboloader is measured with its antialias on and off)
+PEER_GROUPS = {"torch": ("torch",), "dali": ("dali",), "spdl": ("spdl",),
+               "turboloader": ("turboloader", "turboloader_noaa")}
+# What each peer does differently from echo_native's rows (uint8 HWC, the crop's rows
+# and columns decoded at a DCT scale, Pillow-exact antialiased bilinear resize).
+PEER_NOTES = {
+    "torch": "worker processes; Pillow decodes the whole image, resize(box) bilinear "
+             "antialiased, flip; uint8 CHW",
+    "dali": "threads; libjpeg-turbo decodes the crop window (image_random_crop), resize "
+            "linear antialiased, flip; uint8 HWC",
+    "spdl": "threads (decode concurrency = pool size); FFmpeg decodes the whole image (no "
+            "ROI, no DCT scaling), per-image filter crop -> swscale bilinear -> rgb24 -> "
+            "hflip; uint8 HWC",
+    "turboloader": "float32 HWC in [0, 1] (4x the bytes); its own RandomResizedCrop, cut "
+                   "from the whole image decoded at the DCT scale that keeps it >= the "
+                   "output (small crops upscaled); antialias on; reads a TAR packed once, "
+                   "untimed",
+    "turboloader_noaa": "as turboloader, with plain bilinear (antialias off: aliased when "
+                        "shrinking)",
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,9 +133,13 @@ def _ring_session(folder, args, echo, placement):
         yield lambda: _ring_epoch(ring, args, echo, placement)
 
 
-def _peer_epoch(peer, loader, args):
-    """One epoch of a peer's loader (batches of ``(images, labels)``), timed."""
+def _peer_epoch(peer, loader, args, workers=None, note=None):
+    """One epoch of a peer's loader (batches of ``(images, labels)``), timed; ``workers``
+    when the peer runs another number of threads than ``--workers``, ``note`` what it
+    does differently (default :data:`PEER_NOTES`); ``failures`` are the files the loader
+    counts as not decoded (``loader.failures``, when it counts them)."""
     step = args.step_ms / 1000.0
+    failed = getattr(loader, "failures", 0)
     t0 = time.perf_counter()
     n = stall = 0.0
     t_wait = time.perf_counter()
@@ -115,10 +150,12 @@ def _peer_epoch(peer, loader, args):
             time.sleep(step)
         t_wait = time.perf_counter()
     wall = time.perf_counter() - t0
-    return {"pipeline": PEERS[peer][0], "placement": "-",
-            "echo": 1, "workers": args.workers, "wall_s": wall, "fresh_per_s": n / wall,
-            "delivered_per_s": n / wall, "effective_echo": 1.0, "stall_s": stall,
-            "ring_occupancy": float("nan"), "failures": 0}
+    return {"pipeline": PEERS[peer][0], "placement": "-", "echo": 1,
+            "workers": args.workers if workers is None else workers, "wall_s": wall,
+            "fresh_per_s": n / wall, "delivered_per_s": n / wall, "effective_echo": 1.0,
+            "stall_s": stall, "ring_occupancy": float("nan"),
+            "failures": getattr(loader, "failures", 0) - failed,
+            "note": PEER_NOTES[peer] if note is None else note}
 
 
 @contextmanager
@@ -142,27 +179,60 @@ def _dali_session(folder, args):
         yield lambda: _peer_epoch("dali", loader, args)
 
 
+@contextmanager
+def _spdl_session(folder, args):
+    """SPDL's pipeline, ``args.workers`` threads, started here, outside the clock."""
+    from echo_native.lab.peers import spdl_loader
+
+    with spdl_loader(folder, args.batch_size, args.workers, args.image_size,
+                     args.seed) as loader:
+        yield lambda: _peer_epoch("spdl", loader, args)
+
+
+@contextmanager
+def _turbo_session(folder, args, antialias=True):
+    """turboloader over the folder packed into a TAR (once, cached: the first session
+    packs it, outside the clock).  Its pool has as many threads as the machine has
+    cores whatever ``--workers`` says; the row says so when they differ."""
+    from echo_native.lab.peers import turbo_loader
+
+    peer = "turboloader" if antialias else "turboloader_noaa"
+    with turbo_loader(folder, args.batch_size, args.image_size, args.seed,
+                      antialias=antialias) as loader:
+        note = PEER_NOTES[peer]
+        if loader.threads != args.workers:
+            note += (f"; {loader.threads} threads (its pool is sized to the machine's "
+                     f"cores), not --workers {args.workers}")
+        yield lambda: _peer_epoch(peer, loader, args, workers=loader.threads, note=note)
+
+
 def _peers_missing():
-    """Why each peer cannot run here ({} when both can): torch and DALI are imported now,
-    before the clock, so a missing one is reported before any run."""
+    """Why each peer cannot run here ({} when all can): each is imported now, before the
+    clock, so a missing one is reported before any run.  The message names what to
+    install."""
+    from echo_native.lab import peers as lab_peers
+
     missing = {}
     try:
         import torch  # noqa: F401
     except ImportError:
         missing["torch"] = "torch not installed (pip install torch)"
-    try:
-        from echo_native.lab.peers import import_dali
-
-        import_dali()
-    except ImportError as e:
-        missing["dali"] = str(e)
+    for peer, check in (("dali", lab_peers.import_dali), ("spdl", lab_peers.import_spdl),
+                        ("turboloader", lab_peers.import_turboloader)):
+        try:
+            check()
+        except ImportError as e:
+            for row in PEER_GROUPS[peer]:
+                missing[row] = str(e)
     return missing
 
 
 def _pipelines(folder, args, peers):
     """The rows in table order: the peers, echo_native at e=1, then each placement's echo
     factors."""
-    sessions = {"torch": _torch_session, "dali": _dali_session}
+    sessions = {"torch": _torch_session, "dali": _dali_session, "spdl": _spdl_session,
+                "turboloader": _turbo_session,
+                "turboloader_noaa": partial(_turbo_session, antialias=False)}
     rows = [_Pipeline(PEERS[p][1], partial(sessions[p], folder, args), p) for p in peers]
     rows.append(_Pipeline("echo_native e=1",
                           partial(_ring_session, folder, args, 1, "after_augment")))
@@ -222,8 +292,11 @@ def _spread(values):
 
 
 def _summarise(runs):
-    """A pipeline's row from its runs: medians, min-max of the rates, the runs themselves."""
+    """A pipeline's row from its runs: medians, min-max of the rates, the runs themselves
+    (and a peer's note)."""
     row = {k: runs[0][k] for k in ("pipeline", "placement", "echo", "workers")}
+    if "note" in runs[0]:
+        row["note"] = runs[0]["note"]
     for key in ("fresh", "delivered"):
         row[f"{key}_per_s"], lo, hi = _spread([r[f"{key}_per_s"] for r in runs])
         row[f"{key}_range"] = [lo, hi]
@@ -250,6 +323,13 @@ def _add_ratios(rows):
                    for a, b in zip(r["runs"], base["runs"], strict=True)]
             r[f"x_{peer}"], lo, hi = _spread(per)
             r[f"x_{peer}_range"], r[f"x_{peer}_runs"] = [lo, hi], per
+    # and over echo_native at e=1, the other way round: a peer's share of it
+    base = next(r for r in rows if r["pipeline"] == "echo_native" and r["echo"] == 1)
+    for r in rows:
+        per = [a["delivered_per_s"] / b["delivered_per_s"]
+               for a, b in zip(r["runs"], base["runs"], strict=True)]
+        r["x_e1"], lo, hi = _spread(per)
+        r["x_e1_range"], r["x_e1_runs"] = [lo, hi], per
 
 
 def _peers_ran(rows):
@@ -277,6 +357,26 @@ def _table(rows):
                      f"{_cell(r['delivered_per_s'], r['delivered_range'], ',.0f')} | "
                      f"{ratios} | {r['stall_s']:.2f} | {r['ring_occupancy']:.2f} | "
                      f"{r['failures']} |")
+    return "\n".join(lines)
+
+
+def _peer_table(rows, missing, asked):
+    """Each peer asked for: its delivered img/s and its rate over echo_native at e=1
+    (median and min-max of the paired runs), its threads or workers, and what it does
+    differently; a peer that did not run, why ("skipped: ..." with what to install)."""
+    lines = ["| peer | workers | img/s | / echo_native e=1 | note |", "|---|---:|---:|---:|---|"]
+    for peer in asked:
+        name, _, plain = PEERS[peer]
+        r = next((r for r in rows if r["pipeline"] == name), None)
+        if r is None:
+            why = missing.get(peer, "not run")
+            lines.append(f"| {plain} | - | - | - | skipped: {why} |")
+            continue
+        share = _cell(r["x_e1"], r["x_e1_range"], ".2f")       # "m" or "m (lo-hi)"
+        share = share.replace(" (", "x (", 1) if " (" in share else f"{share}x"
+        lines.append(f"| {plain} | {r['workers']} | "
+                     f"{_cell(r['delivered_per_s'], r['delivered_range'], ',.0f')} | "
+                     f"{share} | {r.get('note', PEER_NOTES[peer])} |")
     return "\n".join(lines)
 
 
@@ -386,6 +486,10 @@ def _check_bench_args(args):
         raise UsageError(f"unknown placement {bad[0]!r}; choose from {', '.join(PLACEMENTS)}")
     if any(e != "auto" and e < 1 for e in args.echo):
         raise UsageError(f"echo factors must be >= 1 or 'auto', got {args.echo}")
+    bad = [p for p in args.peers if p not in PEER_GROUPS]
+    if bad:
+        raise UsageError(f"unknown peer {bad[0]!r} in --peers; choose from "
+                         f"{', '.join(PEER_GROUPS)}")
 
 
 def cmd_bench(args):
@@ -403,19 +507,27 @@ def cmd_bench(args):
     folder = open_folder(root, args.batch_size)
     check_device(args.device)
     args.workers = args.workers or len(os.sched_getaffinity(0))
-    missing = {} if args.no_peers else _peers_missing()
+    asked = [] if args.no_peers else [row for p in PEER_GROUPS if p in args.peers
+                                      for row in PEER_GROUPS[p]]
+    missing = {p: why for p, why in ({} if args.no_peers else _peers_missing()).items()
+               if p in asked}
     for peer, why in missing.items():
         print(_missing_line(peer, why), file=sys.stderr)
-    peers = [] if args.no_peers else [p for p in PEERS if p not in missing]
+    peers = [p for p in asked if p not in missing]
     runs = _measure(_pipelines(folder, args, peers), args.repeats, missing)
     rows = [_summarise(r) for r in runs.values()]
     _add_ratios(rows)
     cores = len(os.sched_getaffinity(0))
     print(f"\n{len(folder)} images from {root}; batch {args.batch_size}, "
-          f"{args.image_size}px, {args.workers} workers (DALI: threads) on {cores} cores, "
-          f"consumer step {args.step_ms} ms; median (min-max) of {args.repeats} runs per "
-          f"row, interleaved, each after an untimed warm-up epoch; ratios paired by run\n")
+          f"{args.image_size}px, {args.workers} workers (DALI, SPDL: threads) on {cores} "
+          f"cores, consumer step {args.step_ms} ms; median (min-max) of {args.repeats} runs "
+          f"per row, interleaved, each after an untimed warm-up epoch; ratios paired by "
+          f"run\n")
     print(_table(rows))
+    if asked:
+        print("\nThe peers against echo_native at e=1 (its rate over echo_native's, paired "
+              "by run):\n")
+        print(_peer_table(rows, missing, asked))
     with open(args.json, "w") as f:
         json.dump({"root": str(root), "images": len(folder), "repeats": args.repeats,
                    "args": vars(args) | {"func": None}, "rows": rows,
@@ -608,8 +720,12 @@ def build_parser():
                         "the median and min-max (each run after an untimed warm-up epoch)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    b.add_argument("--peers", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
+                   default=list(PEER_GROUPS),
+                   help="comma-separated peers to measure beside echo_native, each when "
+                        "installed: torch, dali, spdl, turboloader (default: all)")
     b.add_argument("--no-peers", action="store_true",
-                   help="skip the peers (torch DataLoader, DALI CPU pipeline)")
+                   help="skip the peers (torch DataLoader, DALI, SPDL, turboloader)")
     b.add_argument("--json", default="echo_native_bench.json")
     b.add_argument("--chart", default="echo_native_bench.png")
     b.set_defaults(func=cmd_bench)

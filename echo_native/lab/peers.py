@@ -24,12 +24,46 @@ GPU): ``fn.readers.file`` -> ``fn.decoders.image_random_crop`` -> ``fn.resize``
 -> ``fn.flip``, every operator on the CPU, in DALI's thread pool
 (:func:`dali_pipeline`, :class:`DaliLoader`).  DALI is imported only when such
 a peer is built.
+
+SPDL 0.8 (``pip install spdl==0.8.0``; its ``spdl.io`` loads FFmpeg's shared
+libraries, on Debian 12 ``apt-get install -y libavformat59 libavcodec59
+libavfilter8 libavutil57 libswscale6 libavdevice59``): a thread-pool
+``PipelineBuilder`` pipeline, ``.pipe(decode, concurrency=W)`` ->
+``.aggregate(B)`` -> a collate stage, built with ``num_threads=W``.  Each decode
+reads the file, demuxes it (FFmpeg parses the header: width and height), draws
+the same RandomResizedCrop box and flip as the torch peer (:func:`rrc_params`
+from the sample's own ``random.Random``) and decodes through a per-image FFmpeg
+filter, ``crop`` -> ``scale`` (swscale bilinear, which widens its kernel when
+shrinking, as Pillow's BILINEAR does) -> ``rgb24`` -> ``hflip``, to uint8 HWC
+(:func:`spdl_pipeline`, :class:`SpdlLoader`).  FFmpeg's JPEG decoder decodes the
+whole image: it has neither a region decode nor DCT scaling.
+
+turboloader (``pip install turboloader``), a C++ loader: it reads a TAR of JPEGs,
+not a folder, so :func:`pack_tar` writes the folder's files into one (once,
+cached, outside any timing).  Its fused ``train_aug`` path is the peer:
+libjpeg-turbo decodes the *whole* image at the largest DCT scale that keeps it at
+least the output size, its own RandomResizedCrop (same area and aspect ranges,
+its own RNG) is cut from that image and resized (``antialias=True``: a triangle
+filter, torchvision's antialias; ``False``: plain bilinear), flipped, and written
+as float32 in [0, 1].  So: float32 out (four times the bytes of uint8), a crop
+below 224 px of the scaled image is upscaled from fewer source pixels, and its
+threads are one process-wide pool sized to the machine's cores
+(:func:`turboloader_threads`), not a setting (:class:`TurboLoader`).
+
+Each import helper (:func:`import_dali`, :func:`import_spdl`,
+:func:`import_turboloader`) raises an ImportError that names the install lines.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import os
 import random
+import tarfile
+import tempfile
+import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -303,3 +337,336 @@ class DaliLoader:
 def dali_loader(folder, batch_size, workers, size=224, seed=0, with_paths=False):
     """A :class:`DaliLoader`: DALI's CPU pipeline with ``workers`` threads."""
     return DaliLoader(folder, batch_size, workers, size, seed, with_paths)
+
+
+# ---- SPDL (thread pool over FFmpeg) -------------------------------------------------------
+SPDL_APT = ("apt-get install -y libavformat59 libavcodec59 libavfilter8 libavutil57 "
+            "libswscale6 libavdevice59")
+SPDL_INSTALL = "pip install spdl==0.8.0"
+SPDL_TIMEOUT_S = 120.0      # the longest wait for one batch (or for the pipeline to start)
+_SPDL_CHECKED = False       # FFmpeg's libraries loaded and a JPEG decoded once
+
+
+def import_spdl():
+    """``(spdl.io, spdl.pipeline)``, or an ImportError that says how to install them.
+
+    ``spdl.io`` loads FFmpeg's libraries only on first use, so a tiny JPEG is
+    decoded here: a machine without them fails now, by name, not in a worker."""
+    try:
+        import spdl.io
+        import spdl.pipeline
+    except ImportError as e:
+        raise ImportError(f"the SPDL peer needs SPDL ({e}); install it with: "
+                          f"{SPDL_INSTALL}") from None
+    global _SPDL_CHECKED
+    if _SPDL_CHECKED:
+        return spdl.io, spdl.pipeline
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 40, 10)).save(buf, format="JPEG")
+    try:
+        packets = spdl.io.demux_image(buf.getvalue())
+        spdl.io.to_numpy(spdl.io.convert_frames(spdl.io.decode_packets(packets)))
+    except RuntimeError as e:
+        raise ImportError(f"the SPDL peer's spdl.io cannot load FFmpeg's shared libraries "
+                          f"({str(e)[:200]}); on Debian 12 install them with: "
+                          f"{SPDL_APT}") from None
+    _SPDL_CHECKED = True
+    return spdl.io, spdl.pipeline
+
+
+def spdl_filter(box, flip, size):
+    """The FFmpeg filter of one image: crop ``box`` (top, left, h, w) exactly (no rounding
+    to the chroma grid), scale to ``size`` x ``size`` with swscale's bilinear, to RGB,
+    then mirror when ``flip``."""
+    top, left, h, w = box
+    desc = (f"crop=w={w}:h={h}:x={left}:y={top}:exact=1,"
+            f"scale=w={size}:h={size}:flags=bilinear,format=pix_fmts=rgb24")
+    return desc + ",hflip" if flip else desc
+
+
+def spdl_draw(seed, epoch, sample_id, height, width):
+    """The crop box and flip of one sample in one epoch: :func:`rrc_params` and a fair coin
+    from ``random.Random`` keyed on (seed, epoch, sample id)."""
+    rng = random.Random((int(seed) * 1_000_003 + int(epoch)) * 1_000_003 + int(sample_id))
+    box = rrc_params(rng, height, width)
+    return box, rng.random() < 0.5
+
+
+class _EpochOrder:
+    """The pipeline's source: each ``iter()`` is the next epoch, ``(epoch, sample id)`` in
+    an order shuffled by (seed, epoch).  SPDL iterates it on its own thread."""
+
+    def __init__(self, n, seed):
+        self.n, self.seed, self.epoch = int(n), int(seed), 0
+
+    def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return ((epoch, int(i)) for i in order)
+
+
+class SpdlDecode:
+    """The pipeline's decode op: ``(epoch, sample id)`` -> ``(image, label, id)``, the
+    image ``size`` x ``size`` x 3 uint8.  A file FFmpeg cannot read is counted in
+    ``failures`` (its path and error kept in ``errors``, the first ten) and dropped
+    (None: SPDL passes nothing on), as a loader that skips bad files does."""
+
+    def __init__(self, folder, size, seed):
+        self.io = import_spdl()[0]
+        self.paths = [folder.path(i) for i in range(len(folder))]
+        self.labels = np.asarray(folder.labels, dtype=np.int64)
+        self.size, self.seed = int(size), int(seed)
+        self.failures, self.errors = 0, []
+        self._lock = threading.Lock()
+
+    def __call__(self, item):
+        epoch, i = item
+        path = self.paths[i]
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            packets = self.io.demux_image(data, name=str(path))
+            if packets.width < 1 or packets.height < 1:
+                raise ValueError(f"FFmpeg finds no image size in {path}")
+            box, flip = spdl_draw(self.seed, epoch, i, packets.height, packets.width)
+            frames = self.io.decode_packets(packets, filter_desc=spdl_filter(box, flip,
+                                                                             self.size))
+            image = self.io.to_numpy(self.io.convert_frames(frames))
+        except (OSError, RuntimeError, ValueError) as e:
+            with self._lock:
+                self.failures += 1
+                if len(self.errors) < 10:
+                    self.errors.append(f"{path}: {e}")
+            return None
+        return image, self.labels[i], i
+
+
+def spdl_collate(items):
+    """A batch from the aggregated ``(image, label, id)`` items: images stacked into one
+    (b, H, W, 3) uint8 array, labels and ids int64."""
+    images, labels, ids = zip(*items)
+    return (np.stack(images), np.asarray(labels, dtype=np.int64),
+            np.asarray(ids, dtype=np.int64))
+
+
+def spdl_pipeline(folder, batch_size, workers, size=224, seed=0, *, source=None, buffer=2,
+                  collate=spdl_collate):
+    """A built (not started) SPDL pipeline and its :class:`SpdlDecode` op.
+
+    ``source`` yields ``(epoch, sample id)``; by default :class:`_EpochOrder`, re-iterated
+    without end (``continuous``), each pass one epoch whose last batch is short (the
+    aggregation flushes at the epoch's end).  ``workers`` is both the decode stage's
+    concurrency and the size of the pipeline's thread pool (the ``collate`` stage runs
+    in the same pool); SPDL adds its event-loop and source threads, which wait."""
+    _, pipeline = import_spdl()
+    decode = SpdlDecode(folder, size, seed)
+    continuous = source is None
+    if continuous:
+        source = _EpochOrder(len(folder), seed)
+    pipe = (pipeline.PipelineBuilder()
+            .add_source(source, continuous=continuous)
+            .pipe(decode, concurrency=int(workers), name="decode")
+            .aggregate(int(batch_size))
+            .pipe(collate, name="collate")
+            .add_sink(int(buffer))
+            .build(num_threads=int(workers)))
+    return pipe, decode
+
+
+class SpdlLoader:
+    """The SPDL pipeline as an iterable: each ``iter()`` is one epoch, every file once, in
+    ``ceil(N / batch_size)`` NumPy batches ``(images, labels)`` (the last one short);
+    ``with_ids`` adds the sample ids as a third element.  The pipeline starts here
+    (outside any timing) and keeps the next batches ready between epochs; an epoch left
+    unfinished is run out when the next ``iter()`` starts.  ``failures`` counts the
+    files it could not decode.  See :func:`spdl_pipeline`."""
+
+    def __init__(self, folder, batch_size, workers, size=224, seed=0, with_ids=False,
+                 timeout=SPDL_TIMEOUT_S):
+        self.n, self.batch_size = len(folder), int(batch_size)
+        self.with_ids, self.timeout = with_ids, float(timeout)
+        self.pipe, self._decode = spdl_pipeline(folder, batch_size, workers, size, seed)
+        self._rest = None       # the SPDL iterator of an epoch not run to its end
+        self.pipe.start(timeout=self.timeout)
+
+    @property
+    def failures(self):
+        return self._decode.failures
+
+    @property
+    def errors(self):
+        return list(self._decode.errors)
+
+    def __len__(self):
+        return (self.n + self.batch_size - 1) // self.batch_size
+
+    def __iter__(self):
+        if self.pipe is None:
+            raise RuntimeError("SpdlLoader is closed")
+        if self._rest is not None:
+            for _ in self._rest:
+                pass
+        self._rest = epoch = self.pipe.get_iterator(timeout=self.timeout)
+        for images, labels, ids in epoch:
+            yield (images, labels, ids) if self.with_ids else (images, labels)
+        self._rest = None
+
+    def close(self):
+        """Stop the pipeline's threads (idempotent)."""
+        pipe, self.pipe, self._rest = self.pipe, None, None
+        if pipe is not None:
+            pipe.stop(timeout=self.timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def spdl_loader(folder, batch_size, workers, size=224, seed=0, with_ids=False):
+    """A started :class:`SpdlLoader`: SPDL's thread pipeline with ``workers`` threads."""
+    return SpdlLoader(folder, batch_size, workers, size, seed, with_ids)
+
+
+# ---- turboloader (C++ over TAR archives) -----------------------------------------------------
+TURBO_INSTALL = "pip install turboloader"
+TAR_CACHE_KEEP = 4          # packed archives kept in the cache (least recently used go first)
+
+
+def import_turboloader():
+    """The ``turboloader`` package, or an ImportError that says how to install it."""
+    try:
+        import turboloader
+    except ImportError as e:
+        raise ImportError(f"the turboloader peer needs turboloader ({e}); install it with: "
+                          f"{TURBO_INSTALL}") from None
+    return turboloader
+
+
+def turboloader_threads():
+    """Threads in turboloader's decode pool: its one process-wide pool holds
+    ``std::thread::hardware_concurrency() - 1`` threads (at least one) and the thread
+    that asks for a batch works beside them, so the machine's online cores (at least
+    two); no setting changes it."""
+    return max(2, os.cpu_count() or 1)
+
+
+def _tar_key(paths):
+    """What a packed archive depends on: each file's resolved path, size and mtime."""
+    h = hashlib.sha256()
+    for p in paths:
+        st = os.stat(p)
+        h.update(f"{os.path.realpath(p)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:24]
+
+
+def default_tar_cache():
+    """``<echo_native cache>/turboloader``: where :func:`pack_tar` keeps its archives."""
+    from echo_native.lab.corpus import default_cache_dir
+
+    return default_cache_dir() / "turboloader"
+
+
+def pack_tar(folder, cache_dir=None, keep=TAR_CACHE_KEEP):
+    """The folder's files as one uncompressed ustar TAR for turboloader, member k being
+    file k of the listing (named ``<k>.jpg``, 8 digits: turboloader indexes the members
+    in archive order and only ``.jpg``/``.jpeg`` names).  Written once under
+    ``cache_dir`` (default :func:`default_tar_cache`), named by the files' paths, sizes
+    and mtimes, and reused while they stay the same; only the ``keep`` most recently
+    used archives are kept.  turboloader decodes JPEG only, so another file is refused
+    (ValueError naming it) rather than served as a black image."""
+    paths = [folder.path(i) for i in range(len(folder))]
+    cache = Path(cache_dir) if cache_dir is not None else default_tar_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / f"{_tar_key(paths)}.tar"
+    if out.exists():
+        os.utime(out)                       # most recently used
+        return out
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".packing-", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w",
+                                                    format=tarfile.USTAR_FORMAT) as tar:
+            for k, path in enumerate(paths):
+                with open(path, "rb") as src:
+                    data = src.read()
+                if not data.startswith(b"\xff\xd8\xff"):
+                    raise ValueError(f"turboloader decodes only JPEG files; {path} is not "
+                                     f"one (it would serve it as a black image)")
+                info = tarfile.TarInfo(f"{k:08d}.jpg")
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, out)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    old = sorted((p for p in cache.glob("*.tar") if p != out), key=lambda p: p.stat().st_mtime)
+    for p in old[:max(0, len(old) - (keep - 1))]:
+        p.unlink(missing_ok=True)
+    return out
+
+
+class TurboLoader:
+    """turboloader's fused loader over the folder packed by :func:`pack_tar`: each
+    ``iter()`` is one epoch (its shuffle and crops keyed on the epoch), batches
+    ``(images, labels)``, images (b, H, W, 3) float32 in [0, 1]; ``with_ids`` adds the
+    sample ids (its archive indices, which are the folder's).  ``antialias`` is
+    turboloader's switch between its triangle-filter resize and plain bilinear;
+    ``prefetch_batches`` its own read-ahead (a background thread).  ``failures``
+    counts the images it served black because it could not decode them."""
+
+    def __init__(self, folder, batch_size, size=224, seed=0, antialias=True, with_ids=False,
+                 prefetch_batches=4, drop_last=False, cache_dir=None):
+        tl = import_turboloader()
+        self.n, self.batch_size = len(folder), int(batch_size)
+        self.tar = pack_tar(folder, cache_dir)
+        self.labels = np.asarray(folder.labels, dtype=np.int64)
+        self.with_ids, self.antialias = with_ids, bool(antialias)
+        self.threads = turboloader_threads()
+        self.loader = tl.DataLoader(str(self.tar), batch_size=self.batch_size, shuffle=True,
+                                    seed=int(seed), image_size=(int(size), int(size)),
+                                    output_format="numpy", train_aug=True,
+                                    antialias=self.antialias,
+                                    prefetch_batches=int(prefetch_batches),
+                                    drop_last=drop_last)
+        want = self.n // self.batch_size if drop_last else -(-self.n // self.batch_size)
+        if len(self.loader) != want:
+            raise ValueError(f"turboloader lists {len(self.loader)} batches in {self.tar}, "
+                             f"not the {want} of the folder's {self.n} files")
+        self.failures = 0
+        self._epoch = 0
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        if self.loader is None:
+            raise RuntimeError("TurboLoader is closed")
+        self.loader.set_epoch(self._epoch)
+        self._epoch += 1
+        for images, meta in self.loader:
+            ids = np.asarray(meta["indices"], dtype=np.int64)
+            self.failures = max(self.failures, int(meta.get("decode_failures", 0)))
+            labels = self.labels[ids]
+            yield (images, labels, ids) if self.with_ids else (images, labels)
+
+    def close(self):
+        """Stop its read-ahead thread and release the archive (idempotent)."""
+        loader, self.loader = self.loader, None
+        if loader is not None:
+            loader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def turbo_loader(folder, batch_size, size=224, seed=0, antialias=True, with_ids=False,
+                 cache_dir=None):
+    """A :class:`TurboLoader` (the folder packed into a TAR first, once)."""
+    return TurboLoader(folder, batch_size, size, seed, antialias, with_ids,
+                       cache_dir=cache_dir)

@@ -169,7 +169,10 @@ def test_sweep_end_to_end(tiny, tmp_path, capsys):
         assert block["step_ms"] >= 5.0
         one = json.loads((tmp_path / f"sweep-R{block['R']:g}.json").read_text())
         auto = [r for r in one["runs"] if r["echo"] == "auto"]
-        assert len(auto) == 1 and 1.0 <= auto[0]["final_echo"] <= 4.0
+        # Where auto settles follows the measured rates (the machine's); that it stays
+        # within its bounds does not.  Its decisions on given rates: tests/test_echo.py.
+        assert len(auto) == 1 and 1.0 <= auto[0]["final_echo"] <= one["config"]["max_echo"]
+        assert all(t["reason"] in ("stall", "rates", "loss") for t in auto[0]["echo_trace"])
         assert all(RUN_KEYS <= set(r) for r in one["runs"])
 
 

@@ -82,7 +82,7 @@ def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
             for i, batch in enumerate(it, start=1):
                 if i in (1, 6):                   # kill worker 0, later worker 1
                     w = 0 if i == 1 else 1
-                    rh.wait_until_holding(L, w, timeout=5.0)
+                    rh.wait_until_holding(L, w, timeout=60)
                     killed.append(L.worker_pids()[w])
                     os.kill(killed[-1], signal.SIGKILL)
                 got.append(batch.copy())
@@ -118,7 +118,8 @@ def test_second_death_while_the_first_replacement_boots(corpus_root):
             for w in (0, 1):  # the second death lands before the first replacement boots
                 p = pool._workers[w]
                 os.kill(p.pid, signal.SIGKILL)
-                p.join(5)
+                p.join(60)   # returns once it is dead: the check below must see the death
+                assert not p.is_alive()
                 pool.check(L.position)
             got = _epoch(L)
     redone = [t for _, redo in given for t in redo]
@@ -143,9 +144,14 @@ def test_workers_outlive_the_thread_that_started_them(corpus_root):
     try:
         starter = threading.Thread(target=start_and_wait_for_a_batch)
         starter.start()
+        tid = starter.native_id
         starter.join()
         pids = L.worker_pids()
-        time.sleep(0.5)           # a signal sent at the thread's end has landed by now
+        # join() returns before the kernel has ended the thread; once its task is gone
+        # from /proc, any parent-death signal it caused has been sent.
+        rh.wait_for(lambda: not os.path.exists(f"/proc/self/task/{tid}"),
+                    "the starter thread's end")
+        assert not [p for p in pids if rh.doomed(p)], "a worker died with the starter thread"
         with warnings.catch_warnings():
             warnings.simplefilter("error")   # "worker died; restarting it" would raise
             ids = np.concatenate([b.sample_ids.copy() for b in L])
@@ -167,10 +173,11 @@ def test_sigkill_all_workers_while_ring_is_full(corpus_root):
             got = [next(it).copy()]
             # slot 1 filled, slot 0 held by the consumer: both workers hold later
             # tickets (2 and 3) and sleep waiting for a free slot
-            while not (L._ring.is_published(1)
-                       and all(2 < L._ring.claim(i) < 2**63 for i in range(2))):
-                time.sleep(0.01)
-            time.sleep(0.05)
+            rh.wait_for(lambda: L._ring.is_published(1) and all(
+                2 < L._ring.claim(i) < 2**63 for i in range(2)), "both workers past the ring")
+            for pid in L.worker_pids():
+                rh.wait_for(lambda p=pid: rh.asleep_on_ring(p, ring_name=L.ring_name),
+                            f"worker {pid} asleep waiting for a free slot")
             held = sorted(L._ring.claim(i) - 1 for i in range(2))
             for pid in L.worker_pids():
                 os.kill(pid, signal.SIGKILL)
@@ -275,6 +282,7 @@ def _named(pid, tag, origin=None):
     return f"/echo_native-{pid}-{ns}-{boot}-{tag}"
 
 
+@pytest.mark.xdist_group("dev_shm")   # sweeps /dev/shm: one worker with test_shm.py
 @pytest.mark.timeout(60)   # hang guard: waiting for the child to become a zombie
 def test_remove_stale_segments_of_dead_and_zombie_owners():
     """Named segments (the fallback) of exited or zombie owners in this PID namespace are
@@ -303,6 +311,7 @@ def test_remove_stale_segments_of_dead_and_zombie_owners():
             _ring.unlink(name)
 
 
+@pytest.mark.xdist_group("dev_shm")   # sweeps /dev/shm: one worker with test_shm.py
 def test_named_ring_create_cleans_stale_segments_and_memfd_never_looks():
     """Ring.create of a named ring (the fallback) removes segments whose owner is gone;
     a memfd ring (the default) never reads or touches /dev/shm."""
@@ -350,13 +359,21 @@ def test_ctrl_c_while_waiting_for_a_batch_removes_segment(corpus_root, tmp_path)
     """
     log = tmp_path / "reads"
     src = rh.SlowSource(en.ImageFolder(corpus_root), 0.5, log=str(log))
-    timer = threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT))
+
+    def interrupt_mid_batch(L):
+        for w in range(2):   # each worker is reading a batch it holds
+            rh.wait_until_holding(L, w, timeout=60)
+        rh.wait_for(lambda: rh.asleep_on_ring(os.getpid(), ring_name=L.ring_name),
+                    "the consumer asleep in next_batch")
+        os.kill(os.getpid(), signal.SIGINT)
+
     with pytest.raises(KeyboardInterrupt):
         with en.Loader(src, batch_size=4, image_size=16, workers=2) as L:
             name, pids = L.ring_name, L.worker_pids()
-            timer.start()
-            L.next_batch()                     # needs 2 s of reads; interrupted at 0.4 s
-    timer.join()
+            sender = threading.Thread(target=interrupt_mid_batch, args=(L,))
+            sender.start()
+            L.next_batch()                     # needs 2 s of reads; interrupted in the wait
+    sender.join()
     _gone(name, pids)
     reads = log.read_text().split() if log.exists() else []
     assert len(reads) <= 2 * 4, f"{len(reads)} reads: a ticket was taken after the close"
@@ -399,9 +416,11 @@ def _fds():
     return len(os.listdir("/proc/self/fd"))
 
 
-@pytest.mark.slow
-def test_start_stop_cycles_leak_nothing(corpus_root):
-    """100 thread-mode + 10 process-mode start/stop cycles leave no segment, process, fd or thread."""
+@pytest.mark.parametrize("threads, processes", [(10, 2),
+                                                 pytest.param(100, 10, marks=pytest.mark.slow)])
+def test_start_stop_cycles_leak_nothing(corpus_root, threads, processes):
+    """Thread-mode and process-mode start/stop cycles (10 + 2; 100 + 10 in the slow run)
+    leave no segment, process, fd or thread."""
     src = en.ImageFolder(corpus_root)
 
     def cycle(mode):
@@ -416,14 +435,14 @@ def test_start_stop_cycles_leak_nothing(corpus_root):
     fds0, kids0, threads0 = _fds(), rh.descendants(), threading.active_count()
     segs0 = _own_segments()
     names, pids = [], []
-    for _ in range(100):
+    for _ in range(threads):
         names.append(cycle("thread")[0])
-    for _ in range(10):
+    for _ in range(processes):
         name, p = cycle("process")
         names.append(name)
         pids.extend(p)
     gc.collect()
-    assert len(set(names)) == 110 and len(set(pids)) == 20
+    assert len(set(names)) == threads + processes and len(set(pids)) == 2 * processes
     assert _own_segments() == segs0
     assert not set(names) & set(rh.ring_memory(os.getpid()))     # every ring's memory freed
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"echo_native-{os.getpid()}-")]

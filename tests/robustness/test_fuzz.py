@@ -3,8 +3,10 @@ truncations and spliced segments of real photographs' JPEGs (and other formats).
 
 Every call must either return a well-formed HxWx3 uint8 array or raise
 DecodeError: any other exception, a hang or a crash is a bug.  Runs are
-derandomised (the same examples every run) so CI is reproducible; raise
-ECHO_NATIVE_FUZZ_SCALE to fuzz longer locally.
+derandomised (the same examples every run) so CI is reproducible.  Each fuzz test
+runs a fifth of its budget in the default run and the whole of it as ``<name>_full``
+under ``python -m pytest -m slow``; raise ECHO_NATIVE_FUZZ_SCALE to fuzz longer
+locally.
 """
 from __future__ import annotations
 
@@ -23,9 +25,23 @@ SCALE = float(os.environ.get("ECHO_NATIVE_FUZZ_SCALE", "1"))
 MAX_PIXELS = 4_000_000   # keeps lenient decodes of inflated headers quick
 
 
+QUICK = 5   # the default run fuzzes 1/QUICK of each budget; ``-m slow`` the whole of it
+
+
 def fuzz_settings(n):
     return settings(max_examples=max(1, int(n * SCALE)), deadline=None, database=None,
                     derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def fuzz(n, **strategies):
+    """The decorated body as two tests: ``n // QUICK`` examples in the default run and
+    the whole budget of ``n`` under the ``slow`` marker (``python -m pytest -m slow``);
+    both derandomised, so the quick run's inputs are the same every time."""
+    def make(body):
+        quick = fuzz_settings(max(1, n // QUICK))(given(**strategies)(body))
+        full = pytest.mark.slow(fuzz_settings(n)(given(**strategies)(body)))
+        return quick, full
+    return make
 
 
 SEED_KINDS = ["baseline-4:2:0", "progressive-4:4:4", "gray", "cmyk-adobe", "ycck-adobe",
@@ -129,18 +145,18 @@ def exercise(data, strict, box_frac=(0.1, 0.2, 0.5, 0.6), size=(12, 16)):
     return img
 
 
-@fuzz_settings(2500)
-@given(data=st.binary(max_size=1500), prefix=st.sampled_from([b"", b"\xff\xd8", b"\xff\xd8\xff"]))
-def test_random_bytes(data, prefix):
+def _random_bytes(data, prefix):
     """Arbitrary bytes (with and without a JPEG SOI in front) never escape as another exception."""
     exercise(prefix + data, strict=True)
     exercise(prefix + data, strict=False)
 
 
-@fuzz_settings(1000)
-@given(which=st.integers(0, len(SEED_KINDS) - 1), body=st.binary(min_size=0, max_size=3000),
-       strict=st.booleans())
-def test_valid_headers_random_entropy_data(seeds, which, body, strict):
+test_random_bytes, test_random_bytes_full = fuzz(
+    2500, data=st.binary(max_size=1500),
+    prefix=st.sampled_from([b"", b"\xff\xd8", b"\xff\xd8\xff"]))(_random_bytes)
+
+
+def _valid_headers_random_entropy_data(seeds, which, body, strict):
     """Real tables and frame header followed by random entropy-coded data."""
     data = seeds[which]
     sos = data.find(b"\xff\xda")
@@ -150,12 +166,12 @@ def test_valid_headers_random_entropy_data(seeds, which, body, strict):
         assert img.shape[:2] == en.image_size(data)
 
 
-@fuzz_settings(4000)
-@given(which=st.integers(0, len(SEED_KINDS) - 1),
-       flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
-                      min_size=1, max_size=8),
-       header_bias=st.booleans(), strict=st.booleans())
-def test_bit_flips(seeds, which, flips, header_bias, strict):
+test_valid_headers_random_entropy_data, test_valid_headers_random_entropy_data_full = fuzz(
+    1000, which=st.integers(0, len(SEED_KINDS) - 1), body=st.binary(min_size=0, max_size=3000),
+    strict=st.booleans())(_valid_headers_random_entropy_data)
+
+
+def _bit_flips(seeds, which, flips, header_bias, strict):
     """1-8 bit flips anywhere (or concentrated in the headers and tables) of every seed kind."""
     data = bytearray(seeds[which])
     span = data.find(b"\xff\xda") + 14 if header_bias else len(data)
@@ -164,13 +180,14 @@ def test_bit_flips(seeds, which, flips, header_bias, strict):
     exercise(bytes(data), strict=strict)
 
 
-@fuzz_settings(1500)
-@given(which=st.integers(0, len(SEED_KINDS) - 1),
-       edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.binary(min_size=1,
-                                                                             max_size=6)),
-                      max_size=4),
-       cut=st.floats(0.0, 1.0), splice=st.booleans(), strict=st.booleans())
-def test_overwrites_truncation_and_splices(seeds, which, edits, cut, splice, strict):
+test_bit_flips, test_bit_flips_full = fuzz(
+    4000, which=st.integers(0, len(SEED_KINDS) - 1),
+    flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
+                   min_size=1, max_size=8),
+    header_bias=st.booleans(), strict=st.booleans())(_bit_flips)
+
+
+def _overwrites_truncation_and_splices(seeds, which, edits, cut, splice, strict):
     """Byte overwrites, truncation at any point and a marker segment copied elsewhere."""
     data = bytearray(seeds[which])
     for frac, blob in edits:
@@ -187,12 +204,15 @@ def test_overwrites_truncation_and_splices(seeds, which, edits, cut, splice, str
     exercise(bytes(data), strict=strict)
 
 
-@fuzz_settings(600)
-@given(fmt=st.sampled_from(["png-rgb", "png-rgba", "gif", "bmp", "webp-lossless", "tiff"]),
-       flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
-                      min_size=1, max_size=6),
-       cut=st.floats(0.3, 1.0))
-def test_other_formats_bit_flips(images, fmt, flips, cut):
+test_overwrites_truncation_and_splices, test_overwrites_truncation_and_splices_full = fuzz(
+    1500, which=st.integers(0, len(SEED_KINDS) - 1),
+    edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True),
+                             st.binary(min_size=1, max_size=6)), max_size=4),
+    cut=st.floats(0.0, 1.0), splice=st.booleans(),
+    strict=st.booleans())(_overwrites_truncation_and_splices)
+
+
+def _other_formats_bit_flips(images, fmt, flips, cut):
     """Corrupted PNG/GIF/BMP/WebP/TIFF through the Pillow path: an image or DecodeError."""
     data = bytearray(images.other(fmt)[:20000])   # small prefix: truncation included
     for frac, bit in flips:
@@ -202,6 +222,13 @@ def test_other_formats_bit_flips(images, fmt, flips, cut):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # Pillow warns about truncated/odd files
         exercise(data, strict=True)
+
+
+test_other_formats_bit_flips, test_other_formats_bit_flips_full = fuzz(
+    600, fmt=st.sampled_from(["png-rgb", "png-rgba", "gif", "bmp", "webp-lossless", "tiff"]),
+    flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
+                   min_size=1, max_size=6),
+    cut=st.floats(0.3, 1.0))(_other_formats_bit_flips)
 
 
 def test_many_decoders_after_fuzzing_match_pillow(images):

@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 import echo_native as en
+import ring_helpers as rh
 from photos import fit, photo
 
 NAMES = ["astronaut", "coffee", "chelsea", "rocket"]
@@ -177,10 +178,11 @@ def test_resume_gives_stand_ins_their_own_fresh_emission(placement):
 
 
 class _HangsOn:
-    """In-memory JPEGs whose read of ``stuck`` never returns (a hung network mount)."""
+    """In-memory JPEGs whose read of ``stuck`` never returns (a hung network mount); with
+    ``mark`` (a path), that read first creates the file, so a test can wait for the hang."""
 
-    def __init__(self, blobs, stuck):
-        self.blobs, self.stuck = blobs, stuck
+    def __init__(self, blobs, stuck, mark=None):
+        self.blobs, self.stuck, self.mark = blobs, stuck, mark
         self.labels = np.zeros(len(blobs), np.int64)
 
     def __len__(self):
@@ -189,6 +191,8 @@ class _HangsOn:
     def read(self, i):
         if i == self.stuck:
             import time
+            if self.mark:
+                open(self.mark, "w").close()
             time.sleep(3600)
         return self.blobs[i]
 
@@ -229,17 +233,17 @@ def test_worker_stuck_in_a_read_dies_with_its_consumer(tmp_path):
     import subprocess
     import sys
     import textwrap
-    import time
 
-    script = tmp_path / "train.py"
+    script, mark = tmp_path / "train.py", tmp_path / "stuck"
     script.write_text(textwrap.dedent(f"""\
         import sys, time
         sys.path[:0] = {sys.path!r}
         import echo_native as en
         from robustness.test_reads import _HangsOn, _jpeg
         blobs = [_jpeg(i) for i in range(4)]
-        ring = en.EchoRing(_HangsOn(blobs, stuck=0), 2, echo=1, workers=1, shuffle=False,
-                           sample_timeout=None, augment=en.RandomResizedCrop(16))
+        ring = en.EchoRing(_HangsOn(blobs, stuck=0, mark={str(mark)!r}), 2, echo=1, workers=1,
+                           shuffle=False, sample_timeout=None,
+                           augment=en.RandomResizedCrop(16))
         ring.start()
         print(*ring.loader.worker_pids(), flush=True)
         time.sleep(3600)
@@ -248,20 +252,10 @@ def test_worker_stuck_in_a_read_dies_with_its_consumer(tmp_path):
                             cwd=tmp_path, start_new_session=True)
     try:
         pid = int(proc.stdout.readline())
-        time.sleep(1.0)  # the worker is now blocked on sample 0
+        rh.wait_for(mark.exists, "the worker blocked in its read of sample 0")
         proc.kill()
         proc.wait()
-        for _ in range(100):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"worker {pid} outlived its consumer")
+        rh.wait_for(lambda: not rh.alive(pid), f"worker {pid} outlived its consumer")
     finally:
         if proc.poll() is None:
             proc.kill()
