@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from echo_native import _kernel
-from echo_native.backends import ops_codes as op
+from echo_native._kernel import Op as op
 
 BATCH, SIZE = 128, 224
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera")
@@ -45,7 +45,7 @@ def images():
 def color_jitter(rng, n):
     codes = np.stack([rng.permutation([op.BRIGHTNESS, op.CONTRAST, op.SATURATION, op.HUE])
                       for _ in range(n)]).astype(np.int32)
-    args = np.zeros((n, 4, op.ARGS), np.float32)
+    args = np.zeros((n, 4, _kernel.OP_ARGS), np.float32)
     factors = rng.uniform(0.6, 1.4, (n, 4))
     factors[codes == op.HUE] = rng.uniform(-0.1, 0.1, n)
     args[..., 0] = factors
@@ -54,7 +54,7 @@ def color_jitter(rng, n):
 
 def trivial_augment(rng, n):
     codes = np.zeros((n, 1), np.int32)
-    args = np.zeros((n, 1, op.ARGS), np.float32)
+    args = np.zeros((n, 1, _kernel.OP_ARGS), np.float32)
     c = SIZE * 0.5
     for i in range(n):
         kind = rng.integers(14)

@@ -12,7 +12,7 @@ semantics:
 Every random parameter is a pure function of (seed, epoch, sample id, echo
 index), like the crop's, so nothing depends on workers or timing and a resume
 is exact.  The ops compile into a *program* per image (:class:`Program`: op
-codes and arguments, :mod:`echo_native.backends.ops_codes`), which one kernel
+codes and arguments, ``_kernel.Op``: src/kernel/en_opcodes.h), which one kernel
 source runs on both devices: natively on the CPU (in the workers for fresh
 examples, in the batched re-augmentation for echoes) and as CUDA kernels on the
 echo buffer's output on a GPU.
@@ -35,13 +35,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native import _kernel
-from echo_native.backends import ops_codes as op
+from echo_native._kernel import Op as op
 from echo_native.transforms import CenterCrop, RandomResizedCrop
 
 __all__ = ["ColorJitter", "RandomGrayscale", "TrivialAugmentWide", "RandomErasing", "Program",
            "WithOps", "split_augment"]
 
-ARGS = 8  # arguments per program step (op_codes' layout)
+ARGS = _kernel.OP_ARGS  # arguments per program step (src/kernel/en_opcodes.h)
 _TAG_OPS = 0x6F707321  # "ops!": the ops' Philox stream, apart from the crop's
 
 

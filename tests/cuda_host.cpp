@@ -1,4 +1,4 @@
-// Runs echo_native/backends/kernels.cu on the CPU: the CUDA keywords become plain C++,
+// Runs src/kernel/kernels.cu on the CPU: the CUDA keywords become plain C++,
 // and each launch walks its grid in loops, one "thread" at a time.  The
 // kernels are written so that this is the same arithmetic as on the device
 // (explicit fmaf, no fast-math, no contraction: -ffp-contract=off here, --fmad=false

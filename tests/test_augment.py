@@ -18,7 +18,7 @@ from PIL import Image
 import echo_native as en
 from echo_native import _kernel
 from echo_native.augment import Program, rotation
-from echo_native.backends import ops_codes as op
+from echo_native._kernel import Op as op
 
 sys.path.insert(0, str(Path(__file__).parent))
 import echo_helpers as eh  # noqa: E402

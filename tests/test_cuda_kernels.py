@@ -1,4 +1,4 @@
-"""The CUDA kernels (echo_native/backends/kernels.cu) checked without a GPU.
+"""The CUDA kernels (src/kernel/kernels.cu) checked without a GPU.
 
 Two independent routes: NVRTC, the compiler CuPy uses at run time, must
 accept the source for the GPUs we target; and the same source, built by the
@@ -25,7 +25,8 @@ from echo_native.output import bfloat16_bits, output_dtype
 from echo_native.echo.images import ImageStore
 
 HERE = os.path.dirname(__file__)
-PACKAGE = os.path.join(os.path.dirname(en.__file__), "backends")
+# kernels.cu and the op-code header it includes.
+PACKAGE = os.path.join(os.path.dirname(HERE), "src", "kernel")
 u8p = np.ctypeslib.ndpointer(np.uint8, flags="C")
 
 
@@ -320,7 +321,7 @@ def test_ops_kernels_are_the_cpu_paths_bytes(host, h, w, n, steps):
 def test_ops_launches_follow_the_program():
     """Only the steps some row uses are launched; the histogram only where some row's op
     counts, the tables only where some row's op is a table."""
-    from echo_native.backends import ops_codes as op
+    from echo_native._kernel import Op as op
     codes = np.array([[op.NONE, op.HUE, op.CONTRAST, op.POSTERIZE],
                       [op.NONE, op.NONE, op.NONE, op.ERASE]], np.int32)
     assert list(cuda.ops_steps(codes)) == [(1, False, False), (2, True, True), (3, False, True)]

@@ -750,7 +750,7 @@ def test_the_stand_in_compiles_with_nvrtc_and_cupys_options():
 def test_the_stand_ins_kernels_are_the_host_build(gpu):
     """ops_histogram counts, ops_tables makes tables and ops_apply applies them, each
     launch as the GPU runs it (the host build of kernels.cu), not a stand-in of it."""
-    from echo_native.backends import ops_codes as op
+    from echo_native._kernel import Op as op
     cp = gpu.cupy
     with cp.cuda.Device(0):
         dev = cuda.CudaDevice(0)

@@ -23,6 +23,8 @@ Tolerances, in levels of 0..255, and why:
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,11 +33,13 @@ from hypothesis import strategies as st
 from PIL import Image, ImageEnhance, ImageOps
 
 from echo_native import _kernel
-from echo_native.backends import ops_codes as op
+from echo_native._kernel import Op as op
 from echo_native.backends.array import ArrayDevice
 from echo_native.backends.cpu import CpuDevice
 from echo_native.echo.images import ImageStore
 from photos import fit, photo
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 
@@ -55,7 +59,7 @@ def batch(h=64, w=80, noise=2, seed=0):
 def program(n, code, a=(), steps=1):
     """Every row runs op ``code`` with arguments ``a`` (then NONE)."""
     codes = np.zeros((n, steps), np.int32)
-    args = np.zeros((n, steps, op.ARGS), np.float32)
+    args = np.zeros((n, steps, _kernel.OP_ARGS), np.float32)
     codes[:, 0] = code
     args[:, 0, :len(a)] = a
     return codes, args
@@ -69,7 +73,7 @@ def run(images, code, a=()):
 
 def random_args(rng, code, h, w):
     """Valid arguments of op ``code`` for an h x w image, drawn over their whole range."""
-    a = np.zeros(op.ARGS, np.float32)
+    a = np.zeros(_kernel.OP_ARGS, np.float32)
     if code in (op.BRIGHTNESS, op.CONTRAST, op.SATURATION, op.SHARPNESS):
         a[0] = rng.choice([0.0, 1.0, rng.uniform(0, 2.5)])
     elif code == op.HUE:
@@ -93,8 +97,8 @@ def random_args(rng, code, h, w):
 def random_programs(rng, n, steps, h, w):
     """Valid programs using every op (each code comes up at least once when n * steps
     >= 13)."""
-    codes = rng.permutation(np.resize(np.arange(len(op.NAMES)), n * steps)).reshape(n, steps)
-    args = np.zeros((n, steps, op.ARGS), np.float32)
+    codes = rng.permutation(np.resize(np.arange(len(op)), n * steps)).reshape(n, steps)
+    args = np.zeros((n, steps, _kernel.OP_ARGS), np.float32)
     for i in range(n):
         for k in range(steps):
             args[i, k] = random_args(rng, codes[i, k], h, w)
@@ -110,11 +114,18 @@ def pillow_each(images, fn):
 
 
 # -- the codes ----------------------------------------------------------------------------------
-def test_op_codes_are_the_kernels():
-    """ops_codes numbers the ops exactly as the compiled kernels do."""
-    assert _kernel.op_names() == op.NAMES
-    assert all(getattr(op, name) == code for code, name in enumerate(op.NAMES))
-    assert _kernel.OP_ARGS == op.ARGS
+def test_op_codes_come_from_one_header():
+    """The op codes are defined once, in src/kernel/en_opcodes.h: the binding's ``Op``
+    numbers them as its list does, and the CUDA source NVRTC compiles carries that list
+    (no second copy of the numbers anywhere)."""
+    header = (ROOT / "src" / "kernel" / "en_opcodes.h").read_text()
+    listed = re.findall(r"X\((\w+), (\d+), [01], [01]\)", header)
+    assert [(o.name, str(o.value)) for o in op] == listed
+    assert _kernel.op_names() == tuple(name for name, _ in listed)
+    assert _kernel.OP_ARGS == int(re.search(r"#define OP_ARGS (\d+)", header).group(1))
+    source = _kernel.cuda_source()
+    assert "#define EN_OP_LIST(X)" in source and '#include "en_opcodes.h"' not in source
+    assert "OP_NONE = 0" not in (ROOT / "src" / "kernel" / "kernels.cu").read_text()
 
 
 # -- each op against Pillow ---------------------------------------------------------------------

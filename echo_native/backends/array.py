@@ -171,7 +171,7 @@ class ArrayDevice:
     def augment(self, images, codes, args, after=None):
         """Run a program per image on ``images`` (n, h, w, 3) uint8, in place: ``codes``
         int32 (n, K) and ``args`` float32 (n, K, 8), the ops of
-        :mod:`echo_native.backends.ops_codes`.  Returns a job for :meth:`synchronize`
+        :data:`echo_native._kernel.Op`.  Returns a job for :meth:`synchronize`
         (None: done already).  ``after`` is the job the pixels come from (what
         :meth:`crop_resize` returned); work here is synchronous, so it is done.
 

@@ -30,12 +30,10 @@ import collections
 import math
 import sys
 import weakref
-from importlib import resources
 
 import numpy as np
 
 from echo_native import _kernel
-from echo_native.backends import ops_codes
 from echo_native.backends.array import ArrayDevice, SlotReturns
 from echo_native.output import BFloat16Array, DeviceArray, output_dtype
 
@@ -71,8 +69,9 @@ TOOLKIT_HINT = ('install the CUDA headers and NVRTC that CuPy compiles with: pip
 
 
 def kernel_source():
-    """The CUDA C++ source of the backend's kernels."""
-    return resources.files("echo_native.backends").joinpath("kernels.cu").read_text()
+    """The CUDA C++ source of the backend's kernels: kernels.cu as the extension was
+    built from it (src/kernel/kernels.cu, its op codes in place)."""
+    return _kernel.cuda_source()
 
 
 def compile_kernels(cupy, index):
@@ -161,8 +160,8 @@ def ops_steps(codes):
     first), ``tables``: some row's op is a lookup table (``ops_tables``)."""
     for k in range(codes.shape[1]):
         column = set(np.unique(codes[:, k]).tolist())
-        if column - {ops_codes.NONE}:
-            yield k, bool(column & ops_codes.COUNTING), bool(column & ops_codes.TABLES)
+        if column - {_kernel.Op.NONE}:
+            yield k, bool(column & _kernel.OPS_COUNTING), bool(column & _kernel.OPS_TABLES)
 
 
 def normalize_coefficients(mean, std):

@@ -7,6 +7,8 @@ pixels never leave C.
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, UINT64_MAX
 from libc.string cimport memcpy
 cimport numpy as cnp
+import enum
+
 import numpy as np
 
 from echo_native.errors import DecodeError
@@ -79,9 +81,12 @@ cdef extern from "en_kernel.h" nogil:
 
 
 cdef extern from "en_ops.h" nogil:
-    int EN_OP_ARGS
+    int OP_ARGS_C "OP_ARGS"
     int en_op_count()
     const char *en_op_name(int code)
+    int en_op_counts(int code)
+    int en_op_maps(int code)
+    const char *en_cuda_source()
     int en_ops_check(const int32_t *codes, const float *args, int64_t n, int steps, int h,
                      int w, char *msg, size_t cap)
     void en_ops_apply(uint8_t *images, int64_t n, int h, int w, const int32_t *codes,
@@ -591,12 +596,27 @@ def philox4x64(ctr, key):
 
 # -- augmentation programs (kernels.cu on the host, src/kernel/en_ops.cpp) -------------------
 
-OP_ARGS = EN_OP_ARGS
+#: Float arguments per step of a program.
+OP_ARGS = OP_ARGS_C
+
+#: The op codes (src/kernel/en_opcodes.h, the one definition): ``Op.BRIGHTNESS`` ...
+Op = enum.IntEnum("Op", [(en_op_name(c).decode(), c) for c in range(en_op_count())])
+#: Ops that read their image's per-channel histogram, and ops that are a lookup table
+#: per channel (how the CUDA backend plans its launches).
+OPS_COUNTING = frozenset(Op(c) for c in range(en_op_count()) if en_op_counts(c))
+OPS_TABLES = frozenset(Op(c) for c in range(en_op_count()) if en_op_maps(c))
 
 
 def op_names():
     """The op codes' names, indexed by code, as the kernels number them."""
-    return tuple(en_op_name(c).decode() for c in range(en_op_count()))
+    return tuple(op.name for op in Op)
+
+
+def cuda_source():
+    """The CUDA C++ source of the GPU backend's kernels (kernels.cu, its op codes in
+    place): what NVRTC compiles on a GPU, the text this module's CPU ops were built
+    from, so the two cannot drift apart."""
+    return en_cuda_source().decode()
 
 
 def _array(x, name, dtype, ndim, writable=False):
@@ -623,8 +643,8 @@ def check_ops(codes, args, shape):
         raise ValueError(f"images must be (n, h, w, 3), got shape {shape!r}") from None
     steps = codes.shape[1]
     if c != 3 or codes.shape[0] != n or args.shape[0] != n or args.shape[1] != steps or \
-            args.shape[2] != EN_OP_ARGS:
-        raise ValueError(f"images (n, h, w, 3), codes (n, K) and args (n, K, {EN_OP_ARGS}) "
+            args.shape[2] != OP_ARGS_C:
+        raise ValueError(f"images (n, h, w, 3), codes (n, K) and args (n, K, {OP_ARGS_C}) "
                          f"must agree, got {tuple(shape)}, {codes.shape} and {args.shape}")
     if n == 0 or steps == 0:
         return
@@ -641,7 +661,7 @@ def apply_ops(images, codes, args):
 
     ``images`` is a C-contiguous writable (n, h, w, 3) uint8 array, ``codes`` int32
     (n, K), ``args`` float32 (n, K, 8); the ops and their arguments are listed in
-    :mod:`echo_native.backends.ops_codes`.  Everything is checked first
+    :data:`Op` (src/kernel/en_opcodes.h).  Everything is checked first
     (:func:`check_ops`); the pixels are then changed with the GIL released, by the
     CUDA backend's own kernel source, so the bytes equal the GPU's.  Returns ``images``.
     """

@@ -1,12 +1,11 @@
 /*
- * Per-image augmentation programs on the CPU: echo_native/backends/kernels.cu
- * (the CUDA kernels' arithmetic) built for the host, so that both devices
- * compute every op with the same source.  Never includes Python.h.
+ * Per-image augmentation programs on the CPU: kernels.cu (the CUDA kernels'
+ * arithmetic) built for the host, so that both devices compute every op with
+ * the same source.  Never includes Python.h.
  *
  * A batch is n images of h x w RGB uint8, C-contiguous; row b runs `steps`
- * ops: codes[b * steps + k], arguments args[(b * steps + k) * EN_OP_ARGS ...].
- * The op codes and their arguments are listed in kernels.cu and
- * echo_native/backends/ops_codes.py.
+ * ops: codes[b * steps + k], arguments args[(b * steps + k) * OP_ARGS ...].
+ * The op codes and their arguments: en_opcodes.h.
  */
 #ifndef EN_OPS_H
 #define EN_OPS_H
@@ -14,15 +13,22 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "en_opcodes.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define EN_OP_ARGS 8
-
-/* Number of op codes (codes are 0 .. en_op_count() - 1) and their names. */
+/* Number of op codes (codes are 0 .. en_op_count() - 1), their names, and whether an
+ * op reads its image's histogram / is a lookup table per channel (en_opcodes.h). */
 int en_op_count(void);
 const char *en_op_name(int code);
+int en_op_counts(int code);
+int en_op_maps(int code);
+
+/* The CUDA source of kernels.cu with en_opcodes.h in place: what NVRTC compiles on a
+ * GPU, the same text this library's CPU path is built from. */
+const char *en_cuda_source(void);
 
 /* 0 when every code and argument is valid for an h x w image; else -1 and the
  * first bad (row, step) with its value in msg. */

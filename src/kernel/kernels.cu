@@ -174,14 +174,7 @@ extern "C" __global__ void normalize(
 // Products and sums are written out (neither compiler fuses them), clamps are
 // comparisons, and floors are conversions of values known to be >= 0.
 
-// The op codes; echo_native/backends/ops_codes.py holds the same numbers
-// (tests/test_ops_kernels.py checks them against en_op_name).
-enum {
-    OP_NONE = 0, OP_BRIGHTNESS = 1, OP_CONTRAST = 2, OP_SATURATION = 3, OP_HUE = 4,
-    OP_GRAYSCALE = 5, OP_ERASE = 6, OP_SHARPNESS = 7, OP_POSTERIZE = 8, OP_SOLARIZE = 9,
-    OP_AUTOCONTRAST = 10, OP_EQUALIZE = 11, OP_AFFINE = 12, OP_COUNT = 13
-};
-#define OP_ARGS 8  // floats of arguments per step
+#include "en_opcodes.h"  // OP_* codes and OP_ARGS, defined once
 
 // floor(x + 0.5) clamped to 0 .. 255 (NaN -> 0): clamped first, the floor of a
 // value >= 0 is its truncation.
@@ -192,15 +185,18 @@ __device__ __forceinline__ u8 round_u8(float x) {
     return (u8)(int)x;
 }
 
-// The op reads its image's per-channel histogram.
+// The op reads its image's per-channel histogram (en_opcodes.h says which).
 __device__ __forceinline__ bool op_counts(int code) {
-    return code == OP_CONTRAST || code == OP_AUTOCONTRAST || code == OP_EQUALIZE;
+#define EN_OP_COUNTS_(name, c, counts, maps) || (counts && code == c)
+    return false EN_OP_LIST(EN_OP_COUNTS_);
+#undef EN_OP_COUNTS_
 }
 
 // The op is a lookup table per channel (made by ops_table).
 __device__ __forceinline__ bool op_maps(int code) {
-    return code == OP_BRIGHTNESS || code == OP_CONTRAST || code == OP_POSTERIZE ||
-           code == OP_SOLARIZE || code == OP_AUTOCONTRAST || code == OP_EQUALIZE;
+#define EN_OP_MAPS_(name, c, counts, maps) || (maps && code == c)
+    return false EN_OP_LIST(EN_OP_MAPS_);
+#undef EN_OP_MAPS_
 }
 
 // ITU-R 601 luma in float, one evaluation order on both sides.
