@@ -70,6 +70,7 @@ class Fresh:
 
     ticket: int
     epoch: int
+    index: int            # the fresh batch's number within its epoch
     sample_ids: np.ndarray
     ok: np.ndarray
     payload: object

@@ -422,7 +422,7 @@ class Loader:
     def _fresh(self, ticket, count):
         ring = self._ring
         slot = ring.slots[ticket % ring.layout.nslots]
-        return Fresh(ticket, ticket // len(self), slot.sample_ids[:count],
+        return Fresh(ticket, ticket // len(self), ticket % len(self), slot.sample_ids[:count],
                      slot.status[:count] == OK, slot, ring.fill_seconds(ticket))
 
     def held(self):

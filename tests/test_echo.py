@@ -31,6 +31,7 @@ import pytest
 
 import echo_native as en
 from echo_native import pipeline
+from echo_native.echo import stages
 from echo_native.echo import AutoEcho
 
 HERE = Path(__file__).resolve().parent
@@ -258,7 +259,7 @@ class ScriptedAuto(AutoEcho):
 
 @pytest.fixture
 def scripted(monkeypatch):
-    """Rings made in the test run echo="auto" on a ScriptedAuto (``ring._auto``); the
+    """Rings made in the test run echo="auto" on a ScriptedAuto (``ring.stage.auto``); the
     class returned is the test's own, so rates set on it stay in the test."""
     cls = type("ScriptedAuto", (ScriptedAuto,), {})
     monkeypatch.setattr(pipeline, "AutoEcho", cls)
@@ -273,17 +274,17 @@ def test_ring_reports_the_consumer_time_less_its_waits(small, scripted, monkeypa
     exactly 0.25 s (the step and the ring's own work, which takes no scripted time),
     never with the waits; stats() counts the same step time and waits."""
     clock = ScriptedClock()
-    monkeypatch.setattr(pipeline, "time", _TimeOn(clock))
+    monkeypatch.setattr(stages, "time", _TimeOn(clock))
     with _ring(small, echo="auto", placement=placement) as ring:
-        take = ring.loader.next_filled
+        take = ring.loader.next_fresh
 
         def waits_1000_s():
-            filled = take()
+            fresh = take()
             clock.sleep(1000.0)
-            return filled
-        ring.loader.next_filled = waits_1000_s
+            return fresh
+        ring.loader.next_fresh = waits_1000_s
         batches = eh.collect(ring, step=lambda b: clock.sleep(0.25), copy_images=False)[0]
-        s, auto = ring.stats(), ring._auto
+        s, auto = ring.stats(), ring.stage.auto
     fresh_batches = len(small[0]) // 8
     assert len(auto.measured_down) == len(batches) - 1
     assert auto.measured_down == [pytest.approx(0.25)] * (len(batches) - 1)
@@ -302,7 +303,7 @@ def test_ring_reports_the_upstream_time_per_worker(small, scripted, placement):
     with en.EchoRing(src, batch_size=8, image_size=16, echo="auto", placement=placement,
                      workers=2, seed=0, timeout=60) as ring:
         eh.collect(ring, copy_images=False)
-        auto = ring._auto
+        auto = ring.stage.auto
     assert len(auto.measured_up) == n // 8
     assert min(auto.measured_up) >= 8 * 0.01 / 2, auto.measured_up
 
@@ -322,7 +323,7 @@ def test_auto_echo_rises_to_the_rates_target_in_a_ring(small, scripted, placemen
     n = len(small[0])
     with _ring(small, echo="auto", placement=placement) as ring:
         epochs = eh.collect(ring, epochs=2, copy_images=False)
-        s, auto = ring.stats(), ring._auto
+        s, auto = ring.stats(), ring.stage.auto
     _fresh_once_per_epoch(epochs, n)
     assert s["echo_factor"] == pytest.approx(3.3) and auto.R == pytest.approx(3.0)
     assert s["echo_trace"][-1]["reason"] == "rates"
@@ -355,7 +356,7 @@ def test_auto_echo_falls_back_when_the_consumer_slows(small, scripted):
     with _ring(small, echo="auto", placement="after_augment") as ring:
         eh.collect(ring, copy_images=False)
         high = ring.stats()["echo_factor"]
-        ring._auto.down_s = 0.12
+        ring.stage.auto.down_s = 0.12
         eh.collect(ring, copy_images=False)
         s = ring.stats()
         last = eh.collect(ring, copy_images=False)[0]

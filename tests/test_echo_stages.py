@@ -56,7 +56,7 @@ class ScriptedUpstream:
         epoch, b = divmod(ticket, self.batches_per_epoch)
         ids = self.epoch_ids(epoch)[b * self.B:(b + 1) * self.B]
         ok = np.array([i not in self.failed for i in ids])
-        return Fresh(ticket, epoch, ids, ok, {"ids": ids.copy()}, self.fill_s)
+        return Fresh(ticket, epoch, b, ids, ok, {"ids": ids.copy()}, self.fill_s)
 
     def next_fresh(self):
         if self._held is not None:

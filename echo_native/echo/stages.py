@@ -28,6 +28,7 @@ import numpy as np
 from echo_native.echo.buffer import BatchWindow, ExampleBuffer
 from echo_native.echo.counts import counts_from, echo_counts, echo_draws, shuffle_rng
 from echo_native.echo.ledger import FreshLedger
+from echo_native.echo.upstream import EpochEnd
 
 
 @contextlib.contextmanager
@@ -72,6 +73,32 @@ class Emission:
 
     def __init__(self, job, sent, parts):
         self.job, self.sent, self.parts, self.batch = job, sent, parts, None
+
+
+class EpochDraws:
+    """The :func:`echo_draws` of one epoch, per sample id, drawn as far as the ids reach
+    (the draws of the first n ids do not depend on how many more are drawn).
+
+    When the data is sharded they are drawn per position in the rank's share
+    (``order``, the ids this rank reads in the epoch), so that every rank emits the
+    same total and takes the same number of steps under a fractional e."""
+
+    def __init__(self, seed, epoch, size, order=None):
+        self.seed, self.epoch = seed, epoch
+        self._d = echo_draws(seed, epoch, size)
+        self._sharded = order is not None
+        if self._sharded:
+            self._d[order] = echo_draws(seed, epoch, len(order))
+
+    def __getitem__(self, ids):
+        ids = np.asarray(ids, np.int64)
+        if len(ids) and ids.max() >= len(self._d):
+            if self._sharded:
+                raise IndexError(f"sample id {ids.max()} is outside the {len(self._d)} ids of "
+                                 f"the sharded data")
+            self._d = echo_draws(self.seed, self.epoch, max(int(ids.max()) + 1,
+                                                            2 * len(self._d)))
+        return self._d[ids]
 
 
 class Stage:
@@ -143,6 +170,12 @@ class Stage:
         if self.auto is not None:
             self.auto.upstream(fresh.fill_s / max(1, self.upstream.workers))
         return fresh
+
+    def counts(self, draws, keys):
+        """Emissions of the examples (or batches) ``keys`` at the e in use, from their
+        draws."""
+        d = draws[keys]
+        return self.auto.counts(d) if self.auto is not None else counts_from(d, self.factor)
 
     def release(self):
         """The fresh batch taken last goes back upstream once the copies out of it are done."""
@@ -220,8 +253,14 @@ class PassThrough(Stage):
         held = up.held()
         if held is not None and held.ticket != self._delivered:
             yield self._deliver(held)   # taken before an interruption, never delivered
-        for _ in range(up.left_in_epoch):
-            yield self._deliver(self.take())
+        left = up.left_in_epoch
+        while left is None or left > 0:
+            try:
+                fresh = self.take()
+            except EpochEnd:
+                return
+            left = None if left is None else left - 1
+            yield self._deliver(fresh)
 
     def _deliver(self, fresh):
         self.book_fresh(np.count_nonzero(fresh.ok))
@@ -233,7 +272,14 @@ class PassThrough(Stage):
         return self.finish(parts)
 
     def batches_in(self, epoch):
-        return self.upstream.batches_per_epoch
+        return _known(self.upstream.batches_per_epoch)
+
+
+def _known(batches_per_epoch):
+    if batches_per_epoch is None:
+        raise TypeError("the upstream does not know its length (the wrapped iterable has "
+                        "no len())")
+    return batches_per_epoch
 
 
 class ExampleEcho(Stage):
@@ -279,39 +325,33 @@ class ExampleEcho(Stage):
             self._stash = []
 
     def draws(self, epoch):
-        """The :func:`echo_draws` of this epoch, per sample id (per position in the rank's
-        share when the data is sharded: see :attr:`Upstream.sharded`)."""
+        """The :class:`EpochDraws` of this epoch."""
         up = self.upstream
-        draws = echo_draws(self.seed, epoch, up.id_space())
-        if up.sharded:
-            order = up.epoch_ids(epoch)
-            draws[order] = echo_draws(self.seed, epoch, len(order))
-        return draws
+        return EpochDraws(self.seed, epoch, up.id_space(),
+                          up.epoch_ids(epoch) if up.sharded else None)
 
     def batches_in(self, epoch):
         B = self.batch_size
         if self.auto is not None:
-            total = round(self.upstream.samples_per_epoch * self.auto.value)
+            total = round(_known(self.upstream.samples_per_epoch) * self.auto.value)
         else:
-            counts = counts_from(self.draws(epoch), self.factor)
-            total = int(counts[self.upstream.epoch_ids(epoch)].sum())
+            total = int(self.counts(self.draws(epoch), self.upstream.epoch_ids(epoch)).sum())
         return total // B if self.drop_last else math.ceil(total / B)
 
     def emit_epoch(self):
         up, buf, B, auto = self.upstream, self.buffer, self.batch_size, self.auto
         epoch = self.open_epoch()
-        counts = self.draws(epoch)  # auto echo: the draws, for counts at the e of the moment
+        draws = self.draws(epoch)
         echo_now = self.e           # auto echo: the e the buffer's counts were made at
-        if auto is None:
-            counts = counts_from(counts, self.factor)
         rng = shuffle_rng(self.seed, epoch)
-        fresh_left = max(0, (epoch + 1) * up.batches_per_epoch - up.position)
+        bpe = up.batches_per_epoch
+        fresh_left = math.inf if bpe is None else max(0, (epoch + 1) * bpe - up.position)
         held = up.held()
         if held is not None:  # taken before an interruption (Ctrl-C)
             if held.ticket in self.ledger:
                 self.release()  # stored already
             else:
-                self._add(held, counts)
+                self._add(held, draws)
         # A device that prepares ahead makes the next batch (re-augmented, or gathered
         # from the buffer) while the consumer works on this one, so one emission stays
         # in flight across each yield.
@@ -326,7 +366,8 @@ class ExampleEcho(Stage):
                     made.popleft()
                 if made:
                     self.device.synchronize()  # _fill may reuse the entries it reads
-                fresh_left -= self._fill(counts, fresh_left)
+                moved, ended = self._fill(draws, fresh_left)
+                fresh_left = 0 if ended else fresh_left - moved
                 pending = buf.pending
                 want = min(B, pending)
                 if want < B and fresh_left > 0:
@@ -344,7 +385,7 @@ class ExampleEcho(Stage):
                 if auto is not None and auto.value != echo_now:
                     echo_now = auto.value
                     live = buf.active()
-                    buf.recount(live, counts_from(counts[buf.sample_id[live]], echo_now))
+                    buf.recount(live, self.counts(draws, buf.sample_id[live]))
         except GeneratorExit:
             made.popleft()  # closed at a yield: the consumer has that batch
             raise
@@ -354,21 +395,26 @@ class ExampleEcho(Stage):
             self._stash = list(made)
             self.device.synchronize()
 
-    def _fill(self, counts, fresh_left):
-        """Move fresh batches into the buffer while a whole one fits; how many moved."""
+    def _fill(self, draws, fresh_left):
+        """Move fresh batches into the buffer while a whole one fits: ``(moved, ended)``,
+        ended when the upstream said the epoch had no more."""
         buf, B, moved = self.buffer, self.batch_size, 0
         while fresh_left - moved > 0 and buf.free >= B:
             if self.auto is not None and buf.pending < B and not self.upstream.ready() and \
                     self.books.batches:  # the first fill is start-up, not a stall
                 self.auto.stalled()
-            self._add(self.take(), counts)
+            try:
+                fresh = self.take()
+            except EpochEnd:
+                return moved, True
+            self._add(fresh, draws)
             moved += 1
-        return moved
+        return moved, False
 
-    def _add(self, fresh, counts):
+    def _add(self, fresh, draws):
         """A fresh batch into the buffer, its memory back upstream."""
         buf, ids = self.buffer, fresh.sample_ids
-        k = self.auto.counts(counts[ids]) if self.auto is not None else counts[ids]
+        k = self.counts(draws, ids)
         with deferred_interrupts():
             entries = buf.allocate(len(ids))
             self.examples.store(entries, fresh)
@@ -436,7 +482,7 @@ class BatchEcho(Stage):
 
     def batches_in(self, epoch):
         up, B = self.upstream, self.batch_size
-        counts = echo_counts(self.seed, epoch, up.batches_per_epoch, self.e)
+        counts = echo_counts(self.seed, epoch, _known(up.batches_per_epoch), self.e)
         if self.drop_last and up.samples_per_epoch % B:
             counts = counts[:-1]  # the short last batch is never delivered
         return int(counts.sum())
@@ -445,9 +491,7 @@ class BatchEcho(Stage):
         up = self.upstream
         epoch = self.open_epoch()
         nb = up.batches_per_epoch
-        # auto echo: the draws, for counts at the e of the moment
-        counts = echo_draws(self.seed, epoch, nb) if self.auto is not None else \
-            echo_counts(self.seed, epoch, nb, self.factor)
+        draws = EpochDraws(self.seed, epoch, nb or 0)   # per fresh batch of the epoch
         rng = shuffle_rng(self.seed, epoch)
         if self._window is None or self._window[0] != epoch:
             self._window = (epoch, BatchWindow(self.window_size))
@@ -457,10 +501,16 @@ class BatchEcho(Stage):
             if held.ticket in self.ledger:
                 self.release()  # in the window already
             else:
-                self._add(window, held, counts, nb)
+                self._add(window, held, draws)
+        ended = nb is not None and up.position >= (epoch + 1) * nb
         while True:
-            while up.position < (epoch + 1) * nb and self._want_fresh(window):
-                self._add(window, self.take(), counts, nb)
+            while not ended and self._want_fresh(window):
+                try:
+                    self._add(window, self.take(), draws)
+                except EpochEnd:
+                    ended = True
+                    break
+                ended = nb is not None and up.position >= (epoch + 1) * nb
             if not len(window):
                 self._window = None
                 self.end_epoch()
@@ -473,7 +523,7 @@ class BatchEcho(Stage):
                 continue
             yield self.finish(self.examples.repeat(kept, echo, epoch))
 
-    def _add(self, window, fresh, counts, nb):
+    def _add(self, window, fresh, draws):
         """A fresh batch into the window, as a copy."""
         skip = self.ledger.skip
         if skip and np.isin(fresh.sample_ids[fresh.ok], list(skip)).all():
@@ -483,9 +533,7 @@ class BatchEcho(Stage):
         kept = self.examples.keep(fresh)  # owns its memory: the fresh batch goes back below
         with deferred_interrupts():
             self.release()
-            k = counts[fresh.ticket % nb]
-            window.add(kept, self.auto.counts(k) if self.auto is not None else k,
-                       fresh.ticket)
+            window.add(kept, int(self.counts(draws, [fresh.index])[0]), fresh.ticket)
             self.ledger.add(fresh.ticket, 1)
 
     def _want_fresh(self, window):

@@ -16,11 +16,19 @@ import numpy as np
 from echo_native.batch import Fresh
 
 
+class EpochEnd(Exception):
+    """Raised by :meth:`Upstream.next_fresh` when the epoch has no fresh batch left, by an
+    upstream that cannot tell in advance (``batches_per_epoch`` None): a wrapped iterator
+    that was exhausted.  The next ``next_fresh`` starts the next epoch."""
+
+
 class Upstream(Protocol):
     """What an echo stage needs from the stage before it."""
 
-    #: Fresh batches per epoch (the epoch's last one may be short).
-    batches_per_epoch: int
+    #: Fresh batches per epoch (the epoch's last one may be short), or None when the
+    #: upstream cannot tell: the epoch then ends where :meth:`next_fresh` raises
+    #: :class:`EpochEnd`.
+    batches_per_epoch: Optional[int]
     #: Processes (or threads) making fresh batches in parallel: the upstream's time per
     #: batch, for auto echo, is each batch's ``fill_s`` divided by it.
     workers: int
@@ -34,8 +42,8 @@ class Upstream(Protocol):
         """The epoch of the next fresh batch."""
 
     @property
-    def left_in_epoch(self) -> int:
-        """Fresh batches still to come in the current epoch."""
+    def left_in_epoch(self) -> Optional[int]:
+        """Fresh batches still to come in the current epoch (None: unknown)."""
 
     def next_fresh(self) -> Fresh:
         """The next fresh batch, waiting for it (with the upstream's own timeout).
@@ -63,7 +71,8 @@ class Upstream(Protocol):
     sharded: bool
 
     def id_space(self) -> int:
-        """Sample ids are in [0, id_space): per-example echo counts are drawn over it."""
+        """Sample ids are in [0, id_space), as far as known now (per-example echo counts
+        are drawn over it, and further as larger ids come)."""
 
     def epoch_ids(self, epoch) -> np.ndarray:
         """The ids this upstream reads in ``epoch``, in its order."""
