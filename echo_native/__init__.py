@@ -23,6 +23,7 @@ batch from file bytes to the GPU; each imports only modules above it):
   backends    where echoes are made: NumPy on the CPU, CuPy on a GPU
   delivery    an emission becomes the consumer's batch (normalise, Mix, on_batch)
   pipeline    EchoRing, which wires the specs to all of the above
+  echo_loader EchoLoader: the echo stages around any loader's batches
 
 The lab (benchmark corpus, peers, demo) is :mod:`echo_native.lab`; the library
 never imports it.
@@ -57,6 +58,7 @@ from echo_native.echo import Echo
 from echo_native.output import BFloat16Array, DeviceArray, Output
 from echo_native.mix import Mix
 from echo_native.pipeline import EchoRing
+from echo_native.echo_loader import EchoLoader
 
 __version__ = "0.2.0"
 
@@ -70,6 +72,7 @@ __all__ = [
     "DeviceArray",
     "Decoder",
     "Echo",
+    "EchoLoader",
     "EchoRing",
     "FileList",
     "ImageFolder",

@@ -144,7 +144,7 @@ def fold(owner, augment=None, decode=None, shard=None, workers=None, shorthands=
     workers = _fold_workers(owner, workers, _take(shorthands, _WORKERS))
 
     if with_echo:
-        echo = _fold_echo(owner, echo, _take(shorthands, _ECHO))
+        echo = fold_echo(owner, echo, _take(shorthands, _ECHO))
         output = _fold_output(owner, output, _take(shorthands, _OUTPUT))
     else:
         echo = output = None
@@ -170,7 +170,7 @@ def _fold_workers(owner, workers, given):
         raise type(e)(message.replace("Workers: ", "")) from None
 
 
-def _fold_echo(owner, echo, given):
+def fold_echo(owner, echo, given):
     """``echo=`` as an :class:`Echo`, with the flat shorthands folded in."""
     if isinstance(echo, Echo):
         _either(owner, "echo=Echo(...)", echo, given)

@@ -48,7 +48,7 @@ class AutoEcho:
 
     Every change of more than 0.05 is recorded in :attr:`trace` (at most the
     last 256) with its reason: ``"stall"`` (before the rates are known, or the
-    correction), ``"rates"`` or ``"loss"``.
+    correction), ``"rates"``, ``"loss"`` or ``"probe"`` (see :meth:`fed`).
     """
 
     HEADROOM = 1.1
@@ -58,6 +58,8 @@ class AutoEcho:
     WARM = 3               # observations of each rate before the model is used
     DEADBAND = 0.05        # a rate-driven change of e smaller than this share is ignored
     TRACE = 256
+    PROBE = 15             # fresh batches fed without a wait before e is probed lower
+    PROBE_STEP = 0.15      # the share e is lowered by a probe
 
     def __init__(self, max_echo=4.0, start=None, headroom=HEADROOM, clock=None):
         if max_echo < 1:
@@ -79,14 +81,30 @@ class AutoEcho:
         self._t0 = self._clock()
         self.batches = 0
         self.trace = []
+        self._fed = 0           # fresh batches in a row the consumer did not wait for
 
     # -- observations ------------------------------------------------------------------
     def upstream(self, seconds):
         """A fresh batch took the upstream ``seconds`` of capacity (fill time / workers)."""
         if seconds > 0:
+            self._fed = 0
             self._ups.append(seconds)
             self.t_up = float(np.median(self._ups))
             self._update("rates")
+
+    def fed(self):
+        """A fresh batch came without the consumer waiting for it, from an upstream whose
+        time can be measured only while it is the bottleneck (a wrapped loader that
+        works ahead: then its time per batch is the time between batches).  After
+        :attr:`PROBE` such batches in a row e is lowered by :attr:`PROBE_STEP` (reason
+        ``"probe"``) and the upstream's rate is measured afresh: a loader that has
+        become fast enough is found out, and a wait puts e back at 1.1 x R."""
+        self._fed += 1
+        if self._fed >= self.PROBE and self.value > 1.0:
+            self._fed = 0
+            self._ups.clear()
+            self.t_up = None
+            self._set(max(1.0, self.value * (1.0 - self.PROBE_STEP)), "probe")
 
     def consumer(self, seconds):
         """The consumer (with the ring's own work) spent ``seconds`` on a batch."""

@@ -168,7 +168,10 @@ class Stage:
         self.books.wait_s += time.perf_counter() - t0
         self.books.fill_s += fresh.fill_s
         if self.auto is not None:
-            self.auto.upstream(fresh.fill_s / max(1, self.upstream.workers))
+            if fresh.fill_s > 0:
+                self.auto.upstream(fresh.fill_s / max(1, self.upstream.workers))
+            else:  # the upstream did not say (it kept up): auto echo may probe lower
+                self.auto.fed()
         return fresh
 
     def counts(self, draws, keys):

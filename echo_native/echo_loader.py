@@ -1,0 +1,411 @@
+"""Echo for any pipeline: :class:`EchoLoader` wraps an existing loader in one line.
+
+The data-echoing paper puts its echo stage after whatever the bottleneck is,
+in image, detection and language-model workloads alike.  ``EchoLoader`` is
+that stage for a loader you already have (a torch ``DataLoader``, Hugging
+Face ``datasets``, Grain, a tokenizer over text shards, a generator): the
+same echo stages :class:`EchoRing` runs (:mod:`echo_native.echo.stages`),
+over an :class:`IterableUpstream`, with the user's batches stored and
+gathered where they live (:mod:`echo_native.echo.pytree`).
+"""
+from __future__ import annotations
+
+import collections
+import math
+import time
+
+import numpy as np
+
+from echo_native._checks import is_int
+from echo_native._iteration import IterationGuard
+from echo_native.backends.array import ArrayDevice
+from echo_native.batch import Fresh
+from echo_native.echo.auto import AutoEcho
+from echo_native.echo.counts import counts_from, echo_counts, echo_draws
+from echo_native.echo.pytree import PytreeExamples
+from echo_native.echo.spec import Echo
+from echo_native.echo.stages import BatchEcho, ExampleEcho, PassThrough
+from echo_native.echo.upstream import EpochEnd
+from echo_native.resume import check_epoch
+from echo_native.specs import fold_echo
+
+#: Wrapped states kept for a resume (batches back from the newest).
+_KEEP_STATES = 64
+#: A wait for the wrapped loader shorter than this share of the time between two of its
+#: batches says it kept up (the consumer did not wait for it).
+_WAIT_SHARE = 0.05
+
+
+class IterableUpstream:
+    """The :class:`~echo_native.echo.upstream.Upstream` of a wrapped iterable of batches.
+
+    One pass over ``iterable`` is an epoch; its batches get tickets (batch numbers
+    since the start) and their examples ids (positions in the epoch's stream).
+    The time per fresh batch it reports to auto echo is the time between two of
+    its batches when the consumer waited for the second (the loader was the
+    bottleneck, so that is its pace), and nothing when it did not (it kept up).
+    """
+
+    workers = 1
+    sharded = False
+
+    def __init__(self, iterable, keep_states=0):
+        self.iterable = iterable
+        try:
+            self.batches_per_epoch = len(iterable)
+        except TypeError:
+            self.batches_per_epoch = None
+        self.samples_per_epoch = _dataset_len(iterable)
+        self.position = 0          # ticket of the next fresh batch
+        self._epoch = 0
+        self._index = 0            # the next fresh batch's number in its epoch
+        self._next_id = 0          # the id of the next example in the epoch
+        self._it = None
+        self._held = None
+        self._last = None          # when the previous fresh batch arrived
+        self._keep = keep_states   # wrapped states kept, for state_at
+        self._states = collections.OrderedDict()
+
+    @property
+    def epoch(self):
+        return self._epoch
+
+    @property
+    def left_in_epoch(self):
+        if self.batches_per_epoch is None:
+            return None
+        return max(0, self.batches_per_epoch - self._index)
+
+    def id_space(self):
+        return max(self._next_id, self.samples_per_epoch or 0)
+
+    def epoch_ids(self, epoch):
+        if self.samples_per_epoch is None:
+            raise TypeError("the wrapped loader does not say how many examples an epoch has")
+        return np.arange(self.samples_per_epoch)
+
+    def ready(self):
+        return True  # a wrapped loader cannot say; waits are measured in next_fresh
+
+    def next_fresh(self):
+        if self._keep:
+            self._snapshot()
+        if self._it is None:
+            self._it = iter(self.iterable)
+        t0 = time.perf_counter()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._it = None
+            self._epoch, self._index, self._next_id = self._epoch + 1, 0, 0
+            self._last = None
+            raise EpochEnd from None
+        now = time.perf_counter()
+        waited, period = now - t0, now - (self._last if self._last is not None else t0)
+        self._last = now
+        n = _rows(batch)
+        ids = np.arange(self._next_id, self._next_id + n, dtype=np.int64)
+        fresh = Fresh(self.position, self._epoch, self._index, ids, np.ones(n, bool), batch,
+                      period if waited > _WAIT_SHARE * period and waited > 1e-4 else 0.0)
+        self._held, self.position = fresh, self.position + 1
+        self._index, self._next_id = self._index + 1, self._next_id + n
+        return fresh
+
+    def held(self):
+        return self._held
+
+    def hand_off(self):
+        self._held = None
+        return _nothing
+
+    # -- resume ----------------------------------------------------------------------------
+    def _snapshot(self):
+        """The wrapped loader's state before the next fresh batch, for a resume there."""
+        state = self.iterable.state_dict()
+        self._states[self.position] = {"ticket": self.position, "epoch": self._epoch,
+                                       "index": self._index, "first_id": self._next_id,
+                                       "wrapped": state}
+        while len(self._states) > self._keep:
+            self._states.popitem(last=False)
+
+    def state_at(self, ticket):
+        if ticket == self.position and ticket not in self._states:
+            return {"ticket": ticket, "epoch": self._epoch, "index": self._index,
+                    "first_id": self._next_id, "wrapped": self.iterable.state_dict()}
+        if ticket not in self._states:
+            raise RuntimeError(f"EchoLoader: the wrapped loader's state before batch {ticket} "
+                               f"was not kept")
+        return dict(self._states[ticket])
+
+    def load(self, state):
+        self.iterable.load_state_dict(state["wrapped"])
+        self._it, self._held, self._last = None, None, None
+        self.position, self._epoch = int(state["ticket"]), int(state["epoch"])
+        self._index, self._next_id = int(state["index"]), int(state["first_id"])
+        self._states.clear()
+
+    def set_epoch(self, epoch):
+        """A new epoch from its start (the wrapped loader's own ``set_epoch`` is called by
+        :meth:`EchoLoader.set_epoch`)."""
+        self._it, self._held, self._last = None, None, None
+        self._epoch, self._index, self._next_id = epoch, 0, 0
+
+    def close(self):
+        # Dropping the iterator lets a loader with worker processes shut them down.
+        self._it, self._held = None, None
+
+
+def _nothing():
+    pass
+
+
+def _rows(batch):
+    from echo_native.echo.pytree import flatten, leaf_kinds
+
+    leaves, treedef = flatten(batch)
+    for leaf, kind in zip(leaves, leaf_kinds(treedef)):
+        if kind == "array" and getattr(leaf, "ndim", len(leaf.shape)):
+            return int(leaf.shape[0])
+        if kind == "list":
+            return len(leaf)
+    raise ValueError(f"EchoLoader: a batch must hold an array (or a list) with one row per "
+                     f"example, got {type(batch).__name__}")
+
+
+def _dataset_len(iterable):
+    """Examples per epoch where the wrapped loader says (a torch DataLoader's dataset)."""
+    dataset = getattr(iterable, "dataset", None)
+    try:
+        n = len(dataset) if dataset is not None else None
+    except TypeError:
+        return None
+    if n is not None and getattr(iterable, "drop_last", False):
+        b = getattr(iterable, "batch_size", None)
+        n = n // b * b if b else n
+    return n
+
+
+class EchoLoader:
+    """Data echoing around any loader: an iterable of batches in, the same kind out.
+
+    Parameters
+    ----------
+    iterable : any iterable of batches (a torch ``DataLoader``, a Hugging Face
+        dataset's iterator, a generator function's result is one epoch only)
+        Batches are NumPy arrays, torch tensors (CPU or CUDA), JAX or CuPy arrays, or
+        dicts, lists, tuples, namedtuples or dataclasses of them; every array holds
+        one row per example (the batch dimension first); a list of per-example
+        values (strings, ids) follows its examples.
+    echo : float >= 1, "auto", or Echo, default 2.0
+        As :class:`EchoRing`'s.  A number uses ``placement="before_augment"`` with
+        ``augment`` and ``"after_augment"`` without; ``Echo(e, placement="batch")``
+        repeats whole batches.  ``"auto"``: e follows the measured ratio of the
+        time spent waiting on the wrapped loader to the consumer's time between
+        batches, with :class:`EchoRing`'s controller and ``stats()["echo_trace"]``.
+    augment : callable(batch, keys) or None
+        Before augmentation: run on every emitted batch (each repeat is augmented
+        afresh); ``keys`` is a host (B, 4) int64 array of (seed, epoch, example id,
+        echo index) per row to draw its randomness from.  Return the augmented
+        batch (or None after changing it in place).
+    seed : int, default 0
+        Echo counts and the order of emissions are pure functions of it.
+    batch_size : int, optional
+        Examples per emitted batch (default: the wrapped loader's first batch's).
+    shuffle_buffer : int, optional
+        Examples held by the echo stage (default 4 x batch_size, at least 2 x).
+    max_buffer_bytes : int, default 4 GiB
+        The most the shuffle buffer may hold; more is a MemoryError at the first
+        batch naming the setting to lower.
+    drop_last : bool, default False
+        Drop the epoch's last emitted batch when it is short.
+    with_info : bool, default False
+        Yield ``(batch, info)``, ``info`` a dict of per-row ``sample_ids``,
+        ``echo_index`` (0 for the fresh emission) and ``fresh``.
+    """
+
+    def __init__(self, iterable, echo=2.0, *, augment=None, seed=0, batch_size=None,
+                 shuffle_buffer=None, max_buffer_bytes=4 << 30, drop_last=False,
+                 with_info=False):
+        if not hasattr(iterable, "__iter__"):
+            raise TypeError(f"EchoLoader wraps an iterable of batches, got "
+                            f"{type(iterable).__name__}")
+        if augment is not None and not callable(augment):
+            raise TypeError(f"augment must be callable(batch, keys), got {augment!r}")
+        if not is_int(seed) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        for name, v in (("batch_size", batch_size), ("shuffle_buffer", shuffle_buffer),
+                        ("max_buffer_bytes", max_buffer_bytes)):
+            if v is not None and (not is_int(v) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.spec = _placed(fold_echo("EchoLoader", echo, {}), augment)
+        self.augment, self.seed = augment, int(seed)
+        self.batch_size, self.drop_last, self.with_info = batch_size, bool(drop_last), with_info
+        self._shuffle_buffer = shuffle_buffer
+        self.examples = PytreeExamples(augment, self.seed, max_buffer_bytes)
+        resumable = hasattr(iterable, "state_dict") and hasattr(iterable, "load_state_dict")
+        # The wrapped states of the last batches, for a state at the oldest fresh batch
+        # with an example still unsent: more batches than any shuffle buffer holds back.
+        self.upstream = IterableUpstream(iterable, keep_states=_KEEP_STATES if resumable else 0)
+        self.iterable = iterable
+        self.stage = None
+        self._restored_skip = ()
+        self._iteration = IterationGuard("EchoLoader")
+
+    # -- the stage, made at the first batch (its size is the wrapped loader's) --------------
+    def _make_stage(self, B):
+        echo = self.spec
+        capacity = self._shuffle_buffer or 4 * B
+        if capacity < 2 * B:
+            raise ValueError(f"shuffle_buffer must be at least 2 x batch_size ({2 * B}), "
+                             f"got {capacity}")
+        if echo.auto:
+            auto = AutoEcho(echo.max_echo)
+        else:
+            auto = None
+        kw = dict(seed=self.seed, batch_size=B, drop_last=self.drop_last,
+                  device=ArrayDevice(np), factor=None if echo.auto else echo.factor, auto=auto)
+        args = (self.upstream, self.examples, self._finish)
+        if echo.off:
+            stage = PassThrough(*args, **kw)
+        elif echo.placement == "batch":
+            stage = BatchEcho(*args, window=max(2, capacity // B), **kw)
+        else:
+            stage = ExampleEcho(*args, capacity=capacity, **kw)
+        stage.start()
+        return stage
+
+    def _finish(self, emitted):
+        return emitted
+
+    def _ensure_stage(self):
+        if self.stage is None:
+            fresh = self.upstream.next_fresh()   # held: the stage takes it first
+            self.stage = self._make_stage(self.batch_size or fresh.count)
+            if self._restored_skip:
+                self.stage.ledger.clear(self._restored_skip)
+
+    # -- iteration ---------------------------------------------------------------------------
+    def __iter__(self):
+        return self._iteration.iterate(self._batches)
+
+    def _batches(self):
+        try:
+            self._ensure_stage()
+        except EpochEnd:
+            return  # the wrapped loader yielded nothing this epoch
+        for emitted in self.stage.batches():
+            if self.with_info:
+                yield emitted.batch, {"sample_ids": emitted.sample_ids,
+                                      "echo_index": emitted.echo_index,
+                                      "fresh": emitted.fresh}
+            else:
+                yield emitted.batch
+
+    def __len__(self):
+        """Batches in the coming epoch, where the wrapped loader has a length (for
+        example echo, from its dataset's length; for auto, at the current e)."""
+        up, echo = self.upstream, self.spec
+        nb = up.batches_per_epoch
+        if nb is None:
+            raise TypeError(f"the wrapped {type(self.iterable).__name__} has no len()")
+        epoch = self.epoch
+        if echo.off:
+            return nb
+        e = self.stage.e if self.stage is not None else (AutoEcho.START if echo.auto else
+                                                         echo.factor)
+        if echo.placement == "batch":
+            return int(echo_counts(self.seed, epoch, nb, e).sum())
+        n = up.samples_per_epoch
+        B = self.batch_size or getattr(self.iterable, "batch_size", None)
+        if n is None or B is None:
+            raise TypeError("EchoLoader: the wrapped loader does not say how many examples "
+                            "an epoch has (give batch_size=, or wrap a DataLoader)")
+        total = int(counts_from(echo_draws(self.seed, epoch, n), e).sum())
+        return total // B if self.drop_last else math.ceil(total / B)
+
+    @property
+    def epoch(self):
+        return self.stage.epoch if self.stage is not None else self.upstream.epoch
+
+    def set_epoch(self, epoch):
+        """As ``DistributedSampler.set_epoch``: the next iteration is ``epoch``; passed on
+        to the wrapped loader (its own ``set_epoch``, or its sampler's)."""
+        epoch = check_epoch(epoch, 1)
+        for target in (self.iterable, getattr(self.iterable, "sampler", None),
+                       getattr(getattr(self.iterable, "batch_sampler", None), "sampler", None),
+                       getattr(self.iterable, "dataset", None)):
+            if target is not None and hasattr(target, "set_epoch"):
+                target.set_epoch(epoch)
+                break
+        if epoch != self.epoch:
+            self._iteration.end()
+            if self.stage is not None:
+                self.stage.reset()
+            self.upstream.set_epoch(epoch)
+
+    # -- resume ------------------------------------------------------------------------------
+    def state_dict(self):
+        """Where the fresh stream stands, for a resume that neither repeats nor loses a
+        fresh example: the wrapped loader's own ``state_dict()`` from before the oldest
+        fresh batch with an example not yet emitted, and the ids emitted since
+        (``skip``).  Needs a wrapped loader with ``state_dict``/``load_state_dict``
+        (torchdata's ``StatefulDataLoader``, a Hugging Face ``IterableDataset``...)."""
+        if not hasattr(self.iterable, "state_dict"):
+            raise TypeError(f"EchoLoader.state_dict needs a wrapped loader with state_dict() "
+                            f"and load_state_dict() (e.g. torchdata's StatefulDataLoader); "
+                            f"{type(self.iterable).__name__} has none")
+        if self.stage is None:
+            state = self.upstream.state_at(self.upstream.position)
+            state["skip"] = []
+        else:
+            state = self.stage.state()
+        state.update(echo=self.spec.factor, placement=self.spec.placement, seed=self.seed)
+        return state
+
+    def load_state_dict(self, state):
+        if not isinstance(state, dict) or "wrapped" not in state:
+            raise TypeError("load_state_dict takes an EchoLoader.state_dict()")
+        for key, mine in (("seed", self.seed), ("placement", self.spec.placement)):
+            if state.get(key, mine) != mine:
+                raise ValueError(f"state was saved with {key}={state[key]!r}, this "
+                                 f"EchoLoader has {key}={mine!r}")
+        self._iteration.end()
+        self.upstream.load(state)
+        if self.stage is not None:
+            self.stage.reset(state.get("skip", ()))
+        else:
+            self._restored_skip = tuple(state.get("skip", ()))
+
+    # -- books --------------------------------------------------------------------------------
+    def stats(self):
+        """Fresh and delivered counts and rates, the effective echo, auto echo's trace, the
+        time spent waiting for the wrapped loader, and the shuffle buffer's bytes."""
+        if self.stage is None:
+            return {"fresh": 0, "delivered": 0, "effective_echo": 0.0, "buffer_bytes": 0}
+        return {**self.stage.stats(), "buffer_bytes": self.examples.nbytes}
+
+    def close(self):
+        """End iteration and let go of the wrapped loader's iterator (its workers)."""
+        self._iteration.end()
+        self.upstream.close()
+        if self.stage is not None:
+            self.stage.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _placed(echo, augment):
+    """The placement an EchoLoader uses: before augmentation needs ``augment``."""
+    if echo.placement == "before_augment" and augment is None:
+        return Echo(echo.factor, "after_augment", echo.shuffle_buffer, echo.max_echo)
+    if echo.placement != "before_augment" and augment is not None and not echo.off:
+        raise ValueError(f"augment= runs on every emission before augmentation; with "
+                         f"placement={echo.placement!r} the wrapped loader augments")
+    if echo.flip or echo.canvas_side or echo.canvas_max_pixels:
+        raise ValueError("Echo's flip, canvas_side and canvas_max_pixels apply to EchoRing's "
+                         "images, not to EchoLoader")
+    return echo
