@@ -116,7 +116,8 @@ def test_example_is_a_plain_script_with_help(script, tmp_path):
 
 # ---- PyTorch -------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("echo,placement", [("2", "before_augment"), ("auto", "batch")])
+@pytest.mark.parametrize("echo,placement", [("2", "before_augment"),
+                                             pytest.param("auto", "batch", marks=pytest.mark.slow)])
 def test_torch_example(data, tmp_path, echo, placement):
     pytest.importorskip("torch")
     rc, out = example("train_torch.py", "--data", data, "--steps", 3, *SMALL, "--workers", 2,
