@@ -30,7 +30,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("fsspec")
 
 import echo_native as en  # noqa: E402
-from echo_native import remote, tarindex  # noqa: E402
+from echo_native import tarindex  # noqa: E402
 from echo_native.errors import ReadLimitError  # noqa: E402
 from echo_native.remote import (RemoteOptions, RemoteReadError, RemoteStore,  # noqa: E402
                                 StoreUnavailableError)
