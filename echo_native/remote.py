@@ -7,12 +7,21 @@ reads behave like local ones inside a pipeline:
 * Filesystems are opened lazily in each process and never pickled: a source is
   pickled into worker processes, and a live connection pool (or an event loop
   thread) cannot cross that boundary, exactly as an open file descriptor cannot.
-* Every call is bounded: a per-request timeout, retries with exponential backoff
-  on transient errors (5xx, a reset or refused connection, a timeout) up to a
-  number of attempts and a total time, and no retry on permanent ones (403, 404,
-  a bad range).  Whatever fails ends as a :class:`RemoteReadError` (an
-  ``OSError``) naming the object, which the workers' ``on_error`` policy handles
-  like any unreadable file.
+* Every call is bounded in time: retries with exponential backoff on transient
+  errors (5xx, a reset or refused connection, a timeout) within a number of
+  attempts and one total budget that includes the request in flight (each try
+  gets at most what is left of it), and no retry on permanent ones (403, 404, a
+  bad range).  Whatever fails ends as a :class:`RemoteReadError` (an ``OSError``)
+  naming the object, which the workers' ``on_error`` policy handles like any
+  unreadable file; when no try reached the store at all (connection refused,
+  no such host), the store is down, not the object, and the error is a
+  :class:`StoreUnavailableError`, which stops a run whatever ``on_error`` says.
+* Every read is bounded in bytes: :meth:`RemoteStore.read_range` and
+  :meth:`RemoteStore.read_all` are the one read every remote path goes through,
+  and they stop reading a response at the bytes asked for (+ one byte, to see
+  that there is more), whatever the server sends: a server that ignores
+  ``Range`` and streams a huge body costs at most the limit plus one chunk of
+  memory.
 * Tar shards are read in large blocks (many samples per request), kept in a
   small per-process :class:`BlockCache` bounded in bytes and fetched ahead on a
   few threads while the worker decodes; separate objects (a file list) are
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import io
 import os
 import random
 import re
@@ -90,6 +100,23 @@ class RemoteReadError(OSError):
         return f"{self.filename}: {self.strerror}" if self.filename else str(self.strerror)
 
 
+class StoreUnavailableError(RemoteReadError):
+    """The store itself could not be reached: every try of a read failed before the
+    store answered (connection refused, no such host), until the retry budget ran out.
+
+    This is not one object's failure, so it is not a sample failure either: the
+    pipeline stops with it whatever ``on_error`` says (trying other samples of a
+    store that is down would only spend the budget again for each).  ``endpoint``
+    is the store (redacted), ``filename`` the object that was being read."""
+
+    def __init__(self, code, strerror, filename=None, endpoint=None):
+        super().__init__(code, strerror, filename)
+        self.endpoint = endpoint
+
+    def __reduce__(self):  # crosses process and thread boundaries with its endpoint
+        return (type(self), (self.errno, self.strerror, self.filename, self.endpoint))
+
+
 @dataclass(frozen=True)
 class RemoteOptions:
     """How a source reads from object storage (ignored for local files).
@@ -107,11 +134,12 @@ class RemoteOptions:
     attempts : int
         Tries per request, the first included (transient errors only).
     retry_timeout : float
-        Seconds one read may spend in total, retries and backoff included.  Keep
-        it under the pipeline's ``sample_timeout`` (60 s by default), which would
-        otherwise replace the worker first.
+        Seconds one read may take in all: every try, the request in flight
+        included (a try gets at most what is left), and the backoff between them.
+        Keep it well under the pipeline's ``sample_timeout`` (60 s by default),
+        which would otherwise replace the worker first.
     request_timeout : float
-        Seconds one request may take.
+        Seconds one request may take (less when less of ``retry_timeout`` is left).
     backoff, max_backoff : float
         The first retry waits about ``backoff`` seconds, doubling up to ``max_backoff``
         (with jitter, so workers that failed together do not retry together).
@@ -130,8 +158,8 @@ class RemoteOptions:
     prefetch_bytes: int = 64 * 2**20
     threads: int = 4
     attempts: int = 8
-    retry_timeout: float = 45.0
-    request_timeout: float = 20.0
+    retry_timeout: float = 25.0
+    request_timeout: float = 10.0
     backoff: float = 0.1
     max_backoff: float = 5.0
     block_bytes: int = 8 * 2**20
@@ -149,8 +177,10 @@ class RemoteOptions:
                              f"threads={self.threads}, attempts={self.attempts}")
         for name in ("retry_timeout", "request_timeout", "backoff", "max_backoff"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
-                raise ValueError(f"RemoteOptions: {name} must be a number >= 0, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 \
+                    or v == float("inf"):
+                raise ValueError(f"RemoteOptions: {name} must be a finite number >= 0, "
+                                 f"got {v!r}")
         if not self.request_timeout > 0 or not self.retry_timeout > 0:
             raise ValueError("RemoteOptions: request_timeout and retry_timeout must be > 0")
         if self.block_bytes and self.cache_bytes < self.block_bytes:
@@ -164,29 +194,120 @@ class RemoteOptions:
 _PERMANENT_ERRNOS = {errno.EINVAL, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSYS,
                      errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR, errno.EFBIG}
 
+# Errors that mean no connection to the store was made: the store is down (or its
+# name is wrong), not one object.  By errno, and by the backends' type names
+# (aiohttp, botocore), which are matched by name so that neither is imported here.
+_UNREACHABLE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                       errno.EHOSTDOWN, errno.ENETDOWN}
+_UNREACHABLE_TYPES = {"ClientConnectorError", "ClientConnectorDNSError",
+                      "EndpointConnectionError", "ConnectTimeoutError", "NameResolutionError"}
+# Configuration errors of a backend: no retry finds credentials that are not there.
+_CONFIG_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError",
+                  "InvalidURL"}
+_TIMEOUTS = ("TimeoutError", "FSTimeoutError", "ReadTimeoutError", "AioReadTimeoutError",
+             "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError")
+
+
+def _chain(e):
+    """``e`` and the errors behind it (cause, context, aiohttp's ``os_error``)."""
+    seen = []
+    while e is not None and len(seen) < 16 and not any(e is s for s in seen):
+        seen.append(e)
+        e = e.__cause__ or e.__context__ or getattr(e, "os_error", None)
+    return seen
+
+
+def unreachable(e: BaseException) -> bool:
+    """True when ``e`` says no connection reached the store (refused, no such host)."""
+    import socket
+
+    for x in _chain(e):
+        if isinstance(x, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if type(x).__name__ in _UNREACHABLE_TYPES:
+            return True
+        if isinstance(x, OSError) and x.errno in _UNREACHABLE_ERRNOS:
+            return True
+    return False
+
+
+def _status(e):
+    """The HTTP status an error carries, if any (aiohttp, requests, botocore)."""
+    status = getattr(e, "status", None) or getattr(e, "status_code", None)
+    if isinstance(status, int):
+        return status
+    meta = (getattr(e, "response", None) or {})
+    if isinstance(meta, dict):
+        status = (meta.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    return None
+
+
+def _effective(e):
+    """The error that says what happened.  fsspec's HTTP filesystem reports every
+    failure of ``info()`` (a refused connection, an HTTP 500) as FileNotFoundError,
+    with the real error as its cause: only a 404 (or 410) there means missing."""
+    while isinstance(e, FileNotFoundError) and e.__cause__ is not None \
+            and not isinstance(e.__cause__, FileNotFoundError) \
+            and _status(e.__cause__) not in (404, 410):
+        cause = e.__cause__
+        if _status(cause) is None and not unreachable(cause) and not _is_timeout(cause) \
+                and not isinstance(cause, OSError):
+            break  # a backend's own "not found" with some other cause: trust it
+        e = cause
+    return e
+
+
+def _is_timeout(e):
+    return any(isinstance(x, TimeoutError) or type(x).__name__ in _TIMEOUTS for x in _chain(e))
+
 
 def is_permanent(e: BaseException) -> bool:
     """True when retrying ``e`` cannot help (a missing or forbidden object, a bad request)."""
+    e = _effective(e)
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError,
                       NotADirectoryError, ReadLimitError, RemoteReadError)):
         return True
-    if isinstance(e, (ValueError, TypeError, NotImplementedError)):
+    if isinstance(e, (ValueError, TypeError, NotImplementedError)) \
+            or type(e).__name__ in _CONFIG_ERRORS:
         return True
-    if isinstance(e, (TimeoutError, ConnectionError)):
+    if isinstance(e, (TimeoutError, ConnectionError)) or unreachable(e):
         return False
+    status = _status(e)
+    if isinstance(status, int):
+        return 400 <= status < 500 and status not in (408, 429)
     if isinstance(e, OSError) and e.errno in _PERMANENT_ERRNOS:
-        return True
-    status = getattr(e, "status", None) or getattr(e, "status_code", None)
-    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
         return True
     return False
 
 
-def _error_text(e: BaseException) -> str:
+def _error_text(e: BaseException, timeout=None) -> str:
+    e = _effective(e)
+    status = _status(e)
     if isinstance(e, FileNotFoundError):
         what = "no such object (deleted?)"
     elif isinstance(e, PermissionError):
         what = "access denied"
+    elif status is not None:
+        reason = getattr(e, "message", None) or getattr(e, "reason", None)
+        what = f"HTTP {status} {reason}" if isinstance(reason, str) and reason \
+            else f"HTTP {status}: {e}"
+        return " ".join(_redact_text(what).split())[:300]
+    elif unreachable(e):
+        cause = next((x for x in reversed(_chain(e)) if isinstance(x, OSError)), e)
+        if isinstance(cause, ConnectionRefusedError) or cause.errno == errno.ECONNREFUSED:
+            what = "connection refused"
+        elif type(cause).__name__ == "gaierror":
+            what = "no such host (name resolution failed)"
+        else:
+            what = "cannot connect"
+        detail = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+        detail = " ".join(_redact_text(detail).split())[:300]
+        return f"{what}: {detail}" if detail else what
+    elif _is_timeout(e):
+        return (f"no answer within {timeout:.1f} s" if timeout is not None
+                else "no answer in time")
     else:
         what = type(e).__name__
     detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -195,11 +316,116 @@ def _error_text(e: BaseException) -> str:
 
 
 def _errno_of(e):
+    e = _effective(e)
     if isinstance(e, FileNotFoundError):
         return errno.ENOENT
     if isinstance(e, PermissionError):
         return errno.EACCES
+    if isinstance(e, ReadLimitError):
+        return e.errno or errno.EFBIG
     return errno.EIO
+
+
+#: A response body is read this much at a time: a read stops at most this far past
+#: the bytes it asked for, whatever the server sends.
+READ_CHUNK = 1 << 20
+
+
+class _Answer:
+    """What one bounded GET brought back: ``data`` (at most the bytes asked for plus
+    one), whether the server answered with the range (``partial``), and, for a
+    range it could not satisfy (HTTP 416), ``empty``."""
+
+    __slots__ = ("data", "partial", "empty")
+
+    def __init__(self, data, partial, empty=False):
+        self.data, self.partial, self.empty = data, partial, empty
+
+
+async def _read_body(read, most):
+    """At most ``most`` bytes from an async ``read(n)`` (which returns b"" at the end)."""
+    chunks, got = [], 0
+    while got < most:
+        chunk = await read(min(READ_CHUNK, most - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+async def _http_get(fs, url, start, last, most):
+    """GET bytes ``start..last`` (inclusive) of ``url`` through fsspec's HTTP session,
+    reading at most ``most`` bytes of the body."""
+    session = await fs.set_session()
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    headers["Range"] = f"bytes={start}-{last}"
+    encode = getattr(fs, "encode_url", None)
+    async with session.get(encode(url) if encode else url, headers=headers, **kw) as r:
+        if r.status == 416:
+            return _Answer(b"", False, empty=True)
+        if r.status in (404, 410):
+            raise FileNotFoundError(errno.ENOENT, f"HTTP {r.status} {r.reason or ''}".strip())
+        r.raise_for_status()
+        partial = r.status == 206
+        # Leaving the block without reading the rest closes the connection: a body
+        # larger than asked is never drained.
+        return _Answer(await _read_body(r.content.read, most), partial)
+
+
+async def _s3_get(fs, path, start, last, most):
+    """The same for s3fs: get_object with a Range, its body read at most ``most`` bytes."""
+    bucket, key, version = fs.split_path(path)
+    kw = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{last}"}
+    if version:
+        kw["VersionId"] = version
+    try:
+        resp = await fs._call_s3("get_object", **kw)
+    except OSError as e:
+        if "InvalidRange" in str(e) or _status(e.__cause__) == 416:
+            return _Answer(b"", False, empty=True)
+        raise
+    body = resp["Body"]
+    try:
+        partial = bool(resp.get("ContentRange"))
+        return _Answer(await _read_body(body.read, most), partial)
+    finally:
+        body.close()
+
+
+class _RangeFile(io.RawIOBase):
+    """A remote object as a seekable raw file, every read one bounded range request
+    through the store's retries: what a tar header scan reads through a buffer."""
+
+    def __init__(self, store, url, size, what):
+        super().__init__()
+        self._store, self._url, self._size, self._what, self._pos = store, url, size, what, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b):
+        end = min(self._size, self._pos + len(b))
+        if end <= self._pos:
+            return 0
+        data = self._store.read_range(self._url, self._pos, end,
+                                      what=f"{self._what} bytes {self._pos}-{end}")
+        n = len(data)
+        b[:n] = data
+        self._pos += n
+        return n
 
 
 class RemoteStore:
@@ -260,74 +486,138 @@ class RemoteStore:
             opts["config_kwargs"] = config
         return opts
 
-    def _call(self, fs, method, *args, **kwargs):
+    def endpoint(self, url):
+        """The store ``url`` lives in, as an error names it: the configured endpoint
+        (S3-compatible servers) or the URL's scheme and host, redacted."""
+        from urllib.parse import urlsplit
+
+        configured = self.storage_options.get("endpoint_url") or (
+            self.storage_options.get("client_kwargs") or {}).get("endpoint_url")
+        if isinstance(configured, str) and configured:
+            return redact(configured)
+        parts = urlsplit(url)
+        return redact(f"{parts.scheme}://{parts.netloc}")
+
+    def _call(self, fs, method, *args, timeout=None, **kwargs):
         from fsspec.asyn import AsyncFileSystem
 
         if isinstance(fs, AsyncFileSystem) and not fs.asynchronous:
-            # fsspec's sync() bounds the wait on its event loop thread.
-            kwargs["timeout"] = self.options.request_timeout
+            # fsspec's sync() bounds the wait on its event loop thread (and cancels
+            # the request when it is over).
+            kwargs["timeout"] = timeout or self.options.request_timeout
         return getattr(fs, method)(*args, **kwargs)
 
     # -- calls with retries ------------------------------------------------------------
-    def retrying(self, what, fn, passthrough=()):
-        """``fn()`` with the retry policy; failures become a RemoteReadError about ``what``
-        (except those of the ``passthrough`` types, raised as they are)."""
+    def retrying(self, what, fn, passthrough=(), url=None):
+        """``fn(timeout)`` with the retry policy, ``timeout`` being what the try may
+        take: ``request_timeout``, or less when less of ``retry_timeout`` is left (the
+        budget includes the request in flight).  Failures become a RemoteReadError
+        about ``what`` (except those of the ``passthrough`` types, raised as they
+        are); when no try reached the store of ``url``, a StoreUnavailableError."""
         opts = self.options
         start = time.monotonic()
         deadline = start + opts.retry_timeout
-        attempt = 0
+        attempt, all_unreachable = 0, True
         while True:
             attempt += 1
+            timeout = min(opts.request_timeout, deadline - time.monotonic())
             try:
-                return fn()
+                if timeout <= 0:
+                    raise TimeoutError("retry budget spent")
+                return fn(timeout)
             except Exception as e:  # noqa: BLE001 - every backend error is classified
                 if isinstance(e, (RemoteReadError, ReadLimitError) + tuple(passthrough)):
                     raise
                 if is_permanent(e):
                     raise RemoteReadError(_errno_of(e), _error_text(e), what) from None
+                all_unreachable = all_unreachable and unreachable(e)
                 wait = min(opts.max_backoff, opts.backoff * 2 ** (attempt - 1))
                 wait *= 0.5 + 0.5 * random.random()
                 now = time.monotonic()
                 if attempt >= opts.attempts or now + wait >= deadline:
+                    tries = f"{attempt} {'try' if attempt == 1 else 'tries'}"
+                    if all_unreachable and url is not None:
+                        where = self.endpoint(url)
+                        raise StoreUnavailableError(
+                            errno.ECONNREFUSED if "refused" in _error_text(e)
+                            else errno.EHOSTUNREACH,
+                            f"the store at {where} is unreachable ({_error_text(e)}); gave up "
+                            f"after {tries} in {now - start:.1f} s (retry_timeout="
+                            f"{opts.retry_timeout:g} s)", what, where) from None
                     raise RemoteReadError(
-                        errno.EIO, f"gave up after {attempt} tries in {now - start:.1f} s; "
-                                   f"last error {_error_text(e)}", what) from None
+                        errno.ETIMEDOUT if _is_timeout(e) else errno.EIO,
+                        f"gave up after {tries} in {now - start:.1f} s (retry_timeout="
+                        f"{opts.retry_timeout:g} s); last error {_error_text(e, timeout)}",
+                        what) from None
                 time.sleep(wait)
 
+    def _get(self, url, start, last, most, timeout):
+        """One bounded GET of bytes ``start..last`` (inclusive): an :class:`_Answer`
+        holding at most ``most`` bytes of the body, however much the server sends.
+
+        HTTP(S) and S3 stream the body and stop; other fsspec backends are asked for
+        the range through ``cat_file`` (bounded as far as the backend honours it)."""
+        fs, path = self.filesystem(url)
+        from fsspec.asyn import AsyncFileSystem, sync
+
+        kind = type(fs).__module__.split(".")[0]
+        if isinstance(fs, AsyncFileSystem) and not fs.asynchronous:
+            if type(fs).__name__ == "HTTPFileSystem" and hasattr(fs, "set_session"):
+                return sync(fs.loop, _http_get, fs, url, start, last, most, timeout=timeout)
+            if kind == "s3fs" and hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
+                return sync(fs.loop, _s3_get, fs, path, start, last, most, timeout=timeout)
+        data = self._call(fs, "cat_file", path, start=start, end=last + 1, timeout=timeout)
+        return _Answer(data[:most], True)
+
     def read_range(self, url, start, end, what=None):
-        """Bytes ``[start, end)`` of the object at ``url``."""
+        """Bytes ``[start, end)`` of the object at ``url``: never more read, and an error
+        when the server sends anything else (fewer bytes: the object changed; more,
+        or the start of the object for a range further in: it ignored ``Range``)."""
         what = what or redact(url)
+        want = end - start
+        if want <= 0:
+            return b""
 
-        def once():
-            fs, path = self.filesystem(url)
-            return self._call(fs, "cat_file", path, start=start, end=end)
-        data = self.retrying(what, once)
-        if len(data) != end - start:
-            raise RemoteReadError(errno.EIO, f"short read: {len(data)} of {end - start} "
-                                             f"bytes (object changed?)", what)
+        def once(timeout):
+            return self._get(url, start, end - 1, want + 1, timeout)
+        ans = self.retrying(what, once, url=url)
+        if start and not ans.partial and not ans.empty:
+            raise RemoteReadError(errno.EINVAL, f"the server ignored the byte range "
+                                                f"{start}-{end - 1} (it sent the object from "
+                                                f"its start): reading parts of an object needs "
+                                                f"a server that honours Range requests", what)
+        data = ans.data
+        if len(data) > want and ans.partial:
+            raise RemoteReadError(errno.EIO, f"the server sent more than the {want} bytes "
+                                             f"asked for", what)
+        data = data[:want]  # a whole object sent for a range from its start: its head
+        if len(data) != want:
+            raise RemoteReadError(errno.EIO, f"short read: {len(data)} of {want} bytes "
+                                             f"(object changed?)", what)
         return data
 
-    def read_all(self, url, max_bytes, what=None):
-        """The whole object at ``url``, refused (ReadLimitError) when over ``max_bytes``."""
+    def read_all(self, url, max_bytes, what=None, limit="max_file_bytes"):
+        """The whole object at ``url``, refused (ReadLimitError) when over ``max_bytes``,
+        which is also the most ever read of it (+ one byte): ``limit`` names the setting
+        in that error."""
         what = what or redact(url)
 
-        def once():
-            fs, path = self.filesystem(url)
-            return self._call(fs, "cat_file", path, start=0, end=max_bytes + 1)
-        data = self.retrying(what, once)
-        if len(data) > max_bytes:
-            raise ReadLimitError(errno.EFBIG, f"over the limit max_file_bytes={max_bytes}")
-        return data
+        def once(timeout):
+            return self._get(url, 0, max_bytes, max_bytes + 1, timeout)
+        ans = self.retrying(what, once, url=url)
+        if len(ans.data) > max_bytes:
+            raise ReadLimitError(errno.EFBIG, f"over the limit {limit}={max_bytes}")
+        return ans.data
 
     def info(self, url):
         """``{"size": int, "etag": str or None}`` of the object at ``url``."""
-        def once():
+        def once(timeout):
             fs, path = self.filesystem(url)
-            info = self._call(fs, "info", path)
+            info = self._call(fs, "info", path, timeout=timeout)
             if info.get("type") == "directory":
                 raise IsADirectoryError(errno.EISDIR, "is a directory")
             return info
-        info = self.retrying(redact(url), once)
+        info = self.retrying(redact(url), once, url=url)
         etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime")
         size = info.get("size")
         return {"size": None if size is None else int(size),
@@ -335,22 +625,43 @@ class RemoteStore:
 
     def put_file(self, local, url):
         """Upload the local file ``local`` to ``url`` (an object appears whole or not at all)."""
-        def once():
+        def once(timeout):
             fs, path = self.filesystem(url)
             return fs.put_file(local, path)
-        self.retrying(f"uploading to {redact(url)}", once)
+        self.retrying(f"uploading to {redact(url)}", once, url=url)
 
     def put_bytes(self, data, url):
         """Write the small object ``url`` holding ``data``."""
-        def once():
+        def once(timeout):
             fs, path = self.filesystem(url)
             return fs.pipe_file(path, data)
-        self.retrying(f"uploading to {redact(url)}", once)
+        self.retrying(f"uploading to {redact(url)}", once, url=url)
 
-    def open(self, url, **kwargs):
-        """A file object for streaming ``url`` (scanning a shard's headers)."""
-        fs, path = self.filesystem(url)
-        return fs.open(path, "rb", **kwargs)
+    def open(self, url, size, what=None, block_bytes=8 * 2**20):
+        """``url`` (of ``size`` bytes) as a seekable, buffered file whose every read is
+        one bounded range request of about ``block_bytes`` (scanning a shard's headers)."""
+        return io.BufferedReader(_RangeFile(self, url, size, what or redact(url)),
+                                 buffer_size=block_bytes)
+
+
+def _result(fut, timeout):
+    """``fut.result(timeout)``, raising a copy of the fetch's error rather than the error
+    itself.  The stored one stays with the future, which a fetch thread may hold a while:
+    raised through this thread, it would carry a traceback of this thread's frames, and
+    keep them, and everything they refer to (a worker's ring), alive with it."""
+    try:
+        return fut.result(timeout)
+    except FutureTimeout:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised, as a copy when it can be made
+        # Drop what raising it here just attached: this thread's frames, and the error
+        # this thread was handling (a stand-in is read while a failure is handled).
+        e.__traceback__ = e.__context__ = None
+        try:
+            fresh = copy.copy(e)
+        except Exception:  # noqa: BLE001 - an exception type copy cannot rebuild
+            fresh = e
+        raise fresh from None
 
 
 # ---- prefetch ---------------------------------------------------------------------
@@ -395,7 +706,7 @@ class Prefetcher:
                 return None
         fut, size = entry
         try:
-            return fut.result(timeout)
+            return _result(fut, timeout)
         except FutureTimeout:
             raise RemoteReadError(errno.ETIMEDOUT, f"prefetch did not finish in "
                                                    f"{timeout:.0f} s", f"sample {i}") from None
@@ -513,7 +824,7 @@ class BlockCache:
         if mine:
             self._run_fetch(key, size, fut)
         try:
-            return fut.result(timeout)
+            return _result(fut, timeout)
         except FutureTimeout:
             raise RemoteReadError(errno.ETIMEDOUT, f"block fetch did not finish in "
                                                    f"{timeout:.0f} s", None) from None
@@ -550,6 +861,10 @@ class BlockCache:
         try:
             data = self._fetch(key)
         except BaseException as e:  # noqa: BLE001 - handed to every reader of the block
+            # Kept (remembered as the block's failure) without its traceback or the
+            # errors it was raised while handling: run on a reader's thread, their frames
+            # would keep that reader's whole stack (a worker's ring) alive with it.
+            e.__traceback__ = e.__context__ = e.__cause__ = None
             self._finish(key, size, fut, None, e)
         else:
             self._finish(key, size, fut, data, None)

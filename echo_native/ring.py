@@ -419,11 +419,14 @@ def remove_stale_segments(shm_dir=SHM_DIR):
 class RingMemoryError(MemoryError):
     """The ring does not fit the memory available; raised by :meth:`Ring.create` (so by
     ``Loader.start()``) before any worker starts.  ``needed`` and ``available`` are
-    bytes, ``limit`` says where ``available`` comes from."""
+    bytes (``needed`` counts what the :class:`MemoryBudget` adds to the ring),
+    ``limit`` says where ``available`` comes from, ``parts`` lists what ``needed``
+    is made of, each with the setting that sizes it."""
 
     def __init__(self, message, needed=None, available=None, limit=None):
         super().__init__(message)
         self.needed, self.available, self.limit = needed, available, limit
+        self.parts = []  # [(what, bytes, setting to lower)], the ring first
 
 
 def _gib(n):
@@ -497,11 +500,95 @@ def memory_available(backing="memfd", shm_dir=SHM_DIR):
     return min(limits)
 
 
-def _too_big(layout, backing, available, where, cause=None):
+#: Memory one worker process takes besides the ring, counted by :class:`MemoryBudget`:
+#: a worker's anonymous memory (interpreter, numpy, the native kernel, a decode of an
+#: ImageNet-sized JPEG) measured at about 25 MiB, with room for larger images.
+WORKER_BYTES = 64 * 2**20
+#: What the consumer process may still add once the pipeline runs (batch copies,
+#: the training loop's own arrays), counted by :class:`MemoryBudget`.
+CONSUMER_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Everything a pipeline adds to the machine's (or its memory cgroup's) memory
+    besides its ring, checked with the ring in one place, :meth:`Ring.create`, before
+    anything is allocated: a pipeline that does not fit fails at start with
+    :class:`RingMemoryError`, never with the OOM killer later.
+
+    Parameters
+    ----------
+    workers : int
+        Worker processes that will be started (0 for thread workers).
+    worker_bytes : int
+        Each worker process's own memory (a margin; :data:`WORKER_BYTES`), plus
+        whatever per-worker memory the caller knows of (a remote source's block
+        cache).
+    consumer_bytes : int
+        What the consumer process may still add (a margin; :data:`CONSUMER_BYTES`).
+    extra : tuple of (what, bytes, setting)
+        Other memory the pipeline will allocate, each named with the setting that
+        sizes it, e.g. ``(("the echo buffer", 3 << 30, "shuffle_buffer"),)``.
+
+    The total is checked against the least of ``MemAvailable`` and the memory
+    cgroup's headroom (:func:`memory_available`); a named ring must also fit the
+    free space of ``/dev/shm``.  ``MemoryBudget()`` with no argument counts nothing
+    but the ring (what :meth:`Ring.create` checks by default).
+    """
+
+    workers: int = 0
+    worker_bytes: int = WORKER_BYTES
+    consumer_bytes: int = 0
+    extra: tuple = ()
+
+    def __post_init__(self):
+        for name in ("workers", "worker_bytes", "consumer_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"MemoryBudget: {name} must be a non-negative integer, "
+                                 f"got {v!r}")
+        items = tuple(tuple(e) for e in self.extra)
+        for e in items:
+            if len(e) != 3 or not isinstance(e[0], str) or not isinstance(e[2], str) or \
+                    not isinstance(e[1], (int, np.integer)) or isinstance(e[1], bool) or e[1] < 0:
+                raise ValueError(f"MemoryBudget: each extra must be (what, bytes >= 0, "
+                                 f"setting), got {e!r}")
+        object.__setattr__(self, "extra", items)
+
+    @classmethod
+    def for_pipeline(cls, workers=0, extra=(), worker_bytes=WORKER_BYTES):
+        """The budget a loader checks: its worker processes and the consumer with the
+        default margins, plus ``extra``."""
+        return cls(workers, worker_bytes, CONSUMER_BYTES, extra)
+
+    def parts(self, ring_bytes):
+        """``[(what, bytes, setting to lower)]``: the ring first, then the rest."""
+        out = [("the ring", int(ring_bytes), "batch_size, slots or the bytes per sample")]
+        if self.workers:
+            out.append((f"{self.workers} worker process(es) at {_gib(self.worker_bytes)} each",
+                        self.workers * self.worker_bytes, "workers"))
+        if self.consumer_bytes:
+            out.append(("the consumer's margin", self.consumer_bytes, ""))
+        out += [(what, int(n), setting) for what, n, setting in self.extra if n]
+        return out
+
+    def needed(self, ring_bytes):
+        """Bytes the pipeline needs in all, the ring's ``ring_bytes`` included."""
+        return sum(n for _, n, _ in self.parts(ring_bytes))
+
+
+def _too_big(layout, backing, available, where, cause=None, budget=None):
     L = layout
+    budget = budget or MemoryBudget()
+    needed = budget.needed(L.total_bytes)
     what = (f"the ring needs {L.total_bytes:,} bytes ({_gib(L.total_bytes)}: {L.nslots} slots "
             f"of {L.slot_bytes:,} bytes, each {L.batch_size} samples x {L.sample_bytes:,} "
             f"bytes)")
+    others = budget.parts(L.total_bytes)[1:]
+    if others:
+        what += (", and with " + ", ".join(
+            f"{w} ({_gib(n)}{f', lower {s}' if s else ''})" for w, n, s in others)
+            + f" the pipeline needs {needed:,} bytes ({_gib(needed)})")
     if available is not None:
         have = f"only {available:,} bytes ({_gib(available)}) are available ({where})"
         if L.slot_bytes > available:
@@ -512,11 +599,29 @@ def _too_big(layout, backing, available, where, cause=None):
         have += f"; reserving it failed: {cause}"
     fix = ("Lower batch_size, slots, or the bytes per sample (image_size; canvas_side or "
            "canvas_max_pixels when echoing before augmentation)")
+    settings = [s for _, n, s in others if s and n]
+    if settings:
+        fix += ", or " + ", ".join(dict.fromkeys(settings))
     if backing == "shm":
         fix += (f"; this ring lives in {SHM_DIR} (the named fallback): make it larger "
                 f"(docker run --shm-size=...), or leave {BACKING_ENV} unset where the kernel "
                 f"has memfd_create")
-    return RingMemoryError(f"{what}, but {have}. {fix}.", L.total_bytes, available, where)
+    err = RingMemoryError(f"{what}, but {have}. {fix}.", needed, available, where)
+    err.parts = budget.parts(L.total_bytes)
+    return err
+
+
+def _check_budget(layout, budget, backing):
+    """Raise RingMemoryError unless the ring (in ``backing``) and the rest of ``budget``
+    fit: the total against RAM and the cgroup, a named ring also against /dev/shm."""
+    available, where = memory_available("memfd")
+    if available is not None and budget.needed(layout.total_bytes) > available:
+        raise _too_big(layout, backing, available, where, budget=budget)
+    if backing == "shm":
+        available, where = memory_available("shm")
+        if available is not None and layout.total_bytes > available:
+            raise _too_big(layout, backing, available, where, budget=MemoryBudget())
+    return available, where
 
 
 def _backing(backing):
@@ -579,44 +684,48 @@ class Ring:
 
     # -- life cycle ------------------------------------------------------------
     @classmethod
-    def create(cls, nslots, batch_size, sample_bytes, first_ticket=0, backing=None):
+    def create(cls, nslots, batch_size, sample_bytes, first_ticket=0, backing=None, *,
+               budget=None):
         """A new ring, every page reserved.
 
         ``backing``: "memfd", "shm" (a named segment in /dev/shm) or "auto" (memfd
         where the kernel has it); default: ``$ECHO_NATIVE_RING_BACKING``, else "auto".
+        ``budget``: a :class:`MemoryBudget` of what the pipeline adds besides the
+        ring (worker processes, the consumer, an echo buffer), checked with it;
+        default: the ring alone.
         ValueError for a geometry that cannot exist, :class:`RingMemoryError` (a
         MemoryError) for one that does not fit the memory available, checked before
         anything is allocated.
         """
         if nslots < 2:
             raise ValueError(f"a ring needs at least 2 slots, got {nslots}")
+        if budget is None:
+            budget = MemoryBudget()
+        elif not isinstance(budget, MemoryBudget):
+            raise TypeError(f"budget must be a MemoryBudget, got {budget!r}")
         choice = _backing(backing)
         layout = Layout(int(nslots), int(batch_size), int(sample_bytes))
         seg = None
         if choice != "shm":
-            available, where = memory_available("memfd")
-            if available is not None and layout.total_bytes > available:
-                raise _too_big(layout, "memfd", available, where)
+            available, where = _check_budget(layout, budget, "memfd")
             label = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
             try:
                 seg = _memfd_segment(label, layout.total_bytes)
             except OSError as e:
                 if e.errno in _NO_ROOM:
                     raise _too_big(layout, "memfd", available, where,
-                                   e.strerror or str(e)) from None
+                                   e.strerror or str(e), budget) from None
                 if choice == "memfd" or e.errno not in _NO_MEMFD:
                     raise
         if seg is None:
             remove_stale_segments()  # first: what it frees counts as available
-            available, where = memory_available("shm")
-            if available is not None and layout.total_bytes > available:
-                raise _too_big(layout, "shm", available, where)
+            available, where = _check_budget(layout, budget, "shm")
             try:
                 seg = _ring.Segment(_shm_name(), layout.total_bytes, create=True)
             except OSError as e:
                 if e.errno in _NO_ROOM:
                     raise _too_big(layout, "shm", available, where,
-                                   e.strerror or str(e)) from None
+                                   e.strerror or str(e), budget) from None
                 raise
         try:
             seg.ring_init(layout.nslots, layout.batch_size, layout.sample_bytes,

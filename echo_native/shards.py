@@ -13,7 +13,14 @@ Why it is built the way it is:
 * Shards are written under a temporary name and renamed when complete (or,
   for object storage, uploaded when complete: an object appears whole or not
   at all), so an interrupted run never leaves a truncated shard under a final
-  name.
+  name.  Temporary files are made by ``mkstemp`` (a fresh random name opened
+  with ``O_EXCL``) in the output folder, never under a name another user could
+  guess and plant a link at, and the rename replaces whatever is at the final
+  name instead of writing through it.  For a URL the temporaries live in a
+  private local folder (``mkdtemp``, mode 0700) and each shard is uploaded to its
+  final name once complete: object stores have no links, and fsspec offers no
+  ``O_EXCL`` or ``O_NOFOLLOW`` for filesystems that do (sftp, smb), so nothing is
+  ever written there under a temporary name.
 * The shards are deterministic: the same input gives the same bytes (member
   times, owners and modes are fixed), so re-running is harmless and shards can
   be compared by checksum.
@@ -157,9 +164,19 @@ class _Output:
             for n in existing:
                 os.unlink(os.path.join(self.base, n))
 
-    def tmp_path(self, name):
-        # Hidden, so a glob for shards never picks up one being written.
-        return os.path.join(self.tmpdir, f".{name}.tmp-{os.getpid()}")
+    def new_tmp(self, name):
+        """A new temporary file for shard ``name``: (binary file object, path).  Made by
+        mkstemp (a random name, O_EXCL: a link planted at a guessable name is never
+        followed), hidden (a glob for shards never picks up one being written), with
+        the mode a new file gets (0666 less the umask) as it is renamed into place."""
+        fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.tmpdir)
+        try:
+            os.fchmod(fd, 0o666 & ~tarindex.umask())
+            return os.fdopen(fd, "wb"), path
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
 
     def final(self, name):
         return f"{self.base}/{name}" if self.url else os.path.join(self.base, name)
@@ -182,14 +199,15 @@ class _Output:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _open_source(source, storage_options, remote):
+def _open_source(source, storage_options, remote, trust_list=False):
     from echo_native.source import FileList, ImageFolder
 
     if not isinstance(source, (str, os.PathLike)):
         return source
     loc = _remote.local_path(os.fspath(source)) if isinstance(source, str) else source
     if _remote.is_url(str(loc)):
-        return FileList(str(loc), storage_options=storage_options, remote=remote)
+        return FileList(str(loc), storage_options=storage_options, remote=remote,
+                        trust_list=trust_list)
     if os.path.isdir(loc):
         return ImageFolder(loc)
     if os.path.isfile(loc):
@@ -199,7 +217,8 @@ def _open_source(source, storage_options, remote):
 
 def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max_side=None,
                  quality=90, verify=True, strict=False, overwrite=False, progress=None,
-                 report=None, storage_options=None, remote=None) -> ShardList:
+                 report=None, storage_options=None, remote=None,
+                 trust_list=False) -> ShardList:
     """Pack ``source`` into tar shards in ``out_dir``; returns the shards' paths (or URLs).
 
     Parameters
@@ -232,6 +251,9 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
         (default: a RuntimeWarning); the same pairs end in the result's ``failures``.
     storage_options, remote
         For URLs (the source's or ``out_dir``), as in :class:`~echo_native.TarShards`.
+    trust_list : bool
+        For a list read from a URL: read its local paths and URLs of other schemes as
+        given (see :class:`~echo_native.FileList`; refused by default).
     """
     from echo_native.decode import decode, image_size
 
@@ -244,13 +266,13 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
         raise ValueError(f"max_side must be a positive integer, got {max_side!r}")
     if not isinstance(quality, int) or not 1 <= quality <= 100:
         raise ValueError(f"quality must be an integer in 1..100, got {quality!r}")
-    src = _open_source(source, storage_options, remote)
+    src = _open_source(source, storage_options, remote, trust_list)
     n = len(src)
     width = max(6, len(str(max(n - 1, 0))))
     out = _Output(out_dir, storage_options, remote, overwrite)
     result = ShardList()
     bar = _progress_bar(n, progress)
-    tar = tmp = None
+    tar = tmp = fobj = None
     count = size = 0
     try:
         for i in range(n):
@@ -283,11 +305,12 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
             if tar is not None and (_closed_size(size + need) > shard_size
                                     or (max_count is not None and count >= max_count)):
                 tar.close()
-                tar = None
+                fobj.close()
+                tar = fobj = None
                 result.append(out.publish(tmp, _shard_name(len(result))))
             if tar is None:
-                tmp = out.tmp_path(_shard_name(len(result)))
-                tar = tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT)
+                fobj, tmp = out.new_tmp(_shard_name(len(result)))
+                tar = tarfile.open(fileobj=fobj, mode="w", format=tarfile.USTAR_FORMAT)
                 count = size = 0
             key = f"{i:0{width}d}"
             tar.addfile(_member(key + ext, len(data)), io.BytesIO(data))
@@ -299,15 +322,17 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
                 bar.update(1)
         if tar is not None:
             tar.close()
-            tar = None
+            fobj.close()
+            tar = fobj = None
             result.append(out.publish(tmp, _shard_name(len(result))))
     except BaseException:
         # Interrupted or failed: the shard being written never reaches its final name.
-        if tar is not None:
-            try:
-                tar.close()
-            except Exception:  # noqa: BLE001
-                pass
+        for f in (tar, fobj):
+            if f is not None:
+                try:
+                    f.close()
+                except Exception:  # noqa: BLE001
+                    pass
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         raise

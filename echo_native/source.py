@@ -9,8 +9,9 @@ shipping one to a worker stays cheap for millions of files.
 """
 from __future__ import annotations
 
-import os
 import errno
+import math
+import os
 import stat
 import threading
 import warnings
@@ -30,6 +31,13 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 #: reading it would take that much memory in a worker.
 DEFAULT_MAX_FILE_BYTES = 64 * 2**20
 
+
+#: Most files an ImageFolder lists (``max_samples``): a guard against a tree that
+#: lists far more than it should (links fanning out), not a limit real data sets reach.
+DEFAULT_MAX_SAMPLES = 50_000_000
+
+#: Largest list file a FileList reads from a URL.
+_MAX_LIST_BYTES = 2**31
 
 #: Guards the per-process objects sources create lazily (reader threads may race).
 _LAZY = threading.Lock()
@@ -69,6 +77,108 @@ def _prefetcher_of(src, create):
     if pf is None and create:
         pf = table[me] = _remote.Prefetcher(src._fetch, src._store.options)
     return pf
+
+
+def _source_name(source):
+    if type(source).__repr__ is object.__repr__:  # an address names nothing to the user
+        return type(source).__name__
+    try:
+        text = repr(source)
+    except Exception:  # noqa: BLE001 - a user's __repr__ may fail; the type still names it
+        text = f"<{type(source).__name__}>"
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def check_labels(source, labels=None) -> np.ndarray:
+    """The labels of ``source`` (or ``labels``, for it) as a checked int64 array.
+
+    One label per sample (``len(source)`` of them, one-dimensional); each an
+    integer that fits 64 bits (int64, or a uint64 below 2**63), or a float with an
+    integral value (1.0: labels read from a CSV through pandas come as floats).
+    A non-integral or non-finite float (2.5, nan) is refused rather than
+    truncated, as are strings, None and values out of range (2**63, 2**64,
+    numpy's uint64 maximum).  Raises TypeError (no labels, not numbers) or
+    ValueError (wrong length, out of range, not integral) naming the source and
+    the first offending index and value.
+    """
+    name = _source_name(source)
+    if labels is None:
+        try:
+            labels = source.labels
+        except AttributeError:
+            raise TypeError(f"the source {name} has no `labels` (an integer per sample)") \
+                from None
+    if isinstance(labels, (str, bytes)) or not hasattr(labels, "__len__") and \
+            not isinstance(labels, np.ndarray):
+        raise TypeError(f"labels of {name} must be a sequence of integers, got "
+                        f"{type(labels).__name__}")
+    try:
+        arr = np.asarray(labels)
+        if not isinstance(labels, np.ndarray) and arr.dtype.kind not in "biu":
+            # Python values that numpy would coerce (2**63 among ints becomes a float):
+            # checked one by one, exactly.
+            arr = np.asarray(labels, dtype=object)
+    except (ValueError, TypeError) as e:  # ragged nesting and the like
+        raise TypeError(f"labels of {name} are not a flat sequence of integers ({e})") from None
+    try:
+        n = len(source)
+    except TypeError:
+        n = None
+    if arr.ndim != 1 or (n is not None and arr.shape[0] != n):
+        raise ValueError(f"labels of {name}: expected {n if n is not None else 'one per sample'}"
+                         f" labels in one dimension, got shape {arr.shape}")
+    kind = arr.dtype.kind
+    if kind == "b":
+        return arr.astype(np.int64)
+    if kind == "i":
+        return arr.astype(np.int64, copy=False)
+    if kind == "u":
+        bad = np.flatnonzero(arr > np.iinfo(np.int64).max)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"labels of {name}: label {i} is {int(arr[i])}, which does not "
+                             f"fit a 64-bit signed integer")
+        return arr.astype(np.int64)
+    if kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr))
+                                 | (np.abs(arr) >= 2.0**63))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(_not_integral(name, i, float(arr[i])))
+        return arr.astype(np.int64)
+    if kind == "O":
+        out = np.empty(arr.shape[0], np.int64)
+        for i, v in enumerate(arr.tolist()):
+            if isinstance(v, (bool, int, np.integer)):
+                v = int(v)
+            elif isinstance(v, (float, np.floating)):
+                if not (math.isfinite(v) and v == int(v)):
+                    raise ValueError(_not_integral(name, i, float(v)))
+                v = int(v)
+            else:
+                raise TypeError(_not_a_label(name, i, v))
+            if not -2**63 <= v < 2**63:
+                raise ValueError(f"labels of {name}: label {i} is {v}, which does not fit a "
+                                 f"64-bit signed integer")
+            out[i] = v
+        return out
+    for i, v in enumerate(arr.tolist()):  # strings, bytes, ...: name the first one
+        raise TypeError(_not_a_label(name, i, v))
+    raise TypeError(f"labels of {name} must be integers, got an array of {arr.dtype}")
+
+
+def _not_integral(name, i, v):
+    if math.isfinite(v) and v == int(v):  # integral, but 2**63 or more in magnitude
+        return (f"labels of {name}: label {i} is {v!r}, which does not fit a 64-bit signed "
+                f"integer")
+    return (f"labels of {name}: label {i} is {v!r}, not an integer (float labels must have "
+            f"integral values: a class index is never truncated)")
+
+
+def _not_a_label(name, i, v):
+    return (f"labels of {name}: label {i} is {repr(v)[:40]} ({type(v).__name__}), not an "
+            f"integer")
 
 
 def _check_max_file_bytes(owner, value):
@@ -165,7 +275,7 @@ class _Files:
         pf = _prefetcher_of(self, create=False)
         if pf is not None:
             opts = self._store.options
-            data = pf.take(i, opts.retry_timeout + opts.request_timeout + 5.0)
+            data = pf.take(i, opts.retry_timeout + 5.0)
             if data is not None:
                 return data
         return self._fetch(i)
@@ -198,15 +308,19 @@ def _dir_id(path):
     return st.st_dev, st.st_ino
 
 
-def _walk_acyclic(top, above=()):
-    """``os.walk(top, followlinks=True)`` that does not enter a directory (device,
-    inode) it is already inside: a link back up the tree (``a/loop -> ..``) would
-    otherwise be listed forever.  Otherwise the same directories as ``os.walk``,
-    so the listing matches torchvision's wherever torchvision's terminates.
-    ``above`` are the ids of directories above ``top``."""
-    inside = {os.path.normpath(top): frozenset(above) | {_dir_id(top)}}
+def _walk_once(top, seen, skipped):
+    """``os.walk(top, followlinks=True)`` that enters each real directory (device,
+    inode) at most once: a second name for a folder already walked, or marked in
+    ``seen`` (the root), is skipped and recorded in ``skipped``.  That covers a link
+    back up the tree (``a/loop -> ..``, which would list files forever) and links
+    that fan out to the same folder without a loop (two links per level, 17
+    levels deep, list one file 131,072 times).  Sub-folders are visited in sorted
+    order, so which name of a folder is kept does not depend on the file system's
+    listing order.  Otherwise the same directories as ``os.walk``, so the listing
+    matches torchvision's wherever no real folder is reached twice."""
+    seen.add(_dir_id(top))
     for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
-        ancestors = inside.pop(os.path.normpath(dirpath))
+        dirnames.sort()
         keep = []
         for name in dirnames:
             child = os.path.join(dirpath, name)
@@ -214,9 +328,11 @@ def _walk_acyclic(top, above=()):
                 cid = _dir_id(child)
             except OSError:  # a dangling link, as os.walk would skip it
                 continue
-            if cid not in ancestors:
-                keep.append(name)
-                inside[os.path.normpath(child)] = ancestors | {cid}
+            if cid in seen:
+                skipped.append(child)
+                continue
+            seen.add(cid)
+            keep.append(name)
         dirnames[:] = keep
         yield dirpath, dirnames, filenames
 
@@ -227,15 +343,24 @@ class ImageFolder(_Files):
     ``root/<class>/**/<file>``: classes are the sorted sub-folder names, files
     are walked in sorted order and kept when their extension (any case) is in
     ``extensions``.  ``classes`` and ``class_to_idx`` match torchvision.
-    Symbolic links are followed as torchvision does, except into a directory
-    the walk is already inside (``a/loop -> ..`` would otherwise list files
-    forever).  ``read`` refuses
-    non-regular files and files over ``max_file_bytes`` (a sample failure
-    naming the file).
+    Symbolic links are followed as torchvision does, except that within a class
+    each real folder (device, inode) is walked once: a link back up the tree
+    (``a/loop -> ..``) or a second link to a folder already listed (links fanning
+    out, which torchvision lists once per path: exponentially many) is skipped,
+    with one warning saying how many.  A class folder linked from another class
+    is still listed in both, as torchvision does.  More than ``max_samples``
+    files is a ValueError naming the limit (a guard against a tree that lists
+    far more than it holds).  ``read`` refuses non-regular files and files over
+    ``max_file_bytes`` (a sample failure naming the file).
     """
 
-    def __init__(self, root, extensions=IMG_EXTENSIONS, max_file_bytes=DEFAULT_MAX_FILE_BYTES):
+    def __init__(self, root, extensions=IMG_EXTENSIONS, max_file_bytes=DEFAULT_MAX_FILE_BYTES,
+                 max_samples=DEFAULT_MAX_SAMPLES):
         self.max_file_bytes = _check_max_file_bytes("ImageFolder", max_file_bytes)
+        if not isinstance(max_samples, (int, np.integer)) or isinstance(max_samples, bool) \
+                or max_samples < 1:
+            raise ValueError(f"ImageFolder: max_samples must be a positive integer, got "
+                             f"{max_samples!r}")
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"ImageFolder root {str(self.root)!r} is not a directory")
@@ -250,17 +375,34 @@ class ImageFolder(_Files):
         if not self.classes:
             raise ValueError(f"ImageFolder root {str(self.root)!r} has no class sub-folders")
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        paths, labels = [], []
+        paths, labels, skipped = [], [], []
         root_id = _dir_id(self.root)
         for idx, cls in enumerate(self.classes):
             # sorted(os.walk(...)) as torchvision: folders in path-string order
             # ("a/b-c" before "a/b/x"), not depth first.
-            for dirpath, _, filenames in sorted(_walk_acyclic(self.root / cls, [root_id])):
+            walked, found = [], 0
+            for dirpath, _, filenames in _walk_once(self.root / cls, {root_id}, skipped):
+                images = [n for n in filenames if n.lower().endswith(exts)]
+                found += len(images)
+                if len(paths) + found > max_samples:  # stops the walk, not only the list
+                    raise ValueError(
+                        f"ImageFolder root {str(self.root)!r} lists more than max_samples="
+                        f"{max_samples:,} files (class {cls!r}, reached in "
+                        f"{os.path.relpath(dirpath, self.root)!r}); pass a larger max_samples "
+                        f"if the data set really is that large")
+                walked.append((dirpath, images))
+            for dirpath, images in sorted(walked):
                 rel = os.path.relpath(dirpath, self.root)
-                for name in sorted(filenames):
-                    if name.lower().endswith(exts):
-                        paths.append(os.path.join(rel, name))
-                        labels.append(idx)
+                for name in sorted(images):
+                    paths.append(os.path.join(rel, name))
+                    labels.append(idx)
+        if skipped:
+            shown = [os.path.relpath(p, self.root) for p in skipped[:3]]
+            warnings.warn(f"ImageFolder {str(self.root)!r}: {len(skipped)} link(s) to folders "
+                          f"already listed in the same class were not followed again "
+                          f"({', '.join(repr(p) for p in shown)}"
+                          f"{', ...' if len(skipped) > 3 else ''}): each real folder is "
+                          f"listed once per class", RuntimeWarning, stacklevel=2)
         if not paths:
             raise ValueError(f"ImageFolder root {str(self.root)!r} holds no files with "
                              f"extensions {', '.join(exts)}")
@@ -278,9 +420,9 @@ class Samples:
         self._blobs = [bytes(b) for b in blobs]
         if labels is None:
             labels = np.zeros(len(self._blobs), dtype=np.int64)
-        self.labels = np.asarray(labels, dtype=np.int64)
-        if self.labels.shape != (len(self._blobs),):
-            raise ValueError(f"Samples got {len(self._blobs)} images but {self.labels.size} labels")
+        if hasattr(labels, "__len__") and len(labels) != len(self._blobs):
+            raise ValueError(f"Samples got {len(self._blobs)} images but {len(labels)} labels")
+        self.labels = check_labels(self, labels)
         if names is not None and len(names) != len(self._blobs):
             raise ValueError(f"Samples got {len(self._blobs)} images but {len(names)} names")
         self._names = None if names is None else [str(n) for n in names]
@@ -298,6 +440,24 @@ class Samples:
         return f"Samples({len(self)} samples)"
 
 
+def _check_remote_entry(path, scheme, where, list_name):
+    """Refuse an entry of a remote list that would leave its store: a local path, a
+    ``file://`` URL, or a URL of another scheme."""
+    if _remote.is_url(path):
+        if path.split("://", 1)[0].lower() == scheme:
+            return
+        what = f"a {path.split('://', 1)[0]}:// URL"
+    elif path.lower().startswith("file:") or os.path.isabs(path) or path.startswith("~"):
+        what = "a local path"
+    else:
+        return  # relative: resolved against the list's location
+    shown = path if path.isprintable() and len(path) <= 200 else repr(path[:200])
+    raise ValueError(f"{where}: {shown} is {what} in the remote list {list_name}; entries of "
+                     f"a list read from {scheme}:// are read from there (relative paths "
+                     f"against the list's folder, or {scheme}:// URLs). Pass "
+                     f"FileList(..., trust_list=True) to read such entries as given")
+
+
 class FileList(_Files):
     """Samples listed in a text/CSV file (or given as rows) of ``path,label``.
 
@@ -312,10 +472,16 @@ class FileList(_Files):
     each remote sample is one request, fetched ahead and retried as ``remote``
     (a :class:`~echo_native.remote.RemoteOptions`) says; ``storage_options``
     go to fsspec.
+
+    A list read from a URL is data from that store, not instructions for this
+    machine: its relative paths resolve against the list's own location, and its
+    URLs must be of the list's scheme.  A local path (``/etc/...``, ``file://``)
+    or a URL of another scheme in it is refused at construction, naming the line,
+    unless ``trust_list=True`` says to read the entries as given.
     """
 
     def __init__(self, path_or_rows, root=None, max_file_bytes=DEFAULT_MAX_FILE_BYTES, *,
-                 storage_options=None, remote=None):
+                 storage_options=None, remote=None, trust_list=False):
         self.max_file_bytes = _check_max_file_bytes("FileList", max_file_bytes)
         if isinstance(path_or_rows, str):
             path_or_rows = _remote.local_path(path_or_rows)
@@ -329,9 +495,11 @@ class FileList(_Files):
             if list_url:
                 name = _remote.redact(path_or_rows)
                 try:
-                    text = store.read_all(path_or_rows, 2**31).decode("utf-8")
+                    text = store.read_all(path_or_rows, _MAX_LIST_BYTES,
+                                          limit="the list size limit").decode("utf-8")
                 except _remote.RemoteReadError as e:
-                    if e.errno == errno.ENOENT:
+                    if e.errno == errno.ENOENT and \
+                            not isinstance(e, _remote.StoreUnavailableError):
                         raise FileNotFoundError(f"FileList {name!r} does not exist") from None
                     raise
                 lines = text.splitlines()
@@ -359,6 +527,10 @@ class FileList(_Files):
                 self.root = path_or_rows.split("?", 1)[0].rsplit("/", 1)[0]
             else:
                 self.root = list_path.parent
+            if list_url and not trust_list:
+                scheme = path_or_rows.split("://", 1)[0].lower()
+                for path, _, where in rows:
+                    _check_remote_entry(path, scheme, where, list_path)
         else:
             rows = [(str(p), lab, f"row {n}") for n, (p, lab) in enumerate(path_or_rows)]
             self.root = (root if _remote.is_url(root) else Path(root)) if root is not None \
@@ -444,6 +616,12 @@ class TarShards:
         self._names = [_remote.redact(s) if r else s
                        for s, r in zip(self.shards, self._remote_shard)]
         indexes = self._indexes(index_cache, write_index)
+        for name, index in zip(self._names, indexes):
+            if index.damage is not None:  # once per shard, here in the consumer
+                at, what = index.damage
+                warnings.warn(f"tar shard {name} is damaged at byte {at:,}: {what}; its "
+                              f"{len(index)} complete sample(s) before that are kept, the "
+                              f"rest of it is not read", RuntimeWarning, stacklevel=2)
         shard_of, offsets, sizes, labels, keys, starts = [], [], [], [], [], [0]
         for s, index in enumerate(indexes):
             shard_of.extend([s] * len(index))
@@ -487,8 +665,8 @@ class TarShards:
         size = os.stat(shard).st_size
         if os.path.isfile(side):
             try:
-                with open(side, "rb") as f:
-                    return tarindex.TarIndex.from_json(f.read(), size)
+                data = tarindex.read_limited(side, tarindex.max_index_bytes(size))
+                return tarindex.TarIndex.from_json(data, size)
             except (OSError, ValueError) as e:
                 warnings.warn(f"{side}: {e}; scanning the shard instead", RuntimeWarning,
                               stacklevel=4)
@@ -502,10 +680,15 @@ class TarShards:
         try:
             info = store.info(url)
         except _remote.RemoteReadError as e:
-            if e.errno == errno.ENOENT:
+            if e.errno == errno.ENOENT and not isinstance(e, _remote.StoreUnavailableError):
                 raise FileNotFoundError(f"tar shard {name!r} does not exist") from None
-            raise
+            raise  # the real cause (a 5xx, a refused connection...), naming the shard
         size = info["size"]
+        if size is None:
+            raise _remote.RemoteReadError(errno.EIO, "the server does not tell the object's "
+                                                     "size (no Content-Length); a tar shard "
+                                                     "needs one to be read by range", name)
+        limit = tarindex.max_index_bytes(size)
         cached = None
         if cache:
             import hashlib
@@ -514,30 +697,34 @@ class TarShards:
                                                                           "surrogatepass")
             cached = os.path.join(cache, hashlib.sha256(ident).hexdigest()[:40] + ".idx")
             try:
-                with open(cached, "rb") as f:
-                    return tarindex.TarIndex.from_json(f.read(), size)
+                return tarindex.TarIndex.from_json(tarindex.read_limited(cached, limit), size)
             except (OSError, ValueError):
                 pass
         index = None
         if "?" not in url:  # a signed URL's query does not sign its sidecar
             try:
-                data = store.read_all(tarindex.sidecar(url), 256 * 2**20,
-                                      what=tarindex.sidecar(name))
+                data = store.read_all(tarindex.sidecar(url), limit,
+                                      what=tarindex.sidecar(name),
+                                      limit="the index size limit for this shard")
                 index = tarindex.TarIndex.from_json(data, size)
+            except _remote.StoreUnavailableError:
+                raise
             except _remote.RemoteReadError as e:
                 if e.errno != errno.ENOENT:
                     warnings.warn(f"{e}; scanning the shard instead", RuntimeWarning,
                                   stacklevel=5)
+            except ReadLimitError as e:
+                warnings.warn(f"{tarindex.sidecar(name)}: {e.strerror}; scanning the shard "
+                              f"instead", RuntimeWarning, stacklevel=5)
             except ValueError as e:
                 warnings.warn(f"{tarindex.sidecar(name)}: {e}; scanning the shard instead",
                               RuntimeWarning, stacklevel=5)
         if index is None:
-            def scan():
-                # Headers only is a request per member; a streaming read of the whole
-                # shard in large blocks is far fewer, and happens once.
-                with store.open(url, block_size=_SCAN_BLOCK, cache_type="readahead") as f:
-                    return tarindex.scan(f, name, size)
-            index = store.retrying(f"indexing {name}", scan, passthrough=(ValueError,))
+            # Headers only would be a request per member; reading the shard through a
+            # large buffer is far fewer requests (each a bounded, retried range read),
+            # once.
+            with store.open(url, size, what=name, block_bytes=_SCAN_BLOCK) as f:
+                index = tarindex.scan(f, name, size)
             if write_index:
                 store.put_bytes(index.to_json(), tarindex.sidecar(url))
         if cached:
@@ -687,13 +874,15 @@ class TarShards:
 
     def _read_remote(self, i):
         opts = self._store.options
-        wait = opts.retry_timeout + opts.request_timeout + 5.0
+        wait = opts.retry_timeout + 5.0  # the fetch's own budget, plus a grace
         if opts.block_bytes:
             s = int(self._shard[i])
             b, start, end = self._block(s, i)
             if b >= 0:
                 try:
                     block = self._block_cache().get((s, start, end), end - start, wait)
+                except _remote.StoreUnavailableError:
+                    raise  # the store, not this sample: it names the store and the object
                 except OSError as e:
                     # The block's error, told about this sample.
                     raise _remote.RemoteReadError(e.errno or errno.EIO,

@@ -22,19 +22,23 @@ import threading
 import time
 import traceback
 import warnings
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 
 from echo_native.decode import Decoder
 from echo_native.errors import DecodeError, ReadLimitError
 from echo_native.plan import Plan
+from echo_native.remote import StoreUnavailableError
 from echo_native.ring import (CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, NO_SAMPLE, OK,
                               REASON_DECODE, REASON_LIMIT, REASON_NONE, REASON_READ, REPLACED,
                               Failure, Ring,
                               _pid_alive)
 
 _MAX_REPLACEMENTS = 16
+#: A sample whose read or decode has killed its worker this many times is not read
+#: again: the replacements report it as a failed sample, naming it.
+_DEADLY_AFTER = 2
 # How long one wait sleeps before re-checking the world (owner alive, ring
 # closed).  Bounds how late a worker notices its parent died.
 _POLL_S = 0.25
@@ -55,14 +59,27 @@ class _EpochCache:
 
 
 # ---- filling one slot -----------------------------------------------------------
+def describe(source, sid):
+    """``source.describe(sid)``, or a stand-in naming the source when that fails too."""
+    try:
+        return str(source.describe(sid))
+    except Exception as e:  # noqa: BLE001 - a custom source's describe() may be broken
+        return f"<sample {sid} of {type(source).__name__}; describe() raised {e!r}>"
+
+
 class _Filler:
     def __init__(self, ring: Ring, plan: Plan, source, index=None, stalled=None):
+        from echo_native.source import check_labels
+
         self.ring, self.plan, self.source = ring, plan, source
         self.index = index            # this worker's words in the ring header
-        self.stalled = stalled or {}  # sample id -> seconds its read hung in a predecessor
+        # sample id -> why it is not read again (its read hung past sample_timeout, or
+        # killed its worker repeatedly, in a predecessor): it fails with that message.
+        self.stalled = stalled or {}
         self.dec = Decoder(plan.decode)
         self.epochs = _EpochCache(plan, source)
-        self.labels = np.asarray(source.labels, dtype=np.int64)
+        self.labels = check_labels(source)
+        self.current = None           # the sample being read and decoded, for error reports
         self.prefetch = getattr(source, "prefetch", None)
         self._ahead = _takes_upcoming(self.prefetch)  # also hint the batch likely next
         self._last_ticket = None
@@ -70,20 +87,27 @@ class _Filler:
     def _produce(self, sid, epoch, slot, i):
         """Read + decode one sample into position i of the slot, or raise _SampleFailure."""
         if sid in self.stalled:
-            raise _SampleFailure(REASON_READ, self.source.describe(sid),
-                                 f"reading it stalled for {self.stalled[sid]:.0f} s (over "
-                                 f"sample_timeout); its worker was replaced")
-        if self.index is None:
-            return self._read_decode(sid, epoch, slot, i)
-        self.ring.set_reading(self.index, sid)
+            raise _SampleFailure(REASON_READ, describe(self.source, sid), self.stalled[sid])
+        self.current = sid
         try:
-            return self._read_decode(sid, epoch, slot, i)
-        finally:
-            self.ring.set_reading(self.index)
+            if self.index is None:
+                self._read_decode(sid, epoch, slot, i)
+            else:
+                self.ring.set_reading(self.index, sid)
+                try:
+                    self._read_decode(sid, epoch, slot, i)
+                finally:
+                    self.ring.set_reading(self.index)
+        except _SampleFailure:
+            self.current = None
+            raise
+        self.current = None
 
     def _read_decode(self, sid, epoch, slot, i):
         try:
             data = self.source.read(sid)
+        except StoreUnavailableError as e:
+            raise _StoreDown(e) from None
         except ReadLimitError as e:
             raise _SampleFailure(REASON_LIMIT, self.source.describe(sid),
                                  f"refused: {e.strerror or e}") from None
@@ -93,6 +117,15 @@ class _Filler:
         except MemoryError:
             raise _SampleFailure(REASON_LIMIT, self.source.describe(sid),
                                  "out of memory reading it") from None
+        except Exception:
+            raise  # a bug in the source: the worker's traceback, naming the sample
+        except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, ...
+            # Raised by the source's own read() (SIGINT never reaches a worker): it would
+            # end the worker, and every replacement after it, on this same sample.
+            text = str(e)
+            raise _SampleFailure(REASON_READ, describe(self.source, sid),
+                                 f"{type(self.source).__name__}.read({sid}) raised "
+                                 f"{type(e).__name__}{': ' + text if text else ''}") from None
         try:
             self.plan.transform.apply(self.dec, data, (self.plan.seed, epoch, sid, 0), slot, i)
         except (DecodeError, ValueError) as e:
@@ -112,6 +145,20 @@ class _Filler:
                 self.prefetch(ids, upcoming=self._upcoming(ticket))
             else:
                 self.prefetch(ids)
+        try:
+            self._fill(ticket, t0, plan, slot, epoch, ids)
+        except _StoreDown as down:
+            # Not one sample's failure, whatever on_error says: the batch fails with the
+            # store's name and the cause, and the consumer raises it.
+            self.current = None
+            self.ring.write_meta(ticket, 0, ERR_WORKER, 0, [Failure(
+                NO_SAMPLE, REASON_NONE, down.error.filename or "",
+                f"{down.error}. A store that cannot be reached stops the run whatever "
+                f"on_error says (it is not one bad sample): check the endpoint, the network "
+                f"and the storage_options, or raise RemoteOptions.retry_timeout to wait "
+                f"longer for it")])
+
+    def _fill(self, ticket, t0, plan, slot, epoch, ids):
         count, failures, warned, records = 0, 0, 0, []
         for sid in ids:
             sid = int(sid)
@@ -180,16 +227,29 @@ class _SampleFailure(Exception):
         self.reason, self.path, self.message = reason, path, message
 
 
+class _StoreDown(Exception):
+    """The source's store is unreachable: not a sample failure (see fill())."""
+
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
+
+
 # ---- the worker loop --------------------------------------------------------------
 def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None, stalled=None):
     """Claim tickets and fill slots until the ring closes or its owner dies.
 
     ``redo`` lists tickets a dead predecessor left unfinished; they come first.
     The claim word says which ticket this worker holds, so the supervisor can
-    tell which ones a crash lost.  ``stalled`` maps samples whose read hung in
-    a predecessor to how long: they fail without being read again.
+    tell which ones a crash lost.  ``stalled`` maps samples that hung or killed a
+    predecessor to why: they fail with that message without being read again.
     """
-    filler = _Filler(ring, plan, source, index, stalled)
+    try:
+        filler, unusable = _Filler(ring, plan, source, index, stalled), None
+    except Exception as e:  # noqa: BLE001 - e.g. labels that are not 64-bit integers
+        # Dying here would only start a replacement that dies the same way: every
+        # ticket this worker takes fails instead, with the reason, for the consumer.
+        filler, unusable = None, f"{type(e).__name__}: {e}"
     redo = list(redo)
     # Stop taking tickets once the ring is closed (a free slot would otherwise
     # keep a process worker decoding for nobody until close() kills it).
@@ -218,12 +278,21 @@ def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None, st
             ring.set_claim(index, 0)
             continue
         try:
-            filler.fill(ticket)
+            if unusable is not None:
+                ring.write_meta(ticket, 0, ERR_WORKER, 0, [Failure(
+                    NO_SAMPLE, REASON_NONE, "", f"worker {index} (pid {os.getpid()}) cannot "
+                                                f"use the source: {unusable}")])
+            else:
+                filler.fill(ticket)
         except Exception:
-            # No sample's failure: one record with no sample id, carrying the traceback.
+            # No sample's failure: one record with no sample id, carrying the traceback
+            # and the sample it happened on.
+            sid, where = filler.current, ""
+            if sid is not None:
+                where = f" on sample {sid} ({describe(source, sid)})"
             ring.write_meta(ticket, 0, ERR_WORKER, 0, [Failure(
                 NO_SAMPLE, REASON_NONE, "",
-                f"worker {index} (pid {os.getpid()}):\n{traceback.format_exc()}")])
+                f"worker {index} (pid {os.getpid()}){where}:\n{traceback.format_exc()}")])
         ring.publish(ticket)
         ring.set_claim(index, 0)
 
@@ -400,13 +469,14 @@ class WorkerPool:
         self.mode, self.count = mode, workers
         self.max_restarts, self.restart_window = max_restarts, restart_window
         self.restarts = 0
-        self._recent = []  # times of recent deaths
+        self._recent = []  # (time, sample id or None) of recent deaths that count
         self._stop = threading.Event()
         self._workers = [None] * workers
         self._thread_errors = []
         self._job = ship(plan, source) if mode == "process" and job is None else job
         self.sample_timeout = sample_timeout
-        self._stalled = {}     # sample id -> seconds its read hung: replacements fail it
+        self._stalled = {}     # sample id -> why replacements fail it without reading it
+        self._deaths = Counter()  # sample id -> workers that died while reading it
         self._stuck = set()    # workers killed for a stalled read (not a crash)
         self._owed = [()] * workers  # the redo tickets each worker was started with
         self._dead = []        # dead workers whose tickets are not yet re-issued
@@ -452,6 +522,20 @@ class WorkerPool:
                 return i
         return None
 
+    def waiting_on(self, ticket):
+        """What a consumer waiting for ``ticket`` waits on, for its timeout message:
+        which worker holds it and, when that worker is inside a sample, which sample
+        (named by the source: the file or URL) and for how long."""
+        i = self.holder(ticket)
+        if i is None:
+            return "no worker has claimed it"
+        reading = self.ring.reading(i)
+        if reading is None:
+            return f"worker {i} holds it"
+        sid, seconds = reading
+        return (f"worker {i} holds it and has been reading and decoding sample {sid} "
+                f"({describe(self.source, sid)}) for {seconds:.0f} s")
+
     def check(self, consumer_ticket):
         """Replace dead workers and re-issue the tickets they held."""
         if self._thread_errors:
@@ -476,14 +560,32 @@ class WorkerPool:
         """Count, report and clear the words of workers found dead."""
         self.restarts += len(dead)
         now = time.monotonic()
-        self._recent = [t for t in self._recent if now - t < self.restart_window]
-        # A worker replaced because a read hung is not a crash: no crash-loop count.
-        self._recent += [now] * len([i for i in dead if i not in self._stuck])
+        self._recent = [d for d in self._recent if now - d[0] < self.restart_window]
+        # The sample each was reading when it died, from its words in the ring.
+        during = {i: (None if self.ring.reading(i) is None else self.ring.reading(i)[0])
+                  for i in dead}
+        for i in dead:
+            if i in self._stuck:
+                continue  # replaced because a read hung: not a crash, no crash-loop count
+            sid = during[i]
+            if sid is not None and sid in self._stalled:
+                continue  # a sample already known to kill its reader: reported as failed
+            self._recent.append((now, sid))
+            if sid is not None:
+                self._deaths[sid] += 1
+                if self._deaths[sid] >= _DEADLY_AFTER:
+                    self._stalled[sid] = (
+                        f"its worker died while reading or decoding it, {self._deaths[sid]} "
+                        f"times (last exit code {self._workers[i].exitcode}); not read again")
         if len(self._recent) > self.max_restarts:
             codes = {i: self._workers[i].exitcode for i in dead}
+            often = Counter(sid for _, sid in self._recent if sid is not None)
+            named = "; ".join(f"sample {sid} ({describe(self.source, sid)}) {n} time(s)"
+                              for sid, n in often.most_common(3))
             raise RuntimeError(f"echo_native workers keep dying (exit codes {codes}): "
                                f"{len(self._recent)} deaths in {self.restart_window:.0f} s, "
-                               f"giving up")
+                               f"giving up" + (f". They died while reading {named}, of "
+                                               f"{type(self.source).__name__}" if named else ""))
         for i in dead:
             self._workers[i].join(0)
             self.ring.set_claim(i, 0)
@@ -491,9 +593,12 @@ class WorkerPool:
             if i in self._stuck:
                 self._stuck.discard(i)
             else:
+                sid = during[i]
+                at = "" if sid is None else \
+                    f" while reading sample {sid} ({describe(self.source, sid)})"
                 warnings.warn(f"echo_native worker {i} died (exit code "
-                              f"{self._workers[i].exitcode}); restarting it", RuntimeWarning,
-                              stacklevel=4)
+                              f"{self._workers[i].exitcode}){at}; restarting it",
+                              RuntimeWarning, stacklevel=4)
         self._dead += dead
 
     def _kill_stalled(self):
@@ -508,7 +613,9 @@ class WorkerPool:
             reading = self.ring.reading(i)
             if reading is not None and reading[1] > self.sample_timeout:
                 sid, seconds = reading
-                self._stalled[sid] = seconds
+                self._stalled[sid] = (f"reading it stalled for {seconds:.0f} s (over "
+                                      f"sample_timeout={self.sample_timeout:g} s); its worker "
+                                      f"was replaced")
                 self._stuck.add(i)
                 p.kill()
                 p.join(1.0)

@@ -295,6 +295,7 @@ def test_torchrun_two_ranks_gloo(tmp_path):
     assert set(orders[0][0]) != set(orders[1][0])
 
 
+@pytest.mark.slow   # two torchrun jobs per case; the same resume in one process: test_elastic
 @pytest.mark.parametrize("old,new", [(2, 1), (1, 2)])
 def test_torchrun_elastic_resume(tmp_path, old, new):
     """torchrun, gloo, echo 2: every rank's state, all-gathered mid-epoch and saved,

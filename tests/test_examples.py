@@ -97,7 +97,8 @@ def free_port():
 
 
 # ---- every example -------------------------------------------------------------------------
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [  # JAX's import takes seconds; test_jax_example runs it
+    pytest.param(s, marks=pytest.mark.slow) if s == "train_jax.py" else s for s in SCRIPTS])
 def test_example_is_a_plain_script_with_help(script, tmp_path):
     """No main guard (the way users write them), a docstring that says how to run it, --help."""
     text = (EXAMPLES / script).read_text()
@@ -115,7 +116,8 @@ def test_example_is_a_plain_script_with_help(script, tmp_path):
 
 # ---- PyTorch -------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("echo,placement", [("2", "before_augment"), ("auto", "batch")])
+@pytest.mark.parametrize("echo,placement", [("2", "before_augment"),
+                                             pytest.param("auto", "batch", marks=pytest.mark.slow)])
 def test_torch_example(data, tmp_path, echo, placement):
     pytest.importorskip("torch")
     rc, out = example("train_torch.py", "--data", data, "--steps", 3, *SMALL, "--workers", 2,
@@ -127,6 +129,7 @@ def test_torch_example(data, tmp_path, echo, placement):
     val_accuracy(out)
 
 
+@pytest.mark.slow   # three trainings (the ring's own resume: test_distributed, test_elastic)
 @pytest.mark.timeout(300)
 def test_torch_checkpoint_and_resume(data, tmp_path):
     """--steps stops and saves; --resume continues the same fresh stream, across an epoch."""
@@ -160,6 +163,7 @@ def test_torch_checkpoint_and_resume(data, tmp_path):
     assert [r["ticket"] for r in third["ring"]] == [8]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torch_resume_with_echo(data, tmp_path):
     """With echo the saved position is the oldest batch with examples still unsent."""
@@ -176,6 +180,7 @@ def test_torch_resume_with_echo(data, tmp_path):
     assert torch.load(ckpt)["step"] == 9
 
 
+@pytest.mark.slow   # a real torchrun of the library: test_distributed.py
 @pytest.mark.timeout(300)
 def test_torch_example_under_torchrun(data, tmp_path):
     """torchrun, two ranks, gloo: DDP, one printer, every rank's ring position saved."""

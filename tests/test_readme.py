@@ -24,8 +24,15 @@ def test_readme_has_usage_blocks():
     assert any("en.CenterCrop(" in b and "en.EchoRing(" in b for b in blocks)
 
 
+def _block_params():
+    """One parameter per block; a block that trains over the built-in 2,000-image corpus
+    (an EchoRing over it) is slow (``python -m pytest -m slow``), the others are not."""
+    return [pytest.param(i, marks=pytest.mark.slow) if "en.EchoRing(" in b else i
+            for i, b in enumerate(_blocks())]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("index", range(len(_blocks())))
+@pytest.mark.parametrize("index", _block_params())
 def test_readme_block_runs_as_a_script(tmp_path, index):
     """Block ``index`` of the README, saved as train.py and run with ``python train.py``
     from another folder, exits 0 without a traceback."""

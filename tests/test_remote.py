@@ -526,6 +526,9 @@ def test_deleted_object_goes_through_on_error(s3_server, local_shards, tmp_path,
             fresh, ids, _ = collect(ld)
         stats = ld.stats()
     msgs = sample_warnings(caught)
+    summary = [m for m in msgs if m.startswith("epoch 0: ")]
+    assert len(summary) == 1 and f"failed (read {len(gone)})" in summary[0]
+    msgs = [m for m in msgs if m not in summary]
     assert len(msgs) == len(gone)
     assert sorted(m.split(": ", 1)[0] for m in msgs) == sorted(tar.describe(i) for i in gone)
     assert all("no such object" in m for m in msgs)
@@ -551,9 +554,9 @@ def test_forbidden_object_fails_fast(s3_server, bucket_shards, cache):
         proxy.close()
 
 
-def test_unreachable_server_gives_up_within_budget():
-    """Nothing listening: transient errors are retried, then one error that says so and
-    names the object (the budget bounds the whole read)."""
+def test_unreachable_server_gives_up_within_budget(s3_env):
+    """Nothing listening: transient errors are retried, then one error that says the store
+    is unreachable, naming it and the object (the budget bounds the whole read)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -564,9 +567,12 @@ def test_unreachable_server_gives_up_within_budget():
                                       backoff=0.01, max_backoff=0.02))
     with pytest.raises(RemoteReadError) as ei:
         store.read_range("s3://nobody/shard.tar", 0, 10, what="s3://nobody/shard.tar:000001")
-    assert ei.value.errno == errno.EIO
-    assert "s3://nobody/shard.tar:000001" in str(ei.value) and "gave up after 3 tries" in str(
-        ei.value)
+    assert isinstance(ei.value, remote.StoreUnavailableError)
+    assert ei.value.errno == errno.ECONNREFUSED
+    assert ei.value.endpoint == f"http://127.0.0.1:{port}"
+    msg = str(ei.value)
+    assert msg.startswith("s3://nobody/shard.tar:000001: the store at http://127.0.0.1:")
+    assert "connection refused" in msg and "gave up after 3 tries" in msg
 
 
 # ---- FileList on S3 -----------------------------------------------------------------------

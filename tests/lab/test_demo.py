@@ -149,6 +149,7 @@ def test_summary_marks_unreached_settings():
     assert "not reached" in table and "2/3" in table and "1,100 ± 100" in table
 
 
+@pytest.mark.slow   # six trainings; the sweep's tables and verdict: the unit tests below
 def test_sweep_end_to_end(tiny, tmp_path, capsys):
     """--sweep runs fixed factors and echo="auto" at each R, with the losses reported to
     the ring, and prints the wall-time table with auto against the best fixed e."""
