@@ -268,7 +268,7 @@ def cmd_make_shards(args):
             src, args.out, shard_size=size, max_count=args.max_count, max_side=args.max_side,
             quality=args.quality, verify=not args.no_verify, strict=args.strict,
             overwrite=args.overwrite, progress=progress, report=report,
-            storage_options=options)
+            storage_options=options, trust_list=args.trust_list)
     except shards.ShardWriteError as e:
         print(f"echo-native make-shards: {e} (--strict: nothing more written)", file=sys.stderr)
         return 1
@@ -337,6 +337,9 @@ def build_parser():
                          "skip and count it)")
     ms.add_argument("--overwrite", action="store_true",
                     help="replace shards already in OUT")
+    ms.add_argument("--trust-list", action="store_true",
+                    help="a list read from a URL may name local paths and other schemes "
+                         "(default: only paths relative to the list, or URLs of its scheme)")
     ms.add_argument("-o", "--storage-option", type=storage_option, action="append",
                     metavar="KEY=VALUE",
                     help="fsspec storage option for URLs, e.g. endpoint_url=http://host:9000 "

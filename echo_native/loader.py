@@ -30,14 +30,16 @@ from echo_native.errors import DecodeError
 from echo_native.plan import ON_ERROR, Plan
 from echo_native.resume import (check_epoch, check_merged, check_state, merge_states,
                                 resumed_plan, state_at)
-from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, REASONS, Ring, RingMemoryError
-from echo_native.source import as_source
+from echo_native.ring import (ERR_DECODE, ERR_WORKER, OK, REASONS, WORKER_BYTES, MemoryBudget,
+                              Ring, RingMemoryError)
+from echo_native.source import as_source, check_labels
 from echo_native.specs import check_batch_size, fold
 from echo_native.workers import WorkerPool, ship
 
 
 class WorkerError(RuntimeError):
-    """A worker raised an unexpected exception; the message carries its traceback."""
+    """A worker raised an unexpected exception, or the source's store is unreachable; the
+    message carries the cause (a traceback, or the store's URL and error)."""
 
 
 class SampleFailureWarning(UserWarning):
@@ -118,6 +120,7 @@ class Loader:
         n = len(source)
         if n == 0:
             raise ValueError("the source is empty")
+        check_labels(source)  # here, once: a bad label would crash-loop the workers
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if not is_int(seed) or not 0 <= seed < 2**64:
@@ -153,6 +156,9 @@ class Loader:
         self._finalizer = None
         self._watchers = []        # (opened(ring), closing()) of stages that map the ring
         self._stats = _Counters()
+        # Memory the stages after the loader will take besides the ring, checked with it
+        # at start: [(what, bytes, setting to lower)] (an echo buffer, see EchoRing).
+        self.memory_extra = ()
         self._iteration = IterationGuard("Loader")
         self._owner_pid = os.getpid()  # a forked child must neither use nor stop the ring
 
@@ -172,15 +178,18 @@ class Loader:
         try:
             # Every page reserved now, after a check against the memory available:
             # a ring that does not fit fails here, before any worker starts.
-            ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket)
+            ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket,
+                               budget=self._budget())
         except RingMemoryError as e:
             t = self.plan.transform
             per = ", ".join(f"{k}={getattr(t, k)!r}" for k in ("size", "min_side", "max_pixels")
                             if hasattr(t, k))
-            raise RingMemoryError(f"{e} This loader: batch_size={self.plan.batch_size}, "
+            err = RingMemoryError(f"{e} This loader: batch_size={self.plan.batch_size}, "
                                   f"slots={self.slots}, {shape:,} bytes per sample "
                                   f"({type(t).__name__}({per})).", e.needed, e.available,
-                                  e.limit) from None
+                                  e.limit)
+            err.parts = e.parts
+            raise err from None
         pool, opened = None, []
         try:
             pool = WorkerPool(ring, self._work, self.source, self.workers, self._worker_mode,
@@ -203,6 +212,16 @@ class Loader:
         self._finalizer = weakref.finalize(self, _shutdown, self._owner_pid, ring, pool, opened)
         self._stats.started = time.perf_counter()
         return self
+
+    def _budget(self):
+        """What the pipeline needs besides the ring: its worker processes (a remote
+        source's block cache and prefetch in each), the consumer's margin, and what
+        the stages after the loader declared (:attr:`memory_extra`)."""
+        options = getattr(getattr(self.source, "_store", None), "options", None)
+        remote = options.cache_bytes + options.prefetch_bytes if options else 0
+        processes = self.workers if self._worker_mode == "process" else 0
+        return MemoryBudget.for_pipeline(workers=processes, extra=self.memory_extra,
+                                         worker_bytes=WORKER_BYTES + remote)
 
     def close(self):
         """Stop the workers and remove the shared memory.  Idempotent.
@@ -511,8 +530,7 @@ class Loader:
                 break
             pool.check(ticket)
             if time.perf_counter() > deadline:
-                holder = pool.holder(ticket)
-                who = "no worker has claimed it" if holder is None else f"worker {holder} holds it"
+                who = pool.waiting_on(ticket)
                 raise TimeoutError(f"waited {self.timeout:.0f} s for batch {ticket} "
                                    f"(slot {ticket % ring.layout.nslots}); {who}. A worker may "
                                    f"be hung on a sample; raise `timeout` if a batch really "

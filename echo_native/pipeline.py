@@ -145,6 +145,13 @@ class EchoRing:
         self.delivery = Delivery(self.device, batch_size, crop.size, self.seed, output, mix,
                                  on_batch, num_classes)
         self.stage = self._stage(bool(drop_last), transform.sample_bytes)
+        if self.device.host_resident and not echo.off:
+            # The echo buffer (or batch echo's window of batch copies) in host memory,
+            # checked with the ring at start: refused there, never OOM-killed later.
+            held = capacity if echo.placement != "batch" else \
+                (max(2, capacity // batch_size) + 1) * batch_size
+            self.loader.memory_extra = (("the echo buffer", held * transform.sample_bytes,
+                                         "shuffle_buffer"),)
         self._iteration = IterationGuard("EchoRing")
         # The device follows the ring through restarts (a seek makes a new one).
         self.loader.watch_ring(self.device.attach, self.device.detach)

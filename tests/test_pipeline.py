@@ -673,15 +673,31 @@ def test_a_refused_start_leaks_nothing_and_leaves_the_other_ring_alone():
 
 
 def test_echo_buffer_too_large_stops_the_workers_and_says_what_to_do():
-    """An echo buffer that cannot be allocated: MemoryError with the size and a smaller
-    setting, and the ring started for it is gone."""
+    """An echo buffer that cannot be allocated on its device: MemoryError with the size
+    and a smaller setting, and the ring started for it is gone."""
+    src = en.Samples(_jpegs(16), np.arange(16) % 3)
+    before = _segments()
+    ring = en.EchoRing(src, batch_size=8, image_size=224, echo=2, workers=1,
+                       shuffle_buffer=2**40, device=ArrayDevice(np))
+    with pytest.raises(MemoryError, match=r"needs .* GiB on array, which could not be allocated; each of these halves it: shuffle_buffer="):
+        ring.start()
+    assert ring.loader.ring is None and _segments() == before
+
+
+def test_a_host_echo_buffer_is_budgeted_with_the_ring():
+    """On the CPU the echo buffer counts in the memory budget checked with the ring: too
+    large, it is refused before any worker starts, naming it and shuffle_buffer."""
     src = en.Samples(_jpegs(16), np.arange(16) % 3)
     before = _segments()
     ring = en.EchoRing(src, batch_size=8, image_size=224, echo=2, workers=1,
                        shuffle_buffer=2**40)
-    with pytest.raises(MemoryError, match=r"needs .* GiB on cpu, which could not be allocated; each of these halves it: shuffle_buffer="):
+    with pytest.raises(en.RingMemoryError, match=r"the echo buffer \(.* GiB, lower "
+                                                 r"shuffle_buffer\)") as info:
         ring.start()
-    assert ring.loader.ring is None and _segments() == before
+    assert ("the echo buffer", 2**40 * ring.loader.plan.transform.sample_bytes,
+            "shuffle_buffer") in info.value.parts
+    assert ring.loader.ring is None and ring.loader.worker_pids() == [] and \
+        _segments() == before
 
 
 def test_stats_name_the_backend():
