@@ -49,7 +49,7 @@ from echo_native.decode import (
 from echo_native.transforms import CenterCrop, RandomResizedCrop
 from echo_native.augment import ColorJitter, RandomErasing, RandomGrayscale, TrivialAugmentWide
 from echo_native.plan import Shard
-from echo_native.ring import RingMemoryError
+from echo_native.memory import RingMemoryError
 from echo_native.batch import Batch
 from echo_native.resume import merge_states
 from echo_native.specs import Workers

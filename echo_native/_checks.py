@@ -55,12 +55,14 @@ def optional_positive_int(owner, name, v):
 
 def seconds(owner, name, v, optional=False):
     """A positive, finite number of seconds (None allowed with ``optional``): NaN or
-    infinity would disable the wait it bounds."""
+    infinity would disable the wait it bounds.  Not a number: TypeError, or for an
+    ``optional`` one ValueError (the original contract's two errors)."""
     if v is None and optional:
         return None
     what = "a positive number of seconds" + (" or None" if optional else "")
     if not is_number(v):
-        raise TypeError(f"{owner}: {name} must be {what}, got {v!r}")
+        raise (ValueError if optional else TypeError)(f"{owner}: {name} must be {what}, "
+                                                      f"got {v!r}")
     if not 0 < v < math.inf:
         raise ValueError(f"{owner}: {name} must be {what}, got {v!r}")
     return float(v)

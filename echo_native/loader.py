@@ -30,8 +30,8 @@ from echo_native.errors import DecodeError
 from echo_native.plan import ON_ERROR, Plan
 from echo_native.resume import (check_epoch, check_merged, check_state, merge_states,
                                 resumed_plan, state_at)
-from echo_native.ring import (ERR_DECODE, ERR_WORKER, OK, REASONS, WORKER_BYTES, MemoryBudget,
-                              Ring, RingMemoryError)
+from echo_native.memory import WORKER_BYTES, MemoryBudget, RingMemoryError
+from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, REASONS, Ring
 from echo_native.source import as_source, check_labels
 from echo_native.specs import check_batch_size, fold
 from echo_native.workers import WorkerPool, ship
@@ -483,12 +483,8 @@ class Loader:
                 raise DecodeError(f"{failures} samples of batch {ticket} failed")
             raise DecodeError(records[-1].message, records[-1].path)
         dropped = self.plan.ticket_size(ticket) - count
-        if dropped:
-            self._stats.dropped += dropped
-            if self.plan.on_error == "replace":
-                warnings.warn(f"{dropped} failed sample(s) of batch {ticket} could not be "
-                              f"replaced either (every stand-in failed too): dropped, the "
-                              f"batch has {count} samples", SampleFailureWarning, stacklevel=3)
+        self._stats.dropped += dropped
+        self._stats.epoch_dropped += dropped
         if (ticket + 1) % len(self) == 0:
             self._summarize_epoch(ticket // len(self))
         fresh = self._fresh(ticket, count)
@@ -557,8 +553,9 @@ class Loader:
             # bytes is shown escaped, so it cannot break or forge a log line; the
             # exact name is the warning's ``failure.path``.
             shown = r.path if r.path and r.path.isprintable() else repr(r.path)
+            what = "dropped: every stand-in failed too" if r.dropped else action
             w = SampleFailureWarning(f"{shown}: {' '.join(r.message.split())} "
-                                     f"(sample {r.sample_id}, {action})")
+                                     f"(sample {r.sample_id}, {what})")
             w.failure = r
             warnings.warn(w, stacklevel=4)
         if failures > len(records):  # more than the slot's report area could name
@@ -578,8 +575,8 @@ class Loader:
         so that what the per-file warnings left out (files already named, samples the
         slot's report could not name) is still said."""
         books = self._stats
-        counts, repeats = books.epoch_failures, books.repeats
-        books.epoch_failures, books.repeats = {}, 0
+        counts, repeats, dropped = books.epoch_failures, books.repeats, books.epoch_dropped
+        books.epoch_failures, books.repeats, books.epoch_dropped = {}, 0, 0
         total = sum(counts.values())
         if not total:
             return
@@ -589,8 +586,11 @@ class Loader:
             quiet.append(f"{repeats} of files already named in an earlier warning")
         if counts.get("unreported"):
             quiet.append(f"{counts['unreported']} whose paths did not fit the batch's report")
+        action = self._action()
+        if dropped and self.plan.on_error == "replace":
+            action = f"{action} ({dropped} dropped: every stand-in failed too)"
         w = SampleFailureWarning(
-            f"epoch {epoch}: {total} sample(s) failed ({by}), {self._action()}"
+            f"epoch {epoch}: {total} sample(s) failed ({by}), {action}"
             f"{'; not warned one by one: ' + '; '.join(quiet) if quiet else ''}; "
             f"totals in stats()['failures']")
         w.failure = None
@@ -627,6 +627,7 @@ class _Counters:
         self.failures = {}
         self.epoch_failures = {}   # this epoch's, for its summary
         self.repeats = 0           # this epoch's failures of files named before
+        self.epoch_dropped = 0     # this epoch's samples dropped (no stand-in either)
         self.reported = set()      # paths named in a warning already
 
 

@@ -12,7 +12,8 @@ check against the memory available, so a ring that does not fit fails at
 :meth:`Ring.create` with :class:`RingMemoryError` and never later with SIGBUS.
 Where ``memfd_create`` is unavailable (``ENOSYS``), or when the environment
 says ``ECHO_NATIVE_RING_BACKING=shm``, the ring is a named POSIX
-shared-memory object in ``/dev/shm`` instead (see :func:`remove_stale_segments`).
+shared-memory object in ``/dev/shm`` instead (see
+:func:`echo_native.memory.remove_stale_segments`).
 
 The hand-off protocol (tickets, one sequence word per slot, futex sleep) and
 the byte layout of the segment are defined once, in C, in
@@ -36,26 +37,25 @@ original image size and "canvas scale" maps canvas pixels to original pixels
 (original = canvas * scale), so every echo can draw its crop in the
 original's coordinates.
 
-Failed samples travel as binary, length-prefixed records (en_ring_failure:
-sample id, reason, path length, message length, then the path's raw bytes and
-the UTF-8 message): :func:`encode_failures` / :func:`decode_failures` are
-the one codec, so no byte of a file name can split or forge a record.
+Failed samples travel as binary, length-prefixed records
+(:mod:`echo_native.failures`); what a ring may take of the machine's memory,
+and the ``/dev/shm`` fallback's names, are :mod:`echo_native.memory`.
 """
 from __future__ import annotations
 
 import errno
 import os
-import re
 import secrets
 import time
-import struct
-import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from echo_native import _ring
+from echo_native.failures import decode_failures, encode_failures
+from echo_native.memory import (BACKING_ENV, PREFIX, MemoryBudget, _check_budget, _shm_name,
+                                _too_big, remove_stale_segments)
 
 PAGE = _ring.PAGE
 MAGIC = _ring.MAGIC
@@ -64,20 +64,12 @@ VERSION = _ring.VERSION
 MAX_WORKERS = _ring.MAX_WORKERS
 REPORT_BYTES = _ring.REPORT_BYTES
 HEADER_BYTES = _ring.HEADER_BYTES
-PREFIX = "echo_native-"
 #: Ring names that begin so are memfd rings: ``/memfd:echo_native-<pid>-<hex>``, what
 #: ``/proc/<pid>/fd`` and ``/proc/<pid>/maps`` show for them.
 MEMFD_PREFIX = _ring.MEMFD_PREFIX
-#: Environment variable choosing the ring's memory: ``memfd``, ``shm`` (the named
-#: ``/dev/shm`` fallback), or ``auto`` (the default: memfd, shm only where memfd is
-#: unavailable).
-BACKING_ENV = "ECHO_NATIVE_RING_BACKING"
-SHM_DIR = "/dev/shm"
 
 #: Claim word value while a worker is between taking a ticket and recording it.
 CLAIM_PENDING = _ring.CLAIM_PENDING
-#: Sample id of a failure record that is no sample's (a worker's traceback).
-NO_SAMPLE = _ring.NO_SAMPLE
 
 # Slot error kinds.
 ERR_NONE, ERR_WORKER, ERR_DECODE = _ring.ERR_NONE, _ring.ERR_WORKER, _ring.ERR_DECODE
@@ -110,150 +102,6 @@ _SLOT_META = _dtype(_ring.SLOT_FIELDS, _ring.SLOT_HEADER_BYTES, skip=("report",)
 def _saturate(name, value):
     """value, capped at what the slot's field ``name`` holds."""
     return min(value, int(np.iinfo(_SLOT_META[name]).max))
-
-
-def _struct(fields, size):
-    """A struct.Struct packing a C struct's fields in offset order, padding as zeros."""
-    fmt, at = "=", 0
-    for name, (offset, nbytes, width) in sorted(fields.items(), key=lambda kv: kv[1][0]):
-        if nbytes != width:
-            raise TypeError(f"field {name} is an array; _struct packs scalars")
-        fmt += "x" * (offset - at) + {1: "B", 2: "H", 4: "I", 8: "Q"}[width]
-        at = offset + nbytes
-    return struct.Struct(fmt + "x" * (size - at)), [
-        n for n, _ in sorted(fields.items(), key=lambda kv: kv[1][0])]
-
-
-_FAILURE, _FAILURE_ORDER = _struct(_ring.FAILURE_FIELDS, _ring.FAILURE_HEADER_BYTES)
-_CLIP_MARK = b"[...]"
-
-
-def _align(n, a):
-    return (n + a - 1) // a * a
-
-
-# ---- failure records ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Failure:
-    """One failed sample as it crosses the ring.
-
-    ``path`` is a str; bytes that are not valid UTF-8 are carried through
-    ``os.fsencode``/``os.fsdecode`` (surrogate escapes), so ``os.fsencode(path)``
-    gives back the file's exact name.  ``clipped`` says the path or message
-    was shortened (around a ``[...]`` mark) to fit the slot.
-    """
-
-    sample_id: int
-    reason: int
-    path: str
-    message: str
-    clipped: bool = False
-
-    def __post_init__(self):
-        object.__setattr__(self, "path", os.fsdecode(self.path))
-        object.__setattr__(self, "message", str(self.message))
-
-
-def _utf8_start(data, i):
-    """The nearest index <= i that does not split a UTF-8 sequence."""
-    while 0 < i < len(data) and data[i] & 0xC0 == 0x80:
-        i -= 1
-    return i
-
-
-def _clip(data, n):
-    """``data`` cut to at most n bytes by replacing its middle with the clip mark:
-    the head of a message says what failed, the tail of a path and of a
-    traceback says where."""
-    if len(data) <= n:
-        return data
-    if n <= len(_CLIP_MARK):
-        return data[:_utf8_start(data, n)]
-    keep = n - len(_CLIP_MARK)
-    head = _utf8_start(data, keep // 2)
-    tail = len(data) - (keep - head)
-    while tail < len(data) and data[tail] & 0xC0 == 0x80:  # do not start mid-character
-        tail += 1
-    return data[:head] + _CLIP_MARK + data[tail:]
-
-
-def _path_bytes(path):
-    try:
-        return os.fsencode(path)
-    except UnicodeEncodeError:  # a lone surrogate fsdecode cannot have made
-        return path.encode("utf-8", "surrogatepass")
-
-
-def _encode_one(rec, capacity):
-    """One record's bytes (padded), its path and message clipped so that it fits
-    ``capacity`` on its own; None if not even an empty record fits."""
-    room = capacity // _ring.FAILURE_ALIGN * _ring.FAILURE_ALIGN - _FAILURE.size
-    if room < 0:
-        return None
-    path = _path_bytes(rec.path)
-    msg = rec.message.encode("utf-8", "surrogatepass")  # any str round-trips
-    clipped = rec.clipped
-    if len(path) + len(msg) > room:
-        # The path gets what the message leaves, and at least half when both are long.
-        path = _clip(path, min(len(path), max(room - len(msg), room // 2)))
-        msg = _clip(msg, room - len(path))
-        clipped = True
-    if not 0 <= rec.sample_id <= NO_SAMPLE or not 0 <= rec.reason <= 0xFF:
-        raise ValueError(f"sample id {rec.sample_id} / reason {rec.reason} do not fit a "
-                         f"failure record")
-    values = {"sample_id": rec.sample_id, "path_len": len(path), "message_len": len(msg),
-              "reason": rec.reason, "flags": _ring.FAILURE_CLIPPED if clipped else 0}
-    body = _FAILURE.pack(*(values[n] for n in _FAILURE_ORDER)) + path + msg
-    return body + bytes(_align(len(body), _ring.FAILURE_ALIGN) - len(body))
-
-
-def encode_failures(records, capacity=REPORT_BYTES):
-    """Pack failure records into at most ``capacity`` bytes: ``(data, dropped)``.
-
-    Records are kept in order until one does not fit; it and every later one
-    are dropped whole and counted in ``dropped``.  A record too long to fit
-    even alone is clipped (its ``clipped`` flag set) rather than dropped.
-    """
-    out, dropped = bytearray(), 0
-    for rec in records:
-        if not isinstance(rec, Failure):
-            raise TypeError(f"failure records must be Failure objects, got {rec!r}")
-        data = None if dropped else _encode_one(rec, capacity)
-        if data is None or len(out) + len(data) > capacity:
-            dropped += 1
-            continue
-        out += data
-    return bytes(out), dropped
-
-
-def _text(data):
-    try:
-        return data.decode("utf-8", "surrogatepass")
-    except UnicodeDecodeError:  # not written by encode_failures
-        return data.decode("utf-8", "replace")
-
-
-def decode_failures(data):
-    """The records :func:`encode_failures` packed into ``data``, in order.
-
-    ValueError if a record runs past the end (the bytes are not such a packing).
-    """
-    data = bytes(data)
-    out, at, size = [], 0, _FAILURE.size
-    while at < len(data):
-        if at + size > len(data):
-            raise ValueError(f"failure record at byte {at} is cut short")
-        values = dict(zip(_FAILURE_ORDER, _FAILURE.unpack_from(data, at)))
-        path_end = at + size + values["path_len"]
-        end = path_end + values["message_len"]
-        if end > len(data):
-            raise ValueError(f"failure record at byte {at} claims {end - at} bytes, "
-                             f"{len(data) - at} are left")
-        out.append(Failure(values["sample_id"], values["reason"],
-                           os.fsdecode(data[at + size:path_end]), _text(data[path_end:end]),
-                           bool(values["flags"] & _ring.FAILURE_CLIPPED)))
-        at = _align(end, _ring.FAILURE_ALIGN)
-    return out
 
 
 # ---- layout -----------------------------------------------------------------------------
@@ -299,329 +147,6 @@ class Meta(NamedTuple):
     error: int
     failures: int          # samples that failed, named in ``records`` or not
     records: list          # list[Failure], as many as fit the slot's report area
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    # A killed process stays a zombie until its parent reaps it, and kill(0)
-    # still succeeds on a zombie: it is dead all the same (its workers must not
-    # wait for it to be reaped, nor its segments survive).
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        return True  # no /proc to ask: trust kill(0)
-    return state not in (b"Z", b"X")
-
-
-# ---- the named fallback: whose segments may be removed -------------------------------------
-_NAMED = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-([0-9a-f]{32})-[0-9a-f]+")
-_LEGACY = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
-
-
-def _read(path):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _origin():
-    """(pid-namespace inode, boot id) of this process, each None if unknown: a pid
-    means the same process only within both."""
-    try:
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        ns = None
-    boot = _read("/proc/sys/kernel/random/boot_id")
-    boot = boot.replace("-", "").lower() if boot else None
-    if boot is not None and not re.fullmatch(r"[0-9a-f]{32}", boot):
-        boot = None
-    return ns, boot
-
-
-def _shm_name():
-    """A new named segment's name: ``/echo_native-<pid>-<pid-ns inode>-<boot id>-<hex>``."""
-    ns, boot = _origin()
-    return f"/{PREFIX}{os.getpid()}-{ns or 0}-{boot or '0' * 32}-{secrets.token_hex(6)}"
-
-
-def remove_stale_segments(shm_dir=SHM_DIR):
-    """Unlink named ring segments (the ``/dev/shm`` fallback) proven left behind.
-
-    A segment is removed only when all of this holds: this user owns it (``os.stat``),
-    its name records this PID namespace and this boot (a pid from another container
-    sharing ``/dev/shm``, or from before a reboot, says nothing here), and that pid is
-    gone (a zombie counts as gone).  Every other segment is kept: a live owner's
-    silently, the rest (another user's, another namespace's or boot's, a name from an
-    older version that records neither, one that cannot be unlinked) with one
-    ``RuntimeWarning`` naming them and why.  Never raises.
-
-    Returns the names removed.  Called before a named ring is created (never for a
-    memfd ring, which has no name to leave behind).
-    """
-    removed, kept = [], []
-    try:
-        names = sorted(os.listdir(shm_dir))
-    except OSError:
-        return removed
-    ns, boot = _origin()
-    uid = os.geteuid()
-    for name in names:
-        m, legacy = _NAMED.fullmatch(name), _LEGACY.fullmatch(name)
-        if not (m or legacy):
-            continue
-        try:
-            st = os.stat(os.path.join(shm_dir, name))
-        except OSError:
-            continue  # gone meanwhile
-        if st.st_uid != uid:
-            kept.append(f"{name} (owned by uid {st.st_uid}: only its owner can tell "
-                        f"whether it is in use)")
-            continue
-        if not m:
-            kept.append(f"{name} (from an older echo_native that did not record its PID "
-                        f"namespace: its owner pid may live in another container)")
-            continue
-        pid, seg_ns, seg_boot = int(m.group(1)), int(m.group(2)), m.group(3)
-        if ns is None or boot is None or seg_ns != ns or seg_boot != boot:
-            where = ("another boot" if ns is not None and seg_ns == ns else
-                     "another PID namespace (a container sharing /dev/shm?)")
-            kept.append(f"{name} (made in {where}: pid {pid} cannot be checked from here)")
-            continue
-        if _pid_alive(pid):
-            continue  # a live ring
-        try:
-            _ring.unlink("/" + name)
-        except OSError as e:
-            kept.append(f"{name} (owner pid {pid} is gone but unlinking failed: "
-                        f"{e.strerror or e})")
-            continue
-        removed.append(name)
-    if kept:
-        warnings.warn(
-            f"echo_native kept {len(kept)} ring segment(s) in {shm_dir} that may be in use: "
-            f"{'; '.join(kept)}. Each holds memory until removed; delete one by hand "
-            f"(rm {shm_dir}/NAME) once you know its owner is gone.", RuntimeWarning,
-            stacklevel=2)
-    return removed
-
-
-# ---- how much memory a ring may take ------------------------------------------------------
-class RingMemoryError(MemoryError):
-    """The ring does not fit the memory available; raised by :meth:`Ring.create` (so by
-    ``Loader.start()``) before any worker starts.  ``needed`` and ``available`` are
-    bytes (``needed`` counts what the :class:`MemoryBudget` adds to the ring),
-    ``limit`` says where ``available`` comes from, ``parts`` lists what ``needed``
-    is made of, each with the setting that sizes it."""
-
-    def __init__(self, message, needed=None, available=None, limit=None):
-        super().__init__(message)
-        self.needed, self.available, self.limit = needed, available, limit
-        self.parts = []  # [(what, bytes, setting to lower)], the ring first
-
-
-def _gib(n):
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _meminfo_available():
-    text = _read("/proc/meminfo") or ""
-    m = re.search(r"^MemAvailable:\s+(\d+) kB", text, re.MULTILINE)
-    return None if m is None else int(m.group(1)) * 1024
-
-
-def _cgroup_headroom():
-    """(bytes, description) of the tightest memory cgroup limit above this process
-    (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) minus its usage less reclaimable
-    page cache, or None when no limit applies."""
-    best = None
-    for line in (_read("/proc/self/cgroup") or "").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if controllers == "":
-            root, files = "/sys/fs/cgroup", ("memory.max", "memory.current")
-            cache = ("inactive_file", "active_file")
-        elif "memory" in controllers.split(","):
-            root, files = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes",
-                                                    "memory.usage_in_bytes")
-            cache = ("total_inactive_file", "total_active_file")
-        else:
-            continue
-        # The cgroup and each ancestor (a container may see its own as the root).
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):
-            d = os.path.join(root, *parts[:depth])
-            limit, usage = _read(os.path.join(d, files[0])), _read(os.path.join(d, files[1]))
-            if not limit or not usage or not limit.isdigit() or not usage.isdigit():
-                continue
-            limit, usage = int(limit), int(usage)
-            if limit >= 2**60:
-                continue  # "unlimited"
-            stat = dict(l.split() for l in (_read(os.path.join(d, "memory.stat")) or "")
-                        .splitlines() if len(l.split()) == 2)
-            usage -= sum(int(stat.get(k, 0)) for k in cache)
-            room = max(0, limit - max(0, usage))
-            if best is None or room < best[0]:
-                best = (room, f"memory cgroup limit {limit:,} bytes in {d}")
-    return best
-
-
-def memory_available(backing="memfd", shm_dir=SHM_DIR):
-    """The bytes a new ring may take, and where that figure comes from: the least of
-    ``MemAvailable`` (``/proc/meminfo``), the memory cgroup's headroom, and, for a
-    named ring, the free space of ``shm_dir`` (``os.statvfs``).  (None, "") when
-    nothing can be read."""
-    limits = []
-    mem = _meminfo_available()
-    if mem is not None:
-        limits.append((mem, "MemAvailable in /proc/meminfo"))
-    cg = _cgroup_headroom()
-    if cg is not None:
-        limits.append(cg)
-    if backing == "shm":
-        try:
-            st = os.statvfs(shm_dir)
-            limits.append((st.f_bavail * st.f_frsize, f"free space in {shm_dir} (statvfs)"))
-        except OSError:
-            pass
-    if not limits:
-        return None, ""
-    return min(limits)
-
-
-#: Memory one worker process takes besides the ring, counted by :class:`MemoryBudget`:
-#: a worker's anonymous memory (interpreter, numpy, the native kernel, a decode of an
-#: ImageNet-sized JPEG) measured at about 25 MiB, with room for larger images.
-WORKER_BYTES = 64 * 2**20
-#: What the consumer process may still add once the pipeline runs (batch copies,
-#: the training loop's own arrays), counted by :class:`MemoryBudget`.
-CONSUMER_BYTES = 64 * 2**20
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """Everything a pipeline adds to the machine's (or its memory cgroup's) memory
-    besides its ring, checked with the ring in one place, :meth:`Ring.create`, before
-    anything is allocated: a pipeline that does not fit fails at start with
-    :class:`RingMemoryError`, never with the OOM killer later.
-
-    Parameters
-    ----------
-    workers : int
-        Worker processes that will be started (0 for thread workers).
-    worker_bytes : int
-        Each worker process's own memory (a margin; :data:`WORKER_BYTES`), plus
-        whatever per-worker memory the caller knows of (a remote source's block
-        cache).
-    consumer_bytes : int
-        What the consumer process may still add (a margin; :data:`CONSUMER_BYTES`).
-    extra : tuple of (what, bytes, setting)
-        Other memory the pipeline will allocate, each named with the setting that
-        sizes it, e.g. ``(("the echo buffer", 3 << 30, "shuffle_buffer"),)``.
-
-    The total is checked against the least of ``MemAvailable`` and the memory
-    cgroup's headroom (:func:`memory_available`); a named ring must also fit the
-    free space of ``/dev/shm``.  ``MemoryBudget()`` with no argument counts nothing
-    but the ring (what :meth:`Ring.create` checks by default).
-    """
-
-    workers: int = 0
-    worker_bytes: int = WORKER_BYTES
-    consumer_bytes: int = 0
-    extra: tuple = ()
-
-    def __post_init__(self):
-        for name in ("workers", "worker_bytes", "consumer_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"MemoryBudget: {name} must be a non-negative integer, "
-                                 f"got {v!r}")
-        items = tuple(tuple(e) for e in self.extra)
-        for e in items:
-            if len(e) != 3 or not isinstance(e[0], str) or not isinstance(e[2], str) or \
-                    not isinstance(e[1], (int, np.integer)) or isinstance(e[1], bool) or e[1] < 0:
-                raise ValueError(f"MemoryBudget: each extra must be (what, bytes >= 0, "
-                                 f"setting), got {e!r}")
-        object.__setattr__(self, "extra", items)
-
-    @classmethod
-    def for_pipeline(cls, workers=0, extra=(), worker_bytes=WORKER_BYTES):
-        """The budget a loader checks: its worker processes and the consumer with the
-        default margins, plus ``extra``."""
-        return cls(workers, worker_bytes, CONSUMER_BYTES, extra)
-
-    def parts(self, ring_bytes):
-        """``[(what, bytes, setting to lower)]``: the ring first, then the rest."""
-        out = [("the ring", int(ring_bytes), "batch_size, slots or the bytes per sample")]
-        if self.workers:
-            out.append((f"{self.workers} worker process(es) at {_gib(self.worker_bytes)} each",
-                        self.workers * self.worker_bytes, "workers"))
-        if self.consumer_bytes:
-            out.append(("the consumer's margin", self.consumer_bytes, ""))
-        out += [(what, int(n), setting) for what, n, setting in self.extra if n]
-        return out
-
-    def needed(self, ring_bytes):
-        """Bytes the pipeline needs in all, the ring's ``ring_bytes`` included."""
-        return sum(n for _, n, _ in self.parts(ring_bytes))
-
-
-def _too_big(layout, backing, available, where, cause=None, budget=None):
-    L = layout
-    budget = budget or MemoryBudget()
-    needed = budget.needed(L.total_bytes)
-    what = (f"the ring needs {L.total_bytes:,} bytes ({_gib(L.total_bytes)}: {L.nslots} slots "
-            f"of {L.slot_bytes:,} bytes, each {L.batch_size} samples x {L.sample_bytes:,} "
-            f"bytes)")
-    others = budget.parts(L.total_bytes)[1:]
-    if others:
-        what += (", and with " + ", ".join(
-            f"{w} ({_gib(n)}{f', lower {s}' if s else ''})" for w, n, s in others)
-            + f" the pipeline needs {needed:,} bytes ({_gib(needed)})")
-    if available is not None:
-        have = f"only {available:,} bytes ({_gib(available)}) are available ({where})"
-        if L.slot_bytes > available:
-            have += ": not even one slot fits"
-    else:
-        have = "the memory could not be reserved"
-    if cause is not None:
-        have += f"; reserving it failed: {cause}"
-    fix = ("Lower batch_size, slots, or the bytes per sample (image_size; canvas_side or "
-           "canvas_max_pixels when echoing before augmentation)")
-    settings = [s for _, n, s in others if s and n]
-    if settings:
-        fix += ", or " + ", ".join(dict.fromkeys(settings))
-    if backing == "shm":
-        fix += (f"; this ring lives in {SHM_DIR} (the named fallback): make it larger "
-                f"(docker run --shm-size=...), or leave {BACKING_ENV} unset where the kernel "
-                f"has memfd_create")
-    err = RingMemoryError(f"{what}, but {have}. {fix}.", needed, available, where)
-    err.parts = budget.parts(L.total_bytes)
-    return err
-
-
-def _check_budget(layout, budget, backing):
-    """Raise RingMemoryError unless the ring (in ``backing``) and the rest of ``budget``
-    fit: the total against RAM and the cgroup, a named ring also against /dev/shm."""
-    available, where = memory_available("memfd")
-    if available is not None and budget.needed(layout.total_bytes) > available:
-        raise _too_big(layout, backing, available, where, budget=budget)
-    if backing == "shm":
-        available, where = memory_available("shm")
-        if available is not None and layout.total_bytes > available:
-            raise _too_big(layout, backing, available, where, budget=MemoryBudget())
-    return available, where
 
 
 def _backing(backing):

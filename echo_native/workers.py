@@ -13,6 +13,7 @@ reads release it as well.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import signal
@@ -30,10 +31,10 @@ from echo_native.decode import Decoder
 from echo_native.errors import DecodeError, ReadLimitError
 from echo_native.plan import Plan
 from echo_native.remote import StoreUnavailableError
-from echo_native.ring import (CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, NO_SAMPLE, OK,
-                              REASON_DECODE, REASON_LIMIT, REASON_NONE, REASON_READ, REPLACED,
-                              Failure, Ring,
-                              _pid_alive)
+from echo_native.failures import NO_SAMPLE, Failure
+from echo_native.memory import pid_alive
+from echo_native.ring import (CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, OK, REASON_DECODE,
+                              REASON_LIMIT, REASON_NONE, REASON_READ, REPLACED, Ring)
 
 _MAX_REPLACEMENTS = 16
 #: A sample whose read or decode has killed its worker this many times is not read
@@ -176,7 +177,8 @@ class _Filler:
                 if plan.on_error == "skip":
                     continue
                 used = self._replace(epoch, sid, slot, count)
-                if used is None:
+                if used is None:  # every stand-in failed too: the batch is one shorter
+                    records[-1] = dataclasses.replace(records[-1], dropped=True)
                     continue
                 status = REPLACED
             slot.labels[count] = self.labels[used]
@@ -267,7 +269,7 @@ def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None, st
                 break
             if rc == 2 or (stop is not None and stop.is_set()):
                 return
-            if owner_pid is not None and not _pid_alive(owner_pid):
+            if owner_pid is not None and not pid_alive(owner_pid):
                 _orphaned(ring)
                 return
             if ring.is_past(ticket):

@@ -166,7 +166,7 @@ def fill_slot(ring, ticket):
 
 def _marker(ticket):
     """A failure record naming the ticket: the consumer checks the slot's meta is its own."""
-    from echo_native.ring import Failure
+    from echo_native.failures import Failure
     return Failure(ticket, 0, f"ticket {ticket}", "")
 
 

@@ -134,7 +134,7 @@ typedef struct en_ring_failure {
     uint32_t path_len;
     uint32_t message_len;
     uint8_t reason;        /* EN_RING_REASON_* */
-    uint8_t flags;         /* EN_RING_FAILURE_CLIPPED */
+    uint8_t flags;         /* EN_RING_FAILURE_CLIPPED | EN_RING_FAILURE_DROPPED */
     uint8_t reserved[6];
 } en_ring_failure;
 
@@ -142,6 +142,9 @@ typedef struct en_ring_failure {
 #define EN_RING_NO_SAMPLE UINT64_MAX
 /* The path or message was shortened to fit (the cut carries a "[...]" mark). */
 #define EN_RING_FAILURE_CLIPPED 1u
+/* The sample's slot holds nothing for it: under on_error="replace" every stand-in
+ * failed too, so the batch is one sample shorter. */
+#define EN_RING_FAILURE_DROPPED 2u
 
 _Static_assert(sizeof(en_ring_failure) == 24, "unexpected padding in en_ring_failure");
 _Static_assert(sizeof(en_ring_failure) % EN_RING_FAILURE_ALIGN == 0, "records stay aligned");

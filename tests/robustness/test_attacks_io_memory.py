@@ -15,9 +15,9 @@ import os
 import pytest
 
 import ring_helpers as rh
-from echo_native import ring as rg
-from echo_native.ring import (CONSUMER_BYTES, WORKER_BYTES, Layout, MemoryBudget, Ring,
-                              RingMemoryError)
+from echo_native import memory as rg
+from echo_native.memory import CONSUMER_BYTES, WORKER_BYTES, MemoryBudget, RingMemoryError
+from echo_native.ring import Layout, Ring
 
 MiB = 2**20
 SAMPLE = 224 * 224 * 3

@@ -21,8 +21,9 @@ import pytest
 
 import echo_native as en
 from echo_native import _ring
-from echo_native import ring as rg
-from echo_native.ring import Ring, remove_stale_segments
+from echo_native import memory as mem
+from echo_native.memory import remove_stale_segments
+from echo_native.ring import Ring
 
 TESTS = Path(__file__).resolve().parent.parent      # ring_helpers.py lives there
 if str(TESTS) not in sys.path:
@@ -278,7 +279,7 @@ def _dead_pid():
 def _named(pid, tag, origin=None):
     """A named-segment name as the /dev/shm fallback makes them (origin: this process's
     pid namespace and boot unless given)."""
-    ns, boot = origin or rg._origin()
+    ns, boot = origin or mem._origin()
     return f"/echo_native-{pid}-{ns}-{boot}-{tag}"
 
 

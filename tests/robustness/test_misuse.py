@@ -293,3 +293,41 @@ def test_a_plain_script_prints_one_warning_per_bad_file(corpus_root, tmp_path):
     assert sum("broken.jpg" in line for line in lines) == 1, r.stderr
     assert sum("sample(s) failed" in line for line in lines) == 3, r.stderr
     assert " at 0x" not in r.stderr
+
+
+class _MostlyBroken:
+    """40 samples of which only every tenth decodes: a failed sample's 16 stand-ins all
+    fail often enough that some samples are dropped, others replaced."""
+
+    def __init__(self, root):
+        self.good = en.ImageFolder(root)
+        self.labels = np.zeros(40, np.int64)
+
+    def __len__(self):
+        return 40
+
+    def read(self, i):
+        return self.good.read(i) if i % 10 == 0 else b"not an image " + bytes([i])
+
+    def describe(self, i):
+        return f"sample-{i}.jpg"
+
+
+def test_each_failure_warning_says_what_happened_to_its_sample(corpus_root):
+    """With on_error="replace", a failed sample whose stand-ins all failed too is warned
+    about as dropped, one that was replaced as replaced: the counts match the batches
+    (rows that are stand-ins) and stats()["dropped"]."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with en.EchoRing(_MostlyBroken(corpus_root), batch_size=8, image_size=16, workers=1,
+                         echo=1, shuffle=False, timeout=60) as ring:
+            batches = [b.copy() for b in ring]
+            stats = ring.stats()
+    per_file = [str(w.message) for w in caught
+                if issubclass(w.category, en.SampleFailureWarning) and w.message.failure]
+    replaced = [m for m in per_file if m.endswith("replaced)")]
+    dropped = [m for m in per_file if m.endswith("dropped: every stand-in failed too)")]
+    assert len(replaced) + len(dropped) == len(per_file) == 36
+    assert len(dropped) == stats["dropped"] > 0
+    assert len(replaced) == sum(int((~b.fresh).sum()) for b in batches) > 0
+    assert sum(len(b) for b in batches) == 40 - stats["dropped"]

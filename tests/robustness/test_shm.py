@@ -34,8 +34,10 @@ import pytest
 
 import echo_native as en
 from echo_native import _ring
+from echo_native import memory as mem
 from echo_native import ring as rg
-from echo_native.ring import Ring, RingMemoryError, remove_stale_segments
+from echo_native.memory import RingMemoryError, remove_stale_segments
+from echo_native.ring import Ring
 
 TESTS = Path(__file__).resolve().parent.parent
 if str(TESTS) not in sys.path:
@@ -64,6 +66,7 @@ def _mine():
 _SMALL_SHM_SCRIPT = r'''
 import json, os, sys, warnings
 import echo_native as en
+from echo_native import memory as mem
 from echo_native import ring as rg
 
 root, case = sys.argv[1], sys.argv[2]
@@ -74,7 +77,7 @@ L = en.Loader(en.ImageFolder(root), batch_size=24, image_size=512, workers=2, sl
               worker_mode="process", seed=1, timeout=60)
 if case == "backstop":
     # Without the check up front, the reservation itself fails (ENOSPC), never a SIGBUS.
-    rg.memory_available = lambda *a, **k: (None, "")
+    mem.memory_available = lambda *a, **k: (None, "")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     try:
@@ -122,9 +125,9 @@ def _run_small_shm(small_shm, tmp_path, corpus_root, case, backing=None):
     script = tmp_path / "small_shm.py"
     script.write_text(_SMALL_SHM_SCRIPT)
     env = dict(os.environ)
-    env.pop(rg.BACKING_ENV, None)
+    env.pop(mem.BACKING_ENV, None)
     if backing:
-        env[rg.BACKING_ENV] = backing
+        env[mem.BACKING_ENV] = backing
     proc = subprocess.run(small_shm(sys.executable, str(script), str(corpus_root), case),
                           capture_output=True, text=True, timeout=240, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -181,7 +184,7 @@ def test_ring_larger_than_memory_fails_at_start_before_allocating():
     """slots x batch x sample far beyond the memory available: start() raises one
     RingMemoryError (a MemoryError) at once, naming needed and available bytes and the
     settings, with no worker started and no memory taken."""
-    available, where = rg.memory_available()
+    available, where = mem.memory_available()
     assert available is not None and where
     side = 2048                                     # 12 MiB a sample
     per_slot = 16 * side * side * 3
@@ -210,7 +213,7 @@ def test_impossible_image_sizes_are_refused(size, message):
         with pytest.raises(ValueError, match=message):
             en.Loader(_never_decoded(), batch_size=8, image_size=size)
         return
-    available, _ = rg.memory_available()
+    available, _ = mem.memory_available()
     batch = int(available // (size * size * 3)) + 1  # one slot more than all of it
     L = en.Loader(_never_decoded(), batch_size=batch, image_size=size, slots=2, workers=1,
                   on_error="skip", timeout=10)
@@ -354,7 +357,7 @@ def test_fallback_to_named_where_memfd_is_unavailable(monkeypatch, corpus_root):
         raise OSError(errno.ENOSYS, "memfd_create: Function not implemented")
 
     monkeypatch.setattr(rg, "_memfd_segment", no_memfd)
-    ns, boot = rg._origin()
+    ns, boot = mem._origin()
     with en.Loader(en.ImageFolder(corpus_root), batch_size=8, image_size=32, workers=2,
                    worker_mode="process", seed=2) as L:
         name = L.ring_name
@@ -363,15 +366,15 @@ def test_fallback_to_named_where_memfd_is_unavailable(monkeypatch, corpus_root):
         assert name[1:] in _mine()
         assert sum(1 for _ in L) == len(L)
     assert name[1:] not in _mine()
-    monkeypatch.setenv(rg.BACKING_ENV, "memfd")
+    monkeypatch.setenv(mem.BACKING_ENV, "memfd")
     with pytest.raises(OSError, match="memfd_create"):
         Ring.create(2, 1, 8)
     monkeypatch.undo()
-    monkeypatch.setenv(rg.BACKING_ENV, "shm")
+    monkeypatch.setenv(mem.BACKING_ENV, "shm")
     r = Ring.create(2, 1, 8)
     assert r.backing == "shm" and r.name[1:] in _mine()
     r.unlink()
-    monkeypatch.setenv(rg.BACKING_ENV, "tmpfs")
+    monkeypatch.setenv(mem.BACKING_ENV, "tmpfs")
     with pytest.raises(ValueError, match="ECHO_NATIVE_RING_BACKING"):
         Ring.create(2, 1, 8)
 
@@ -399,7 +402,7 @@ def planted():
 
 def _start_named(corpus_root, monkeypatch):
     """A Loader on the named fallback: start(), one batch, close(); the warnings it gave."""
-    monkeypatch.setenv(rg.BACKING_ENV, "shm")
+    monkeypatch.setenv(mem.BACKING_ENV, "shm")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with en.Loader(en.ImageFolder(corpus_root), batch_size=8, image_size=16, workers=1,
@@ -412,7 +415,7 @@ def test_sweep_keeps_another_users_segment_and_start_goes_on(planted, corpus_roo
                                                              monkeypatch):
     """A leftover of another user (its job was OOM-killed; sticky /dev/shm would refuse the
     unlink anyway) is kept with a warning naming its uid, and start() succeeds."""
-    ns, boot = rg._origin()
+    ns, boot = mem._origin()
     dead = _dead_pid()
     if os.geteuid() == 0:
         foreign = planted(f"/echo_native-{dead}-{ns}-{boot}-0000000000aa", uid=65534)
@@ -429,7 +432,7 @@ def test_sweep_keeps_another_users_segment_and_start_goes_on(planted, corpus_roo
 def test_sweep_survives_an_unlink_it_is_refused(planted, corpus_root, monkeypatch):
     """An unlink refused (PermissionError) never stops start(): the segment is kept with a
     warning saying so."""
-    ns, boot = rg._origin()
+    ns, boot = mem._origin()
     stuck = planted(f"/echo_native-{_dead_pid()}-{ns}-{boot}-0000000000bb")
     real = _ring.unlink
 
@@ -449,7 +452,7 @@ def test_sweep_keeps_a_live_ring_of_another_pid_namespace(planted, corpus_root, 
     dead here but may be alive there, is never removed; nor one from another boot, nor an
     older version's name that records no namespace (the old sweep removed it, and with
     it a live ring); a dead owner's in this namespace is.  start() warns and goes on."""
-    ns, boot = rg._origin()
+    ns, boot = mem._origin()
     dead = _dead_pid()
     other_ns = planted(f"/echo_native-{dead}-{ns + 1}-{boot}-0000000000cc")
     other_boot = planted(f"/echo_native-{dead}-{ns}-{'f' * 32}-0000000000dd")
@@ -492,9 +495,9 @@ def test_available_memory_counts_the_memory_cgroup(monkeypatch, version):
                  "/sys/fs/cgroup/memory/memory.usage_in_bytes": str(GiB)}
         where = "/sys/fs/cgroup/memory/job"
     files["/proc/meminfo"] = f"MemTotal: {64 * 2**20} kB\nMemAvailable: {32 * 2**20} kB\n"
-    monkeypatch.setattr(rg, "_read", lambda path: files.get(path))
-    headroom, what = rg._cgroup_headroom()
+    monkeypatch.setattr(mem, "_read", lambda path: files.get(path))
+    headroom, what = mem._cgroup_headroom()
     assert headroom == 4 * GiB - (3 * GiB - GiB - GiB // 2) and where in what
-    assert rg.memory_available() == (headroom, what)
+    assert mem.memory_available() == (headroom, what)
     with pytest.raises(RingMemoryError, match=f"{headroom:,} bytes .*memory cgroup limit"):
         Ring.create(2, 1, 3 * GiB)
