@@ -312,7 +312,8 @@ def test_auto_echo_settles_at_headroom_times_r(kind):
     """Upstream 3x slower than the consumer: e settles at exactly 1.1 x 3 = 3.3, and the
     second epoch emits 3 or 4 of each id (of each batch, for batch echo)."""
     auto = ScriptedClockAuto(up_s=0.3, down_s=0.1)
-    stage = make(kind, ScriptedUpstream(n=160, B=8), auto=auto, capacity=32)
+    # fill_s > 0: the upstream reports its work per batch, as the ring's workers do.
+    stage = make(kind, ScriptedUpstream(n=160, B=8, fill_s=0.3), auto=auto, capacity=32)
     epoch_of(stage)
     assert stage.e == pytest.approx(3.3)
     counts = np.bincount(ids_of(epoch_of(stage)), minlength=160)

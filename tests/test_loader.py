@@ -182,7 +182,7 @@ class _RefusesThreadPools:
         return len(self.base)
 
     def read(self, i):
-        from echo_native.workers import THREAD_VARS
+        from echo_native.pool import THREAD_VARS
         wrong = {k: os.environ.get(k) for k in THREAD_VARS if os.environ.get(k) != self.threads}
         if wrong:
             raise RuntimeError(f"worker pid {os.getpid()} runs with {wrong}")

@@ -276,8 +276,6 @@ def build_tree(tmp_path_factory):
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, tree / name)
     shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("*.so", "*.o"))
-    (tree / "echo_native" / "backends").mkdir(parents=True)
-    shutil.copy2(PKG / "backends" / "kernels.cu", tree / "echo_native" / "backends")
     if (ROOT / "build" / "cython").is_dir():
         shutil.copytree(ROOT / "build" / "cython", tree / "build" / "cython")
     return tree

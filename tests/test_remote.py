@@ -33,9 +33,11 @@ pytest.importorskip("moto.server")
 import echo_native as en  # noqa: E402
 from echo_native import remote  # noqa: E402
 from echo_native.errors import ReadLimitError  # noqa: E402
-from echo_native.remote import (BlockCache, Prefetcher, RemoteOptions, RemoteReadError,  # noqa: E402
+from echo_native.prefetch import BlockCache, Prefetcher  # noqa: E402
+from echo_native.remote import (RemoteOptions, RemoteReadError,  # noqa: E402
                                 RemoteStore)
-from echo_native.source import FileList, TarShards  # noqa: E402
+from echo_native.source import FileList  # noqa: E402
+from echo_native.tarshards import TarShards
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

@@ -20,7 +20,8 @@ from PIL import Image
 import echo_native as en
 from echo_native import shards, tarindex
 from echo_native.cli import main
-from echo_native.source import FileList, ImageFolder, TarShards
+from echo_native.source import FileList, ImageFolder
+from echo_native.tarshards import TarShards
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from echo_native.source import IMG_EXTENSIONS, FileList, ImageFolder, TarShards
+from echo_native.source import IMG_EXTENSIONS, FileList, ImageFolder
+from echo_native.tarshards import TarShards
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

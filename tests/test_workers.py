@@ -13,7 +13,7 @@ import numpy as np
 import echo_native as en
 from echo_native.ring import Ring
 from echo_native.plan import Plan
-from echo_native.workers import WorkerPool
+from echo_native.pool import WorkerPool
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

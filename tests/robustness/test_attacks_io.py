@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import http.server
-import inspect
 import io
 import os
 import re
@@ -401,7 +400,7 @@ def test_default_budget_sits_well_under_sample_timeout():
     """With the defaults, a read gives up (its budget, plus the grace its prefetch wait
     adds) in under half the pipeline's default sample_timeout."""
     opts = RemoteOptions()
-    sample_timeout = inspect.signature(en.Loader).parameters["sample_timeout"].default
+    sample_timeout = en.Workers().sample_timeout
     assert opts.request_timeout < opts.retry_timeout
     assert opts.retry_timeout + 5.0 <= sample_timeout / 2
 
