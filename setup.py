@@ -125,6 +125,13 @@ class BuildExt(build_ext):
     """build_ext passing each source the flags of its language (setuptools has one list
     for every source of an extension), after checking that the build can succeed."""
 
+    def finalize_options(self):
+        super().finalize_options()
+        # One compiler process per extension at once (-j): _kernel's 2 MB of generated C
+        # takes most of a build, and the other three fit beside it on a second core.
+        if self.parallel is None:
+            self.parallel = len(os.sched_getaffinity(0))
+
     def build_extensions(self):
         check_build_requirements(self.compiler, self.extensions)
         compile_one = self.compiler._compile

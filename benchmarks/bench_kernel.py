@@ -21,7 +21,10 @@ ceiling_store   the ceiling keeping every row of the crop, as a decoder that ret
                 it does (the ceiling itself decodes every row into one reused row)
 pillow          torchvision-style Pillow: open, resize(BILINEAR, box), flip, asarray
 pillow_draft    the same with ``draft`` to the kernel's DCT scale before the resize
-pillow_simd     the draft pipeline when the installed PIL is Pillow-SIMD
+pillow_simd, pillow_simd_draft
+                the two above when the installed PIL is Pillow-SIMD (its version ends in
+                ``.postN``; README: how to install it in place of Pillow), so a run
+                reports the Pillow it actually measured
 """
 from __future__ import annotations
 
@@ -37,8 +40,10 @@ from echo_native import _kernel
 from echo_native.lab import _bench
 
 PIL_VERSION = Image.__version__
+# Pillow-SIMD installs the same PIL package; only its version (12.1.1.post0) tells it apart.
 IS_PILLOW_SIMD = "post" in PIL_VERSION
 PIL_FLAVOUR = f"Pillow-SIMD {PIL_VERSION}" if IS_PILLOW_SIMD else f"Pillow {PIL_VERSION}"
+PIL_ROLE = "pillow_simd" if IS_PILLOW_SIMD else "pillow"
 
 
 # --- the pipelines, one pass over the corpus each -------------------------------------
@@ -155,24 +160,14 @@ def test_ceiling(benchmark, workload):
 @pytest.mark.benchmark(group="kernel")
 def test_pillow(benchmark, workload):
     workload.run(benchmark, lambda: pillow_pass(workload, draft=False),
-                 role="pillow", label=f"torchvision-style {PIL_FLAVOUR}, no draft",
+                 role=PIL_ROLE, label=f"torchvision-style {PIL_FLAVOUR}, no draft",
                  pil=PIL_FLAVOUR)
 
 
 @pytest.mark.benchmark(group="kernel")
 def test_pillow_draft(benchmark, workload):
     workload.run(benchmark, lambda: pillow_pass(workload, draft=True),
-                 role="pillow_draft", label=f"torchvision-style {PIL_FLAVOUR} + draft",
-                 pil=PIL_FLAVOUR)
-
-
-@pytest.mark.benchmark(group="kernel")
-def test_pillow_simd(benchmark, workload):
-    if not IS_PILLOW_SIMD:
-        pytest.skip(f"Pillow-SIMD is not installed (PIL is {PIL_FLAVOUR}); "
-                    "its numbers are reported only when it is")
-    workload.run(benchmark, lambda: pillow_pass(workload, draft=True),
-                 role="pillow_simd", label=f"torchvision-style {PIL_FLAVOUR} + draft",
+                 role=f"{PIL_ROLE}_draft", label=f"torchvision-style {PIL_FLAVOUR} + draft",
                  pil=PIL_FLAVOUR)
 
 
@@ -205,8 +200,8 @@ def test_interleaved(benchmark, workload, out_buffer):
         "ceiling": lambda: ceiling_pass(workload),
         "ceiling_finish": lambda: ceiling_pass(workload, "finish"),
         "ceiling_store": lambda: ceiling_pass(workload, "store"),
-        "pillow": lambda: pillow_pass(workload, draft=False),
-        "pillow_draft": lambda: pillow_pass(workload, draft=True),
+        PIL_ROLE: lambda: pillow_pass(workload, draft=False),
+        f"{PIL_ROLE}_draft": lambda: pillow_pass(workload, draft=True),
     }
     times = interleaved_times(passes, workload.rounds)
     dec.profile(True)
@@ -217,7 +212,7 @@ def test_interleaved(benchmark, workload, out_buffer):
     ratios = {f"{a}/{b}": [tb / ta for ta, tb in zip(times[a], times[b])]
               for a, b in (("fused", "ceiling"), ("fused", "ceiling_finish"),
                            ("fused", "ceiling_store"), ("fused_crop", "ceiling"),
-                           ("fused", "pillow"), ("fused", "pillow_draft"))}
+                           ("fused", PIL_ROLE), ("fused", f"{PIL_ROLE}_draft"))}
     rates = {name: {"best": workload.n / min(t), "median": workload.n / float(np.median(t))}
              for name, t in times.items()}
     summary = {name: {"median": float(np.median(v)), "best": max(v), "worst": min(v)}
@@ -225,11 +220,12 @@ def test_interleaved(benchmark, workload, out_buffer):
     total = sum(stages.values())
     split = {k: v / total for k, v in stages.items()}
     benchmark.extra_info.update(interleaved={"rates": rates, "ratios": summary,
+                                             "pil": PIL_FLAVOUR,
                                              "stages": split, "rounds": workload.rounds,
                                              "images": workload.n,
                                              "us_per_image": total / calls * 1e6})
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    print(f"\n{workload.n} images x {workload.rounds} interleaved rounds")
+    print(f"\n{workload.n} images x {workload.rounds} interleaved rounds; PIL is {PIL_FLAVOUR}")
     for name, rate in rates.items():
         print(f"  {name:15s} {rate['best']:7,.0f} img/s best, {rate['median']:7,.0f} median")
     for name, v in summary.items():

@@ -579,3 +579,13 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("jpeg_kind", KIND_NAMES, indirect=True)
     if "other_format" in metafunc.fixturenames:
         metafunc.parametrize("other_format", OTHER_FORMAT_NAMES, indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``, pyproject.toml), each test file runs on
+    one worker, so a module-scoped fixture (a corpus, the soak run, the hostile corpus's
+    checker, a server) is built once rather than once per worker.  Tests marked with
+    their own ``xdist_group`` (those sharing the host's /dev/shm) keep it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))

@@ -63,7 +63,7 @@ def tiny(tmp_path_factory):
 def test_demo_end_to_end(tiny, tmp_path, capsys):
     data, kind = tiny
     js, png = tmp_path / "demo.json", tmp_path / "demo.png"
-    rc = main(["demo", "--data", str(data), "--seeds", "2", "--echo", "1,2",
+    rc = main(["demo", "--data", str(data), "--seeds", "1", "--echo", "1,2",
                "--batch-size", "32", "--max-fresh", "640", "--eval-every", "160",
                "--target", "0.15", "--R", "3", "--upstream-seconds", "0.3", "--quiet",
                "--json", str(js), "--chart", str(png)])
@@ -73,8 +73,9 @@ def test_demo_end_to_end(tiny, tmp_path, capsys):
     rep = json.loads(js.read_text())
     assert rep["train_images"] == 320 and rep["test_images"] == 160
     assert rep["step_ms"] > 0 and rep["upstream_img_per_s"] > 0 and rep["measured_R"] > 0
-    # e=1 once per seed, e=2 for every placement per seed
-    assert len(rep["runs"]) == 2 * (1 + 3)
+    # e=1 once, e=2 for every placement (one seed: the mean and spread over seeds are
+    # test_summary_marks_unreached_settings's)
+    assert len(rep["runs"]) == 1 + 3
     for r in rep["runs"]:
         assert RUN_KEYS <= set(r)
         assert r["curve"], r

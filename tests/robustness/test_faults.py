@@ -97,16 +97,19 @@ def test_sigkill_worker_mid_batch_epoch_completes(corpus_root):
 
 
 @pytest.mark.timeout(120)
-def test_second_death_while_the_first_replacement_boots(corpus_root):
+def test_second_death_while_the_first_replacement_boots(corpus_root, tmp_path):
     """Worker 0 dies; its ticket goes to a replacement still starting its interpreter
     (it has claimed nothing yet) when worker 1 dies too.  The replacement owes that
     ticket: it must not be handed out a second time (two fills of one ticket wedge
-    the ring), and the epoch still has every id once with the same pixels."""
+    the ring), and the epoch still has every id once with the same pixels.  The reads
+    wait on a shut gate until both deaths, so each worker still holds the ticket it
+    was seen holding when it is killed."""
     src = en.ImageFolder(corpus_root)
     kw = dict(batch_size=4, image_size=32, seed=5, slots=4)
     ref = _reference(src, **kw)
+    gate = tmp_path / "gate"
     with pytest.warns(RuntimeWarning, match="died"):
-        with en.Loader(rh.SlowSource(src, 0.05), workers=2, worker_mode="process",
+        with en.Loader(rh.GatedSource(src, gate), workers=2, worker_mode="process",
                        timeout=60, **kw) as L:
             pool, given = L._pool, []
             spawn = pool._spawn
@@ -122,6 +125,7 @@ def test_second_death_while_the_first_replacement_boots(corpus_root):
                 p.join(60)   # returns once it is dead: the check below must see the death
                 assert not p.is_alive()
                 pool.check(L.position)
+            gate.touch()
             got = _epoch(L)
     redone = [t for _, redo in given for t in redo]
     assert sorted(redone) == sorted(set(redone)), f"a ticket handed out twice: {given}"
