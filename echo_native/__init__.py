@@ -29,7 +29,8 @@ The lab (benchmark corpus, peers, demo) is :mod:`echo_native.lab`; the library
 never imports it.
 """
 from echo_native.errors import DecodeError
-from echo_native.source import FileList, ImageFolder, Samples, TarShards
+from echo_native.source import FileList, ImageFolder, Samples
+from echo_native.tarshards import TarShards
 from echo_native.remote import RemoteOptions
 from echo_native.shards import write_shards
 from echo_native.decode import (
@@ -53,7 +54,8 @@ from echo_native.memory import RingMemoryError
 from echo_native.batch import Batch
 from echo_native.resume import merge_states
 from echo_native.specs import Workers
-from echo_native.loader import Loader, SampleFailureWarning, WorkerError
+from echo_native.failures import SampleFailureWarning
+from echo_native.loader import Loader, WorkerError
 from echo_native.echo import Echo
 from echo_native.output import BFloat16Array, DeviceArray, Output
 from echo_native.mix import Mix

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 
 from echo_native import _ring
@@ -166,3 +167,87 @@ def decode_failures(data):
                            bool(values["flags"] & _ring.FAILURE_DROPPED)))
         at = _align(end, _ring.FAILURE_ALIGN)
     return out
+
+
+# ---- what the consumer tells the user -------------------------------------------------
+#: Slot reason codes (``en_ring.h``) by the name ``stats()["failures"]`` counts them under.
+REASONS = {_ring.REASON_NONE: "none", _ring.REASON_DECODE: "decode",
+           _ring.REASON_READ: "read", _ring.REASON_LIMIT: "limit"}
+
+
+class SampleFailureWarning(UserWarning):
+    """A sample could not be read or decoded and was replaced, skipped or dropped.
+
+    ``failure`` is its :class:`Failure` (the exact path included), or None for the
+    summary that ends an epoch in which samples failed."""
+
+
+class FailureReport:
+    """The consumer's account of failed samples: counts by reason, one warning per
+    failed file the first time it fails (later failures of the same file, which
+    every epoch reads again, are counted), and a summary at the end of each epoch
+    in which samples failed, so that what the per-file warnings left out (files
+    already named, samples a slot's report could not name) is still said."""
+
+    _ACTIONS = {"replace": "replaced", "skip": "skipped", "raise": "raised"}
+
+    def __init__(self, on_error):
+        self.action = self._ACTIONS[on_error]
+        self.on_error = on_error
+        self.counts = {}            # reason -> failures since start
+        self.total_dropped = 0      # samples dropped since start (no stand-in either)
+        self._epoch = {}            # this epoch's counts, for its summary
+        self._repeats = 0           # this epoch's failures of files named before
+        self._dropped = 0           # this epoch's dropped samples
+        self._named = set()         # paths named in a warning already
+
+    def _count(self, reason, n=1):
+        self.counts[reason] = self.counts.get(reason, 0) + n
+        self._epoch[reason] = self._epoch.get(reason, 0) + n
+
+    def sample_failures(self, records, failures):
+        """A batch's ``records`` (and ``failures`` in all, the unnamed ones included)."""
+        for r in records:
+            self._count(REASONS.get(r.reason, "other"))
+            if r.path in self._named:
+                self._repeats += 1
+                continue
+            self._named.add(r.path)
+            # A name with control characters (newline, tab, U+2028) or undecodable
+            # bytes is shown escaped, so it cannot break or forge a log line; the
+            # exact name is the warning's ``failure.path``.
+            shown = r.path if r.path and r.path.isprintable() else repr(r.path)
+            what = "dropped: every stand-in failed too" if r.dropped else self.action
+            w = SampleFailureWarning(f"{shown}: {' '.join(r.message.split())} "
+                                     f"(sample {r.sample_id}, {what})")
+            w.failure = r
+            warnings.warn(w, stacklevel=5)
+        if failures > len(records):  # more than the slot's report area could name
+            self._count("unreported", failures - len(records))
+
+    def dropped(self, n):
+        self.total_dropped += n
+        self._dropped += n
+
+    def end_epoch(self, epoch):
+        """The summary warning of an epoch in which samples failed."""
+        counts, repeats, dropped = self._epoch, self._repeats, self._dropped
+        self._epoch, self._repeats, self._dropped = {}, 0, 0
+        total = sum(counts.values())
+        if not total:
+            return
+        by = ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()))
+        quiet = []
+        if repeats:
+            quiet.append(f"{repeats} of files already named in an earlier warning")
+        if counts.get("unreported"):
+            quiet.append(f"{counts['unreported']} whose paths did not fit the batch's report")
+        action = self.action
+        if dropped and self.on_error == "replace":
+            action = f"{action} ({dropped} dropped: every stand-in failed too)"
+        w = SampleFailureWarning(
+            f"epoch {epoch}: {total} sample(s) failed ({by}), {action}"
+            f"{'; not warned one by one: ' + '; '.join(quiet) if quiet else ''}; "
+            f"totals in stats()['failures']")
+        w.failure = None
+        warnings.warn(w, stacklevel=5)

@@ -27,23 +27,20 @@ from echo_native._iteration import IterationGuard, NOT_PICKLABLE
 from echo_native.augment import Program, WithOps
 from echo_native.batch import Batch, Fresh
 from echo_native.errors import DecodeError
+from echo_native.failures import FailureReport
 from echo_native.plan import ON_ERROR, Plan
 from echo_native.resume import (check_epoch, check_merged, check_state, merge_states,
                                 resumed_plan, state_at)
 from echo_native.memory import WORKER_BYTES, MemoryBudget, RingMemoryError
-from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, REASONS, Ring
+from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, Ring
 from echo_native.source import as_source, check_labels
 from echo_native.specs import check_batch_size, fold
-from echo_native.workers import WorkerPool, ship
+from echo_native.pool import WorkerPool, ship
 
 
 class WorkerError(RuntimeError):
     """A worker raised an unexpected exception, or the source's store is unreachable; the
     message carries the cause (a traceback, or the store's URL and error)."""
-
-
-class SampleFailureWarning(UserWarning):
-    """A sample could not be read or decoded and was replaced or skipped."""
 
 
 class Loader:
@@ -156,6 +153,7 @@ class Loader:
         self._finalizer = None
         self._watchers = []        # (opened(ring), closing()) of stages that map the ring
         self._stats = _Counters()
+        self._failures = FailureReport(self.plan.on_error)
         # Memory the stages after the loader will take besides the ring, checked with it
         # at start: [(what, bytes, setting to lower)] (an echo buffer, see EchoRing).
         self.memory_extra = ()
@@ -476,17 +474,16 @@ class Loader:
             detail = "\n".join(r.message for r in records) or "(no traceback)"
             raise WorkerError(f"a worker failed while filling batch {ticket}:\n{detail}")
         if failures:
-            self._report_failures(records, failures)
+            self._failures.sample_failures(records, failures)
         if error == ERR_DECODE:
             self._release_held()
             if not records:  # cannot happen: a lone record is clipped to fit, never dropped
                 raise DecodeError(f"{failures} samples of batch {ticket} failed")
             raise DecodeError(records[-1].message, records[-1].path)
         dropped = self.plan.ticket_size(ticket) - count
-        self._stats.dropped += dropped
-        self._stats.epoch_dropped += dropped
+        self._failures.dropped(dropped)
         if (ticket + 1) % len(self) == 0:
-            self._summarize_epoch(ticket // len(self))
+            self._failures.end_epoch(ticket // len(self))
         fresh = self._fresh(ticket, count)
         self._stats.batches += 1
         self._stats.delivered += count
@@ -537,65 +534,6 @@ class Loader:
         """True when the next batch is already published (taking it will not wait)."""
         return self._ring is not None and self._ring.is_published(self._ticket)
 
-    def _report_failures(self, records, failures):
-        """One warning per failed file, the first time it fails; later failures of the
-        same file (every epoch reads it again) are counted, and told in the epoch's
-        summary (:meth:`_summarize_epoch`)."""
-        action = self._action()
-        books = self._stats
-        for r in records:
-            self._count_failure(REASONS.get(r.reason, "other"))
-            if r.path in books.reported:
-                books.repeats += 1
-                continue
-            books.reported.add(r.path)
-            # A name with control characters (newline, tab, U+2028) or undecodable
-            # bytes is shown escaped, so it cannot break or forge a log line; the
-            # exact name is the warning's ``failure.path``.
-            shown = r.path if r.path and r.path.isprintable() else repr(r.path)
-            what = "dropped: every stand-in failed too" if r.dropped else action
-            w = SampleFailureWarning(f"{shown}: {' '.join(r.message.split())} "
-                                     f"(sample {r.sample_id}, {what})")
-            w.failure = r
-            warnings.warn(w, stacklevel=4)
-        if failures > len(records):  # more than the slot's report area could name
-            self._count_failure("unreported", failures - len(records))
-
-    def _action(self):
-        return {"replace": "replaced", "skip": "skipped", "raise": "raised"}[
-            self.plan.on_error]
-
-    def _count_failure(self, reason, n=1):
-        books = self._stats
-        books.failures[reason] = books.failures.get(reason, 0) + n
-        books.epoch_failures[reason] = books.epoch_failures.get(reason, 0) + n
-
-    def _summarize_epoch(self, epoch):
-        """At the end of an epoch in which samples failed: one warning with the counts,
-        so that what the per-file warnings left out (files already named, samples the
-        slot's report could not name) is still said."""
-        books = self._stats
-        counts, repeats, dropped = books.epoch_failures, books.repeats, books.epoch_dropped
-        books.epoch_failures, books.repeats, books.epoch_dropped = {}, 0, 0
-        total = sum(counts.values())
-        if not total:
-            return
-        by = ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()))
-        quiet = []
-        if repeats:
-            quiet.append(f"{repeats} of files already named in an earlier warning")
-        if counts.get("unreported"):
-            quiet.append(f"{counts['unreported']} whose paths did not fit the batch's report")
-        action = self._action()
-        if dropped and self.plan.on_error == "replace":
-            action = f"{action} ({dropped} dropped: every stand-in failed too)"
-        w = SampleFailureWarning(
-            f"epoch {epoch}: {total} sample(s) failed ({by}), {action}"
-            f"{'; not warned one by one: ' + '; '.join(quiet) if quiet else ''}; "
-            f"totals in stats()['failures']")
-        w.failure = None
-        warnings.warn(w, stacklevel=4)
-
     def stats(self):
         s = self._stats
         elapsed = max(time.perf_counter() - s.started, 1e-9) if s.started else 0.0
@@ -612,9 +550,9 @@ class Loader:
             "delivered_per_s": s.delivered / elapsed if elapsed else 0.0,
             "stall_s": s.stall_s,
             "ring_occupancy": occupancy,
-            "failures": dict(s.failures),
+            "failures": dict(self._failures.counts),
             "accepted_with_warnings": s.warned,
-            "dropped": s.dropped,
+            "dropped": self._failures.total_dropped,
             "worker_restarts": self._pool.restarts if self._pool else 0,
         }
 
@@ -622,13 +560,8 @@ class Loader:
 class _Counters:
     def __init__(self):
         self.started = 0.0
-        self.batches = self.fresh = self.delivered = self.dropped = self.warned = 0
+        self.batches = self.fresh = self.delivered = self.warned = 0
         self.stall_s = 0.0
-        self.failures = {}
-        self.epoch_failures = {}   # this epoch's, for its summary
-        self.repeats = 0           # this epoch's failures of files named before
-        self.epoch_dropped = 0     # this epoch's samples dropped (no stand-in either)
-        self.reported = set()      # paths named in a warning already
 
 
 def _image_shape(transform):

@@ -79,8 +79,6 @@ OK, REPLACED, SKIPPED = _ring.STATUS_OK, _ring.STATUS_REPLACED, _ring.STATUS_SKI
 # Per-sample failure reasons (stats key names).
 REASON_NONE, REASON_DECODE = _ring.REASON_NONE, _ring.REASON_DECODE
 REASON_READ, REASON_LIMIT = _ring.REASON_READ, _ring.REASON_LIMIT
-REASONS = {REASON_NONE: "none", REASON_DECODE: "decode", REASON_READ: "read",
-           REASON_LIMIT: "limit"}
 
 _H = {name: f[0] for name, f in _ring.HEADER_FIELDS.items()}   # header field offsets
 _S = {name: f[0] for name, f in _ring.SLOT_FIELDS.items()}     # slot field offsets

@@ -2,7 +2,7 @@
 
 An index lists, for every image member of a WebDataset-style shard, its key,
 the byte offset and size of its data, and its label (the integer in
-``<key>.cls``, or -1).  :class:`~echo_native.source.TarShards` reads members by
+``<key>.cls``, or -1).  :class:`~echo_native.tarshards.TarShards` reads members by
 byte range from it, so a remote shard is never downloaded whole for training.
 
 The sidecar ``<shard>.idx`` is JSON (small: about 40 bytes per sample)::
@@ -35,12 +35,14 @@ import os
 import tarfile
 import tempfile
 
+from echo_native._checks import IMAGE_EXTENSIONS
+
 FORMAT = "echo_native.tar-index"
 VERSION = 1
 
 #: Member extensions taken as the sample's image (any case).  Decoding goes by
 #: content, not by this name.
-IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".pgm", ".tif", ".tiff")
+IMAGE_EXTS = IMAGE_EXTENSIONS  # what a member may be to count as a sample's image
 
 #: A label member larger than this is not a label (a 64-bit integer is at most 20 characters).
 _MAX_CLS_BYTES = 256

@@ -145,7 +145,7 @@ if args.resume and os.path.exists(args.checkpoint):
     start_epoch, step = ring.epoch, ckpt["step"]
     if main:
         print(f"resumed from {args.checkpoint}: epoch {start_epoch}, step {step}")
-net = model
+net: nn.Module = model
 if distributed:
     net = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if args.device == "cuda" else None)
