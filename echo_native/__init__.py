@@ -3,16 +3,22 @@
 Pipeline order, one module per stage (open them in this order to follow a
 batch from file bytes to the GPU; each imports only modules above it):
 
-  source      where the bytes come from (ImageFolder, FileList, TarShards, Samples);
-              remote (fsspec URLs, retries, prefetch), tarindex, shards (the writer)
-  decode      bytes -> pixels: JPEG by the native kernel, other formats by Pillow
+  errors      DecodeError and the other errors the pipeline raises
+  remote      objects in storage by URL: bounded, retried reads (fsspec);
+              prefetch (reads ahead of the decode: samples, tar-shard blocks)
+  source      where the bytes come from: ImageFolder, FileList, Samples;
+              tarindex (a tar shard's index), tarshards (TarShards)
+  decode      bytes -> pixels: JPEG by the native kernel, other formats by Pillow;
+              shards (the shard writer, which checks images with it)
   transforms  what each sample becomes: RandomResizedCrop, CenterCrop
   augment     per-example ops after the crop: ColorJitter, RandomGrayscale,
               TrivialAugmentWide, RandomErasing (in workers or per emission)
   plan        which samples each batch (ticket) holds: Plan, Shard
-  ring        shared-memory ring of batch slots (layout and atomics in C);
-              failures (the binary failure records), memory (the memory budget)
-  workers     processes that fill slots; a dead one's ticket is redone
+  failures    failed samples: the binary records a slot carries, and their warnings
+  memory      what a ring may take of the machine's memory (the budget), /dev/shm names
+  ring        the shared-memory ring of batch slots (layout and atomics in C)
+  workers     what a worker does: fill the slot of each ticket it takes
+  pool        the supervisor: starts workers, replaces the dead, redoes their tickets
   batch       Batch, and the Fresh batch an echo stage takes
   resume      the state format, its checks, elastic resume (merge_states)
   specs       the constructor's arguments as specs, folded once (Workers)

@@ -103,3 +103,18 @@ def cpus():
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
         return max(1, os.cpu_count() or 1)
+
+
+def take(keywords, names):
+    """The keywords named in ``names`` (a tuple, or a dict renaming them), removed from
+    ``keywords``: a constructor's flat shorthands for one spec."""
+    return {names[k] if isinstance(names, dict) else k: keywords.pop(k)
+            for k in list(keywords) if k in names}
+
+
+def either(owner, spec_text, spec, given, given_text=None):
+    """Refuse a shorthand given next to the spec it belongs to (which would win is not
+    obvious)."""
+    if given and spec is not None:
+        raise TypeError(f"{owner}: give either {spec_text} or "
+                        f"{given_text or ', '.join(sorted(given))}, not both")

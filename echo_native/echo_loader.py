@@ -23,11 +23,10 @@ from echo_native.batch import Fresh
 from echo_native.echo.auto import AutoEcho
 from echo_native.echo.counts import counts_from, echo_counts, echo_draws
 from echo_native.echo.pytree import PytreeExamples
-from echo_native.echo.spec import Echo
+from echo_native.echo.spec import Echo, fold_echo
 from echo_native.echo.stages import BatchEcho, ExampleEcho, PassThrough
 from echo_native.echo.upstream import EpochEnd
 from echo_native.resume import check_epoch
-from echo_native.specs import fold_echo
 
 #: Wrapped states kept for a resume (batches back from the newest).
 _KEEP_STATES = 64
@@ -237,7 +236,7 @@ class EchoLoader:
                         ("max_buffer_bytes", max_buffer_bytes)):
             if v is not None and (not is_int(v) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        self.spec = _placed(fold_echo("EchoLoader", echo, {}), augment)
+        self.spec = _placed(fold_echo("EchoLoader", echo), augment)
         self.augment, self.seed = augment, int(seed)
         self.batch_size, self.drop_last, self.with_info = batch_size, bool(drop_last), with_info
         self._shuffle_buffer = shuffle_buffer

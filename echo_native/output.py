@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native import _dlpack
+from echo_native._checks import either
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -315,3 +316,27 @@ class DeviceArray:
             raise BufferError(f"no DLPack export for {array.dtype}") from None
         # Legacy capsule: every consumer accepts it, whatever max_version it offers.
         return _capsule(array, code, 8 * array.itemsize, self.device.device_id)
+
+
+#: EchoRing's flat shorthands of the original contract that make its Output.
+SHORTHANDS = ("normalize", "layout", "dtype")
+
+
+def fold_output(owner, output, given=None):
+    """``output=`` as an :class:`Output`, with the flat ``normalize``/``layout``/``dtype``
+    (:data:`SHORTHANDS`) ``given`` folded in."""
+    given = given or {}
+    if given:
+        either(owner, "output=Output(...)", output, given)
+        if not given.get("normalize"):
+            # The flat contract checked layout and dtype but used them only with
+            # normalisation: check them the same way, then give uint8.
+            Output(normalize=True, layout=given.get("layout", "NHWC"),
+                   dtype=given.get("dtype", "float32"))
+            return Output(normalize=False)
+        return Output(**given)
+    if output is None:
+        return Output(normalize=False)
+    if not isinstance(output, Output):
+        raise TypeError(f"output must be an echo_native.Output or None, got {output!r}")
+    return output

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from echo_native._checks import take
 from echo_native._iteration import IterationGuard, NOT_PICKLABLE
 from echo_native.augment import Program, WithOps
 from echo_native.backends import resolve
@@ -17,9 +18,13 @@ from echo_native.delivery import Delivery
 from echo_native.echo.auto import AutoEcho
 from echo_native.echo.buffer import buffer_bytes
 from echo_native.echo.images import ImageExamples
+from echo_native.echo.spec import SHORTHANDS as echo_shorthands
+from echo_native.echo.spec import fold_echo
 from echo_native.echo.stages import BatchEcho, ExampleEcho, PassThrough
 from echo_native.loader import Loader
 from echo_native.mix import Mix
+from echo_native.output import SHORTHANDS as output_shorthands
+from echo_native.output import fold_output
 from echo_native.resume import check_epoch
 from echo_native.source import as_source
 from echo_native.specs import check_batch_size, fold
@@ -97,9 +102,11 @@ class EchoRing:
                  on_error="replace", shard=None, decode=None, mix=None, on_batch=None,
                  **shorthands):
         source = as_source(source, "EchoRing")
-        specs = fold("EchoRing", augment, decode, shard, workers, shorthands, with_echo=True,
-                     echo=echo, output=output)
-        crop, echo, output = specs.crop, specs.echo, specs.output
+        shorthands = dict(shorthands)
+        echo = fold_echo("EchoRing", echo, take(shorthands, echo_shorthands))
+        output = fold_output("EchoRing", output, take(shorthands, output_shorthands))
+        specs = fold("EchoRing", augment, decode, shard, workers, shorthands)
+        crop = specs.crop
         batch_size = check_batch_size(batch_size)
         if isinstance(crop, CenterCrop) and not echo.off and echo.placement == "before_augment":
             raise ValueError("CenterCrop is deterministic: echoing it before augmentation would "

@@ -7,18 +7,17 @@ itself (``RandomResizedCrop``, ``DecodeLimits``, ``Shard``, :class:`Workers`,
 ``slots=``, ...) keep working: :func:`fold` turns them into the spec they belong
 to, for :class:`~echo_native.loader.Loader` and :class:`~echo_native.EchoRing`
 alike, and refuses a shorthand given next to its own spec (which would win is
-not obvious).
+not obvious).  The ``Echo`` and ``Output`` shorthands of EchoRing are folded
+beside their specs (``fold_echo``, ``fold_output``) with the same helpers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from echo_native._checks import choice, cpus, is_int, is_number, positive_int, seconds, \
-    size_pair
+from echo_native._checks import choice, cpus, either, is_int, positive_int, seconds, size_pair, \
+    take
 from echo_native.augment import split_augment
 from echo_native.decode import DecodeLimits
-from echo_native.echo.spec import Echo
-from echo_native.output import Output
 from echo_native.plan import Shard
 from echo_native.ring import MAX_WORKERS
 from echo_native.transforms import CenterCrop, RandomResizedCrop
@@ -85,40 +84,24 @@ class Specs:
     decode: DecodeLimits
     shard: Shard
     workers: Workers
-    echo: Echo = None     # EchoRing only
-    output: Output = None
 
 
 #: Shorthand -> (spec, field) for every flat keyword of the original contract.
 _CROP = {"image_size": "size", "scale": "scale", "ratio": "ratio", "flip_p": "flip_p"}
 _WORKERS = {"slots": "slots", "timeout": "timeout", "sample_timeout": "sample_timeout",
             "worker_mode": "mode"}
-_ECHO = {"placement": "placement", "shuffle_buffer": "shuffle_buffer", "max_echo": "max_echo",
-         "canvas_side": "canvas_side", "canvas_max_pixels": "canvas_max_pixels",
-         "echo_flip": "flip"}
-_OUTPUT = ("normalize", "layout", "dtype")
 
 
-def _take(shorthands, names):
-    return {names[k] if isinstance(names, dict) else k: shorthands.pop(k)
-            for k in list(shorthands) if k in names}
-
-
-def _either(owner, spec_text, spec, given, given_text=None):
-    if given and spec is not None:
-        raise TypeError(f"{owner}: give either {spec_text} or "
-                        f"{given_text or ', '.join(sorted(given))}, not both")
-
-
-def fold(owner, augment=None, decode=None, shard=None, workers=None, shorthands=None, *,
-         with_echo=False, echo=2.0, output=None):
-    """The :class:`Specs` of ``owner`` ("Loader" or "EchoRing") from its arguments and
-    flat shorthands; ``with_echo`` for EchoRing (``echo``, ``output`` and their
-    shorthands).  Leftover keywords are a TypeError naming them."""
+def fold(owner, augment=None, decode=None, shard=None, workers=None, shorthands=None):
+    """The :class:`Specs` of ``owner`` ("Loader", "EchoRing") from its arguments and the
+    flat shorthands left in ``shorthands`` (an EchoRing folds its ``Echo`` and
+    ``Output`` ones first: :func:`echo_native.echo.spec.fold_echo`,
+    :func:`echo_native.output.fold_output`).  Leftover keywords are a TypeError
+    naming them."""
     shorthands = dict(shorthands or {})
     crop, ops = split_augment(owner, augment)
-    given = _take(shorthands, _CROP)
-    _either(owner, "augment=", crop, given)
+    given = take(shorthands, _CROP)
+    either(owner, "augment=", crop, given)
     if given:
         if "size" in given:  # errors should name what the user wrote
             given["size"] = size_pair(given["size"], "image_size")
@@ -129,34 +112,28 @@ def fold(owner, augment=None, decode=None, shard=None, workers=None, shorthands=
                         f"CenterCrop, got {crop!r}")
 
     if "strict" in shorthands:
-        _either(owner, "decode=", decode, {"strict"}, "strict=")
+        either(owner, "decode=", decode, {"strict"}, "strict=")
         decode = DecodeLimits(strict=shorthands.pop("strict"))
     decode = DecodeLimits() if decode is None else decode
     if not isinstance(decode, DecodeLimits):
         raise TypeError(f"{owner}: decode must be an echo_native.DecodeLimits, got {decode!r}")
 
-    ranks = _take(shorthands, ("rank", "world_size"))
-    _either(owner, "shard=", shard, ranks, "rank=/world_size=")
+    ranks = take(shorthands, ("rank", "world_size"))
+    either(owner, "shard=", shard, ranks, "rank=/world_size=")
     shard = Shard(**ranks) if ranks else (Shard() if shard is None else shard)
     if not isinstance(shard, Shard):
         raise TypeError(f"{owner}: shard must be an echo_native.Shard, got {shard!r}")
 
-    workers = _fold_workers(owner, workers, _take(shorthands, _WORKERS))
-
-    if with_echo:
-        echo = fold_echo(owner, echo, _take(shorthands, _ECHO))
-        output = _fold_output(owner, output, _take(shorthands, _OUTPUT))
-    else:
-        echo = output = None
+    workers = _fold_workers(owner, workers, take(shorthands, _WORKERS))
     if shorthands:
         raise TypeError(f"{owner} got unexpected keyword argument(s) "
                         f"{', '.join(sorted(shorthands))}")
-    return Specs(crop, ops, decode, shard, workers, echo, output)
+    return Specs(crop, ops, decode, shard, workers)
 
 
 def _fold_workers(owner, workers, given):
     if isinstance(workers, Workers):
-        _either(owner, "workers=Workers(...)", workers, given)
+        either(owner, "workers=Workers(...)", workers, given)
         return workers
     if workers is not None and not is_int(workers):
         raise ValueError(f"{owner}: workers must be a number of workers or an "
@@ -168,38 +145,6 @@ def _fold_workers(owner, workers, given):
         message = str(e).replace("Workers: count", "workers").replace("Workers: mode",
                                                                       "worker_mode")
         raise type(e)(message.replace("Workers: ", "")) from None
-
-
-def fold_echo(owner, echo, given):
-    """``echo=`` as an :class:`Echo`, with the flat shorthands folded in."""
-    if isinstance(echo, Echo):
-        _either(owner, "echo=Echo(...)", echo, given)
-        return echo
-    if not (isinstance(echo, str) or is_number(echo)):
-        raise ValueError(f"echo must be an echo_native.Echo, a number >= 1 or 'auto', got "
-                         f"{echo!r}")
-    try:
-        return Echo(echo, **given)
-    except (TypeError, ValueError) as e:
-        raise type(e)(str(e).replace("Echo: factor", "echo")) from None
-
-
-def _fold_output(owner, output, given):
-    """``output=`` as an :class:`Output`, with ``normalize``/``layout``/``dtype`` folded in."""
-    if given:
-        _either(owner, "output=Output(...)", output, given)
-        if not given.get("normalize"):
-            # The flat contract checked layout and dtype but used them only with
-            # normalisation: check them the same way, then give uint8.
-            Output(normalize=True, layout=given.get("layout", "NHWC"),
-                   dtype=given.get("dtype", "float32"))
-            return Output(normalize=False)
-        return Output(**given)
-    if output is None:
-        return Output(normalize=False)
-    if not isinstance(output, Output):
-        raise TypeError(f"output must be an echo_native.Output or None, got {output!r}")
-    return output
 
 
 def check_batch_size(batch_size):

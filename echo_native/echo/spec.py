@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from echo_native._checks import flag, is_number, number, optional_positive_int
+from echo_native._checks import either, flag, is_number, number, optional_positive_int
 
 PLACEMENTS = ("before_augment", "after_augment", "batch")
 
@@ -84,3 +84,25 @@ class Echo:
     def off(self):
         """True for a fixed e of 1: the ring passes straight through."""
         return self.factor == 1.0
+
+
+#: EchoRing's flat shorthands of the original contract, by the Echo field they set.
+SHORTHANDS = {"placement": "placement", "shuffle_buffer": "shuffle_buffer",
+              "max_echo": "max_echo", "canvas_side": "canvas_side",
+              "canvas_max_pixels": "canvas_max_pixels", "echo_flip": "flip"}
+
+
+def fold_echo(owner, echo, given=None):
+    """``echo=`` as an :class:`Echo`, with the flat shorthands ``given`` (taken out of a
+    constructor's keywords by their :data:`SHORTHANDS` names) folded in."""
+    given = given or {}
+    if isinstance(echo, Echo):
+        either(owner, "echo=Echo(...)", echo, given)
+        return echo
+    if not (isinstance(echo, str) or is_number(echo)):
+        raise ValueError(f"echo must be an echo_native.Echo, a number >= 1 or 'auto', got "
+                         f"{echo!r}")
+    try:
+        return Echo(echo, **given)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("Echo: factor", "echo")) from None
