@@ -1,5 +1,5 @@
-"""One iteration at a time over a stream that must not be read twice (Loader, EchoRing,
-EchoLoader), and what refuses to be pickled."""
+"""What Loader, EchoRing and EchoLoader share as consumers of a stream that must not be
+read twice: one iteration at a time, ``with`` blocks, and no pickling."""
 from __future__ import annotations
 
 import contextlib
@@ -80,3 +80,14 @@ class IterationGuard:
             yield
         finally:
             self._lock.release()
+
+
+class Started:
+    """``with x:`` starts ``x`` (``x.start()``) and closes it at the end, however the
+    block ends."""
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()

@@ -7,6 +7,7 @@ the pipeline's rotating output buffers.  ``copy()`` what you keep longer.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,3 +80,24 @@ class Fresh:
     @property
     def count(self):
         return len(self.sample_ids)
+
+
+class Books:
+    """What a loader or an echo stage counts since it started, for ``stats()``."""
+
+    def __init__(self):
+        self.started = 0.0
+        self.fresh = self.delivered = self.batches = self.fresh_batches = self.warned = 0
+        self.wait_s = self.consumer_s = self.fill_s = 0.0
+
+    def start(self):
+        if not self.started:
+            self.started = time.perf_counter()
+
+    def rates(self):
+        """The counts, and the fresh and delivered examples per second since start."""
+        elapsed = time.perf_counter() - self.started if self.started else 0.0
+        return {"fresh": self.fresh, "delivered": self.delivered, "batches": self.batches,
+                "fresh_per_s": self.fresh / elapsed if elapsed else 0.0,
+                "delivered_per_s": self.delivered / elapsed if elapsed else 0.0,
+                "stall_s": self.wait_s}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native import _kernel
+from echo_native._checks import CENTER_CROP_FRACTION, is_int
 from echo_native.errors import DecodeError
 
 DEFAULT_MAX_PIXELS = _kernel.DEFAULT_MAX_PIXELS
@@ -78,7 +79,7 @@ class DecodeLimits:
             raise TypeError(f"DecodeLimits: strict must be True or False, got {self.strict!r}")
         for name in ("max_pixels", "max_scans", "max_memory"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"DecodeLimits: {name} must be a positive integer, got "
                                  f"{value!r}")
         for name in ("max_pixels", "max_memory"):
@@ -88,10 +89,6 @@ class DecodeLimits:
         if self.max_scans >= 2**31:
             raise ValueError(f"DecodeLimits: max_scans must be below 2**31, got "
                              f"{self.max_scans}")
-
-
-def _is_int(x):
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def is_jpeg(data) -> bool:
@@ -159,9 +156,9 @@ class Decoder:
         index), into ``out``; returns ``(box, flip)``."""
         return self._for(data).decode_random_crop(data, size, *key, scale, ratio, flip_p, out)
 
-    def center_crop(self, data, resize_side, size, out=None):
-        """Resize(resize_side) + CenterCrop(size) into ``out``; returns the box."""
-        return self._for(data).decode_center_crop(data, resize_side, size, out)
+    def center_crop(self, data, resize, size, out=None):
+        """Resize(resize) + CenterCrop(size) into ``out``; returns the box."""
+        return self._for(data).decode_center_crop(data, resize, size, out)
 
     def canvas(self, data, min_side, max_pixels=2**64 - 1, out=None):
         """The canvas echoing before augmentation keeps (see ``_kernel.canvas_plan``):
@@ -213,9 +210,9 @@ class _PillowDecoder:
         self.kernel.resize(image, box, size, flip, out)
         return box, flip
 
-    def decode_center_crop(self, data, resize_side, size, out):
+    def decode_center_crop(self, data, resize, size, out):
         image = self.decode(data)
-        box = _kernel.center_crop_box(image.shape[0], image.shape[1], resize_side, size)
+        box = _kernel.center_crop_box(image.shape[0], image.shape[1], resize, size)
         self.kernel.resize(image, box, size, False, out)
         return box
 
@@ -436,32 +433,30 @@ def decode_random_crop(data, size, seed, epoch, sample_id, echo_index=0, *,
     return out, box, flip
 
 
-def decode_center_crop(data, size, resize_size=None, out=None, *, strict=True,
+def decode_center_crop(data, size, resize=None, out=None, *, strict=True,
                        max_pixels=DEFAULT_MAX_PIXELS, max_scans=DEFAULT_MAX_SCANS,
                        max_memory=DEFAULT_MAX_MEMORY):
-    """Evaluation transform: ``Resize(resize_size)`` then ``CenterCrop(size)``, fused.
+    """Evaluation transform: ``Resize(resize)`` then ``CenterCrop(size)``, fused.
 
-    ``size`` is an int (square) or ``(height, width)``; ``resize_size`` (the
-    shorter side after resizing) defaults to ``round(max(size) / 0.875)`` (256
-    for 224).  The two torchvision steps become one resampling of the matching
+    ``size`` is an int (square) or ``(height, width)``; ``resize`` (the shorter
+    side after resizing, as :class:`CenterCrop`'s) defaults to
+    ``round(max(size) / 0.875)`` (256 for 224).  The two torchvision steps become one resampling of the matching
     box of the original, so there is one rounding instead of two.
     """
     if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
         size = (_positive_int("size", size),) * 2
     size = _pair(size)
-    resize_side = default_resize(size) if resize_size is None else \
-        _positive_int("resize_size", resize_size)
+    resize = default_resize(size) if resize is None else _positive_int("resize", resize)
     data = _as_bytes(data)
     if out is None:
         out = np.empty((*size, 3), dtype=np.uint8)
-    _decoder(strict, max_pixels, max_scans, max_memory).center_crop(data, resize_side, size,
-                                                                    out)
+    _decoder(strict, max_pixels, max_scans, max_memory).center_crop(data, resize, size, out)
     return out
 
 
 def default_resize(size):
     """torchvision's evaluation convention: resize to ``size / 0.875`` (224 -> 256)."""
-    return int(round(max(size) / 0.875))
+    return int(round(max(size) / CENTER_CROP_FRACTION))
 
 
 def decode_canvas(data, min_side, out=None, *, strict=True, max_pixels=DEFAULT_MAX_PIXELS,

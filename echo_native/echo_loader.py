@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from echo_native._checks import is_int
-from echo_native._iteration import IterationGuard
+from echo_native._iteration import IterationGuard, Started
 from echo_native.backends.array import ArrayDevice
 from echo_native.batch import Fresh
 from echo_native.echo.auto import AutoEcho
@@ -184,7 +184,7 @@ def _dataset_len(iterable):
     return n
 
 
-class EchoLoader:
+class EchoLoader(Started):
     """Data echoing around any loader: an iterable of batches in, the same kind out.
 
     Parameters
@@ -390,11 +390,9 @@ class EchoLoader:
         if self.stage is not None:
             self.stage.close()
 
-    def __enter__(self):
+    def start(self):
+        """Nothing to start before the first batch (the ``with`` block's entry)."""
         return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _placed(echo, augment):

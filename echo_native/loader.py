@@ -23,9 +23,9 @@ import weakref
 import numpy as np
 
 from echo_native._checks import flag, is_int
-from echo_native._iteration import IterationGuard, NOT_PICKLABLE
+from echo_native._iteration import NOT_PICKLABLE, IterationGuard, Started
 from echo_native.augment import Program, WithOps
-from echo_native.batch import Batch, Fresh
+from echo_native.batch import Batch, Books, Fresh
 from echo_native.errors import DecodeError
 from echo_native.failures import FailureReport
 from echo_native.plan import ON_ERROR, Plan
@@ -43,7 +43,7 @@ class WorkerError(RuntimeError):
     message carries the cause (a traceback, or the store's URL and error)."""
 
 
-class Loader:
+class Loader(Started):
     """Batches of decoded, augmented images from a source, through shared memory.
 
     One iteration is one epoch (``len(loader)`` batches); iterate again for the
@@ -58,8 +58,10 @@ class Loader:
         Samples per batch; the last batch of an epoch may be short (see ``drop_last``).
     augment : RandomResizedCrop or CenterCrop, default RandomResizedCrop(224)
         What each sample becomes, decoded and augmented by the workers.
-    workers : int, default: the CPUs this process may use
-        Worker processes (or threads) decoding in parallel, at most ``ring.MAX_WORKERS``.
+    workers : int or Workers, default: the CPUs this process may use
+        Worker processes (or threads) decoding in parallel; a :class:`Workers` spec
+        also sets the mode, the ring's slots and the timeouts (``slots=``,
+        ``timeout=``, ``sample_timeout=``, ``worker_mode=`` are its shorthands).
     seed : int, default 0
         Shuffling and every augmentation are pure functions of it.
     shuffle : bool, default True
@@ -74,20 +76,6 @@ class Loader:
         This process's part of the data.
     decode : DecodeLimits, default DecodeLimits()
         Strictness and decompression-bomb limits.
-    slots : int, default max(4, 2 x workers)
-        Batch slots in the shared-memory ring.
-    timeout : float, default 120
-        Seconds to wait for one batch before raising ``TimeoutError``.
-    sample_timeout : float or None, default 60
-        Seconds one sample may take to read and decode in a worker process before
-        that worker is replaced and the sample reported as failed (a read that
-        hangs on a stalled network mount cannot be interrupted from inside).
-        None disables it; thread workers cannot be replaced and ignore it.
-    worker_mode : {"process", "thread"}, default "process"
-        Worker processes are fresh interpreters that never run your ``__main__``
-        (no main guard needed); the source reaches them pickled by value, so a
-        class defined in your script or notebook works.  Threads suit sources
-        whose ``read`` releases the GIL (the decode always does).
 
     Shorthands: ``image_size=``, ``scale=``, ``ratio=``, ``flip_p=`` make the
     ``RandomResizedCrop``; ``strict=`` the ``DecodeLimits``; ``rank=``,
@@ -134,6 +122,10 @@ class Loader:
                          seed=int(seed), shuffle=shuffle, drop_last=drop_last,
                          on_error=on_error, decode=specs.decode, rank=rank,
                          world_size=world_size, pad=pad)
+        # What an echo stage reads of the plan (the same for a resumed plan).
+        self.batches_per_epoch = self.plan.batches_per_epoch
+        self.samples_per_epoch = self.plan.num_samples
+        self.sharded = self.plan.world_size > 1
         if self.plan.batches_per_epoch == 0:
             raise ValueError(f"batch_size {batch_size} is larger than the "
                              f"{self.plan.num_samples} samples of this rank's shard "
@@ -152,7 +144,7 @@ class Loader:
         self._held = None          # ticket whose slot the consumer still reads
         self._finalizer = None
         self._watchers = []        # (opened(ring), closing()) of stages that map the ring
-        self._stats = _Counters()
+        self._stats = Books()
         self._failures = FailureReport(self.plan.on_error)
         # Memory the stages after the loader will take besides the ring, checked with it
         # at start: [(what, bytes, setting to lower)] (an echo buffer, see EchoRing).
@@ -208,7 +200,7 @@ class Loader:
         # child forked from it inherits the finalizer, and must not stop the
         # parent's workers when it exits.
         self._finalizer = weakref.finalize(self, _shutdown, self._owner_pid, ring, pool, opened)
-        self._stats.started = time.perf_counter()
+        self._stats.start()
         return self
 
     def _budget(self):
@@ -356,12 +348,6 @@ class Loader:
     def _resumed_plan(self, merged):
         return resumed_plan(self._base, self.source, merged)
 
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.close()
-
     @property
     def ring(self):
         """The shared-memory ring while running, else None."""
@@ -418,17 +404,7 @@ class Loader:
                      _release=functools.partial(self.release, fresh.ticket))
 
     # -- the Upstream of the echo stages ---------------------------------------------------
-    @property
-    def batches_per_epoch(self):
-        return self.plan.batches_per_epoch
-
-    @property
-    def samples_per_epoch(self):
-        return self.plan.num_samples
-
-    @property
-    def sharded(self):
-        return self.plan.world_size > 1
+    # (batches_per_epoch, samples_per_epoch, sharded: attributes set by _setup)
 
     def id_space(self):
         return self.plan.total_samples
@@ -528,40 +504,26 @@ class Loader:
                                    f"(slot {ticket % ring.layout.nslots}); {who}. A worker may "
                                    f"be hung on a sample; raise `timeout` if a batch really "
                                    f"takes that long")
-        self._stats.stall_s += time.perf_counter() - t0
+        self._stats.wait_s += time.perf_counter() - t0
 
     def ready(self):
         """True when the next batch is already published (taking it will not wait)."""
         return self._ring is not None and self._ring.is_published(self._ticket)
 
     def stats(self):
-        s = self._stats
-        elapsed = max(time.perf_counter() - s.started, 1e-9) if s.started else 0.0
         occupancy = 0.0
         if self._ring is not None:
             ready = sum(self._ring.is_published(t)
                         for t in range(self._ticket, self._ticket + self._ring.layout.nslots))
             occupancy = ready / self._ring.layout.nslots
         return {
-            "batches": s.batches,
-            "fresh": s.fresh,
-            "delivered": s.delivered,
-            "fresh_per_s": s.fresh / elapsed if elapsed else 0.0,
-            "delivered_per_s": s.delivered / elapsed if elapsed else 0.0,
-            "stall_s": s.stall_s,
+            **self._stats.rates(),
             "ring_occupancy": occupancy,
             "failures": dict(self._failures.counts),
-            "accepted_with_warnings": s.warned,
+            "accepted_with_warnings": self._stats.warned,
             "dropped": self._failures.total_dropped,
             "worker_restarts": self._pool.restarts if self._pool else 0,
         }
-
-
-class _Counters:
-    def __init__(self):
-        self.started = 0.0
-        self.batches = self.fresh = self.delivered = self.warned = 0
-        self.stall_s = 0.0
 
 
 def _image_shape(transform):

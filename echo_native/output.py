@@ -138,6 +138,21 @@ def bfloat16_bits(values):
     return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
 
 
+def _exported(batch, dl_device, copy):
+    """What a ``__dlpack__(dl_device=..., copy=...)`` call exports: the batch itself, or
+    a copy when asked; a device other than the batch's is a BufferError."""
+    if dl_device is not None and tuple(dl_device) != batch.__dlpack_device__():
+        raise BufferError(f"this {type(batch).__name__} lives on "
+                          f"{batch.__dlpack_device__()}, not {tuple(dl_device)}")
+    return batch.copy() if copy else batch
+
+
+def _forwarded(held, name):
+    """The read-only attribute ``name`` of the array a wrapper holds in ``held``."""
+    return property(lambda self: getattr(getattr(self, held), name),
+                    doc=f"``{held}.{name}``")
+
+
 class BFloat16Array:
     """A normalised batch in bfloat16, a type NumPy and CuPy do not have.
 
@@ -157,13 +172,7 @@ class BFloat16Array:
         self.event = None  # set by a GPU backend: the batch is complete after it
         self.reused = device is not None  # in an output buffer the pipeline will overwrite
 
-    @property
-    def shape(self):
-        return self.bits.shape
-
-    @property
-    def ndim(self):
-        return self.bits.ndim
+    shape, ndim = (_forwarded("bits", name) for name in ("shape", "ndim"))
 
     def __len__(self):
         return len(self.bits)
@@ -209,10 +218,7 @@ class BFloat16Array:
         return (_dlpack.KDL_CUDA, self.device.device_id if self.device else self.bits.device.id)
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
-            raise BufferError(f"this bfloat16 batch lives on {self.__dlpack_device__()}, "
-                              f"not {tuple(dl_device)}")
-        source = self.copy() if copy else self
+        source = _exported(self, dl_device, copy)
         bits = source.bits
         kind, index = self.__dlpack_device__()
         if self._on_gpu():
@@ -253,25 +259,8 @@ class DeviceArray:
         self.event = event      # the batch is complete after it (None: already)
         self.reused = reused    # a view of an output buffer the pipeline will overwrite
 
-    @property
-    def shape(self):
-        return self.array.shape
-
-    @property
-    def dtype(self):
-        return self.array.dtype
-
-    @property
-    def ndim(self):
-        return self.array.ndim
-
-    @property
-    def size(self):
-        return self.array.size
-
-    @property
-    def nbytes(self):
-        return self.array.nbytes
+    shape, dtype, ndim, size, nbytes = (_forwarded("array", name) for name in
+                                        ("shape", "dtype", "ndim", "size", "nbytes"))
 
     def __len__(self):
         return len(self.array)
@@ -304,10 +293,7 @@ class DeviceArray:
         return (_dlpack.KDL_CUDA, self.device.device_id)
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
-            raise BufferError(f"this batch lives on {self.__dlpack_device__()}, not "
-                              f"{tuple(dl_device)}")
-        source = self.copy() if copy else self
+        source = _exported(self, dl_device, copy)
         array = source.array
         self.device.order_consumer(stream, source.event, remember=source.reused)
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from echo_native._checks import take
-from echo_native._iteration import IterationGuard, NOT_PICKLABLE
+from echo_native._iteration import NOT_PICKLABLE, IterationGuard, Started
 from echo_native.augment import Program, WithOps
 from echo_native.backends import resolve
 from echo_native.delivery import Delivery
@@ -31,7 +31,7 @@ from echo_native.specs import check_batch_size, fold
 from echo_native.transforms import CenterCrop, canvas_for
 
 
-class EchoRing:
+class EchoRing(Started):
     """Framework-agnostic feeder with data echoing: source -> workers -> ring -> echo -> device.
 
     Parameters
@@ -125,6 +125,8 @@ class EchoRing:
             raise ValueError(f"shuffle_buffer must be at least 2 x batch_size "
                              f"({2 * batch_size}), got {capacity}")
         self.spec, self.augment, self.output, self.mix = echo, crop, output, mix
+        # The specs' main choices, under the names of the original contract.
+        self.image_size, self.placement, self.echo = crop.size, echo.placement, echo.factor
         self.batch_size, self.shuffle_buffer = batch_size, capacity
         self.device = resolve(device)
         # The ops run per emission where the echo stage makes the pixels, else in the
@@ -180,21 +182,6 @@ class EchoRing:
     def __reduce__(self):
         raise TypeError(NOT_PICKLABLE.format(type(self).__name__))
 
-    # -- what the specs say ------------------------------------------------------------
-    @property
-    def image_size(self):
-        """Output ``(height, width)`` (the augment spec's size)."""
-        return self.augment.size
-
-    @property
-    def placement(self):
-        return self.spec.placement
-
-    @property
-    def echo(self):
-        """The echo factor asked for: a number, or "auto"."""
-        return self.spec.factor
-
     # -- life cycle -------------------------------------------------------------------
     def start(self):
         self.loader.start()
@@ -231,12 +218,6 @@ class EchoRing:
         in_use = getattr(self.stage, "buffer", None) is not None
         self.stage.close()
         self.delivery.close(in_use)
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.close()
 
     # -- epochs ------------------------------------------------------------------------
     @property

@@ -103,8 +103,8 @@ def _saturate(name, value):
 
 
 # ---- layout -----------------------------------------------------------------------------
-def _offset(name, doc):
-    return property(lambda self: self._c[name], doc=doc)
+def _offset(name):
+    return property(lambda self: self._c[name], doc=f"byte offset of {name} (see en_ring.h)")
 
 
 @dataclass(frozen=True)
@@ -121,18 +121,14 @@ class Layout:
         object.__setattr__(self, "_c", _ring.layout(self.nslots, self.batch_size,
                                                     self.sample_bytes))
 
-    labels = _offset("labels", "labels i64[B]")
-    sample_ids = _offset("sample_ids", "sample ids i64[B]")
-    status = _offset("status", "status u8[B]")
-    reason = _offset("reason", "failure reason u8[B]")
-    flip = _offset("flip", "flip u8[B]")
-    boxes = _offset("boxes", "boxes f32[B, 4]")
-    shapes = _offset("shapes", "image shape u16[B, 2]")
-    source_hw = _offset("source_hw", "source shape i32[B, 2]")
-    canvas_scale = _offset("canvas_scale", "canvas scale f32[B, 2]")
-    pixels = _offset("pixels", "pixels u8[B, S], page-aligned")
-    slot_bytes = _offset("slot_bytes", "bytes per slot, a page multiple")
-    total_bytes = _offset("total_bytes", "bytes of the whole segment")
+    # Offsets in a slot of: labels i64[B], sample ids i64[B], status u8[B], failure
+    # reason u8[B], flip u8[B], boxes f32[B, 4], image shape u16[B, 2], source shape
+    # i32[B, 2], canvas scale f32[B, 2], pixels u8[B, S] (page-aligned); and the bytes
+    # of a slot (a page multiple) and of the whole segment.
+    labels, sample_ids, status, reason, flip, boxes, shapes, source_hw, canvas_scale, \
+        pixels, slot_bytes, total_bytes = map(_offset, (
+            "labels", "sample_ids", "status", "reason", "flip", "boxes", "shapes",
+            "source_hw", "canvas_scale", "pixels", "slot_bytes", "total_bytes"))
 
     def slot(self, i):
         return HEADER_BYTES + (i % self.nslots) * self.slot_bytes

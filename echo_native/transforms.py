@@ -20,22 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native import _kernel
-
-
-def output_size(size, owner="size"):
-    """``size`` (an int for a square, or ``(height, width)``) as a checked pair."""
-    if isinstance(size, (int, np.integer)) and not isinstance(size, (bool, np.bool_)):
-        size = (size, size)
-    try:
-        h, w = size
-    except (TypeError, ValueError):
-        raise TypeError(f"{owner} must be an int or (height, width), got {size!r}") from None
-    for v in (h, w):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
-            raise TypeError(f"{owner} must be an int or (height, width) of ints, got {size!r}")
-        if not 0 < v <= 65535:
-            raise ValueError(f"{owner} must be positive and at most 65535, got {size!r}")
-    return int(h), int(w)
+from echo_native._checks import size_pair
+from echo_native.decode import default_resize
 
 
 def _pair_of_floats(value, name, owner):
@@ -94,7 +80,7 @@ class RandomResizedCrop(_FixedSize):
     def __post_init__(self):
         name = type(self).__name__
         set_ = object.__setattr__
-        set_(self, "size", output_size(self.size, f"{name}: size"))
+        set_(self, "size", size_pair(self.size, f"{name}: size"))
         set_(self, "scale", _pair_of_floats(self.scale, "scale", name))
         set_(self, "ratio", _pair_of_floats(self.ratio, "ratio", name))
         try:
@@ -139,9 +125,9 @@ class CenterCrop(_FixedSize):
 
     def __post_init__(self):
         name = type(self).__name__
-        object.__setattr__(self, "size", output_size(self.size, f"{name}: size"))
+        object.__setattr__(self, "size", size_pair(self.size, f"{name}: size"))
         if self.resize is None:
-            object.__setattr__(self, "resize", int(round(max(self.size) / 0.875)))
+            object.__setattr__(self, "resize", default_resize(self.size))
         elif (not isinstance(self.resize, (int, np.integer)) or isinstance(self.resize, bool)
               or not 0 < self.resize <= 65535):
             raise ValueError(f"{name}: resize must be a positive integer (the shorter side "

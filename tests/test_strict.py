@@ -507,7 +507,7 @@ def test_crop_reaching_last_row_classifies_like_full_decode(images, plain):
     # Resize(4) + CenterCrop(4): the box is the full height, reaching the last row.
     assert en.center_crop_box(h, w, 4, 4)[2] == h
     refused(r"extraneous bytes before marker 0xd9", en.decode_center_crop, bad, 4,
-            resize_size=4)
+            resize=4)
 
 
 def test_crop_above_undetectable_damage_documented(images, sequential, plain):

@@ -11,6 +11,7 @@ indexing, never through the host.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -103,55 +104,43 @@ def leaf_kinds(treedef):
 
 
 # ---- one framework's arrays --------------------------------------------------------------
-class _Ops:
-    """Buffer operations in one framework, on the leaf's own device."""
+class _ArrayModuleOps:
+    """NumPy's or CuPy's arrays (an array module ``xp``): fancy indexing on the array's own
+    device (a CuPy array's device is made current for the index it needs there)."""
 
-    def __init__(self, like):
-        self.like = like
+    def __init__(self, like, xp):
+        self.xp = xp
+        self._device = getattr(like, "device", None) if xp is not np else None
+
+    def _on_device(self):
+        return self._device if self._device is not None else contextlib.nullcontext()
+
+    def empty(self, capacity, like):
+        with self._on_device():
+            return self.xp.empty((capacity,) + tuple(like.shape[1:]), like.dtype)
+
+    def _index(self, entries):
+        with self._on_device():
+            return self.xp.asarray(np.asarray(entries, np.int64))
+
+    def store(self, buf, entries, values):
+        buf[self._index(entries)] = values
+        return buf
+
+    def gather(self, buf, entries):
+        return buf[self._index(entries)]
+
+    def copy(self, x):
+        return x.copy()
 
     def itemsize(self, x):
         return np.dtype(x.dtype).itemsize
 
 
-class _NumpyOps(_Ops):
-    xp = np
+class _TorchOps:
+    """torch tensors, on their own device: ``index_copy_`` and ``index_select``."""
 
-    def empty(self, capacity, like):
-        return self.xp.empty((capacity,) + tuple(like.shape[1:]), like.dtype)
-
-    def index(self, entries):
-        return self.xp.asarray(entries)
-
-    def store(self, buf, entries, values):
-        buf[self.index(entries)] = values
-        return buf
-
-    def gather(self, buf, entries):
-        return buf[self.index(entries)]
-
-    def copy(self, x):
-        return x.copy()
-
-
-class _CupyOps(_NumpyOps):
     def __init__(self, like):
-        super().__init__(like)
-        import cupy
-
-        self.xp = cupy
-
-    def empty(self, capacity, like):
-        with like.device:
-            return self.xp.empty((capacity,) + tuple(like.shape[1:]), like.dtype)
-
-    def index(self, entries):
-        with self.like.device:
-            return self.xp.asarray(np.asarray(entries))
-
-
-class _TorchOps(_Ops):
-    def __init__(self, like):
-        super().__init__(like)
         import torch
 
         self.torch = torch
@@ -160,15 +149,15 @@ class _TorchOps(_Ops):
         return self.torch.empty((capacity,) + tuple(like.shape[1:]), dtype=like.dtype,
                                 device=like.device)
 
-    def index(self, entries, device):
+    def _index(self, entries, device):
         return self.torch.as_tensor(np.asarray(entries, np.int64), device=device)
 
     def store(self, buf, entries, values):
-        buf.index_copy_(0, self.index(entries, buf.device), values.to(buf.device))
+        buf.index_copy_(0, self._index(entries, buf.device), values.to(buf.device))
         return buf
 
     def gather(self, buf, entries):
-        return buf.index_select(0, self.index(entries, buf.device))
+        return buf.index_select(0, self._index(entries, buf.device))
 
     def copy(self, x):
         return x.clone()
@@ -177,43 +166,50 @@ class _TorchOps(_Ops):
         return x.element_size()
 
 
-class _JaxOps(_Ops):
+class _JaxOps:
+    """JAX arrays: a jitted update that donates the buffer (XLA writes it in place,
+    not a copy per store) and ``take``."""
+
     def __init__(self, like):
-        super().__init__(like)
         import jax
         import jax.numpy as jnp
 
-        self.jnp = jnp
-        # Donated: XLA updates the buffer in place instead of copying it per store.
+        self.jax, self.jnp = jax, jnp
         self._store = jax.jit(lambda buf, idx, values: buf.at[idx].set(values),
                               donate_argnums=0)
 
     def empty(self, capacity, like):
-        import jax
-
         zeros = self.jnp.zeros((capacity,) + tuple(like.shape[1:]), like.dtype)
         devices = like.devices() if hasattr(like, "devices") else None
-        return jax.device_put(zeros, next(iter(devices))) if devices else zeros
+        return self.jax.device_put(zeros, next(iter(devices))) if devices else zeros
+
+    def _index(self, entries):
+        return self.jnp.asarray(np.asarray(entries, np.int32))
 
     def store(self, buf, entries, values):
-        return self._store(buf, self.jnp.asarray(np.asarray(entries, np.int32)), values)
+        return self._store(buf, self._index(entries), values)
 
     def gather(self, buf, entries):
-        return self.jnp.take(buf, self.jnp.asarray(np.asarray(entries, np.int32)), axis=0)
+        return self.jnp.take(buf, self._index(entries), axis=0)
 
     def copy(self, x):
         return self.jnp.array(x, copy=True)
+
+    def itemsize(self, x):
+        return np.dtype(x.dtype).itemsize
 
 
 def ops_for(x):
     """The buffer operations of array ``x``'s framework."""
     module = type(x).__module__.split(".")[0]
     if isinstance(x, np.ndarray):
-        return _NumpyOps(x)
+        return _ArrayModuleOps(x, np)
+    if module == "cupy":
+        import cupy
+
+        return _ArrayModuleOps(x, cupy)
     if module == "torch":
         return _TorchOps(x)
-    if module == "cupy":
-        return _CupyOps(x)
     if module in ("jax", "jaxlib"):
         return _JaxOps(x)
     raise TypeError(f"EchoLoader: a batch leaf of type {type(x).__module__}."

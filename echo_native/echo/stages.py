@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from echo_native.batch import Books
 from echo_native.echo.buffer import BatchWindow, ExampleBuffer
 from echo_native.echo.counts import counts_from, echo_counts, echo_draws, shuffle_rng
 from echo_native.echo.ledger import FreshLedger
@@ -53,15 +54,6 @@ def deferred_interrupts():
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if caught:
             raise KeyboardInterrupt
-
-
-class Books:
-    """What a stage counts for :meth:`Stage.stats` (since start)."""
-
-    def __init__(self):
-        self.started = 0.0
-        self.fresh = self.delivered = self.batches = self.fresh_batches = 0
-        self.wait_s = self.consumer_s = self.fill_s = 0.0
 
 
 class Emission:
@@ -148,8 +140,7 @@ class Stage:
         self._unfinished = None
 
     def start(self):
-        if not self.books.started:
-            self.books.started = time.perf_counter()
+        self.books.start()
 
     def reset(self, skip=()):
         """A new stream position (set_epoch, a restored state): forget what an
@@ -222,24 +213,18 @@ class Stage:
         return state
 
     def stats(self):
-        b, elapsed = self.books, time.perf_counter() - self.books.started
-        elapsed = elapsed if b.started else 0.0
+        b = self.books
         t_down = b.consumer_s / b.batches if b.batches else 0.0
         workers = max(1, self.upstream.workers)
         t_up = b.fill_s / workers / b.fresh_batches if b.fresh_batches else 0.0
         return {
-            "fresh": b.fresh,
-            "delivered": b.delivered,
-            "batches": b.batches,
-            "fresh_per_s": b.fresh / elapsed if elapsed else 0.0,
-            "delivered_per_s": b.delivered / elapsed if elapsed else 0.0,
+            **b.rates(),
             "effective_echo": b.delivered / b.fresh if b.fresh else 0.0,
             "echo_factor": self.e,
             # echo="auto": every change of e, when (t_s, batch), to what, and why.
             "echo_trace": list(self.auto.trace) if self.auto else [],
             "echo_loss_ratio": self.auto.loss_ratio if self.auto else None,
             "estimated_R": t_up / t_down if t_down > 0 else float("nan"),
-            "stall_s": b.wait_s,
             "consumer_s": b.consumer_s,
         }
 

@@ -34,20 +34,11 @@
 #define EN_OPCODES_H
 
 /* X(name, code, reads its image's histogram, is a lookup table per channel) */
-#define EN_OP_LIST(X)              \
-    X(NONE, 0, 0, 0)               \
-    X(BRIGHTNESS, 1, 0, 1)         \
-    X(CONTRAST, 2, 1, 1)           \
-    X(SATURATION, 3, 0, 0)         \
-    X(HUE, 4, 0, 0)                \
-    X(GRAYSCALE, 5, 0, 0)          \
-    X(ERASE, 6, 0, 0)              \
-    X(SHARPNESS, 7, 0, 0)          \
-    X(POSTERIZE, 8, 0, 1)          \
-    X(SOLARIZE, 9, 0, 1)           \
-    X(AUTOCONTRAST, 10, 1, 1)      \
-    X(EQUALIZE, 11, 1, 1)          \
-    X(AFFINE, 12, 0, 0)
+#define EN_OP_LIST(X)                                                               \
+    X(NONE, 0, 0, 0) X(BRIGHTNESS, 1, 0, 1) X(CONTRAST, 2, 1, 1) X(SATURATION, 3, 0, 0) \
+    X(HUE, 4, 0, 0) X(GRAYSCALE, 5, 0, 0) X(ERASE, 6, 0, 0) X(SHARPNESS, 7, 0, 0)       \
+    X(POSTERIZE, 8, 0, 1) X(SOLARIZE, 9, 0, 1) X(AUTOCONTRAST, 10, 1, 1)                \
+    X(EQUALIZE, 11, 1, 1) X(AFFINE, 12, 0, 0)
 
 #define EN_OP_ENUM_(name, code, counts, maps) OP_##name = code,
 enum { EN_OP_LIST(EN_OP_ENUM_) OP_COUNT };

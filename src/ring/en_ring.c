@@ -23,45 +23,29 @@
 
 /* ---- layout ------------------------------------------------------------------------- */
 
+/* Each C field a binding reads: its name, offset, size in bytes and element width. */
 #define FIELD(type, name, width) {#name, offsetof(type, name), sizeof(((type *)0)->name), width}
+#define H(name, width) FIELD(en_ring_header, name, width)
+#define S(name, width) FIELD(en_ring_slot, name, width)
+#define F(name, width) FIELD(en_ring_failure, name, width)
+#define END {NULL, 0, 0, 0}
 
 const en_ring_field en_ring_header_fields[] = {
-    FIELD(en_ring_header, magic, 8),
-    FIELD(en_ring_header, version, 4),
-    FIELD(en_ring_header, owner_pid, 4),
-    FIELD(en_ring_header, nslots, 4),
-    FIELD(en_ring_header, batch, 4),
-    FIELD(en_ring_header, sample_bytes, 8),
-    FIELD(en_ring_header, slot_bytes, 8),
-    FIELD(en_ring_header, closed, 4),
-    FIELD(en_ring_header, next_ticket, 8),
-    FIELD(en_ring_header, claims, 8),
-    FIELD(en_ring_header, reading, 8),
-    FIELD(en_ring_header, reading_ms, 8),
-    {NULL, 0, 0, 0},
-};
+    H(magic, 8), H(version, 4), H(owner_pid, 4), H(nslots, 4), H(batch, 4),
+    H(sample_bytes, 8), H(slot_bytes, 8), H(closed, 4), H(next_ticket, 8), H(claims, 8),
+    H(reading, 8), H(reading_ms, 8), END};
 
 const en_ring_field en_ring_slot_fields[] = {
-    FIELD(en_ring_slot, seq, 4),
-    FIELD(en_ring_slot, count, 4),
-    FIELD(en_ring_slot, ticket, 8),
-    FIELD(en_ring_slot, error, 4),
-    FIELD(en_ring_slot, failures, 4),
-    FIELD(en_ring_slot, report_len, 4),
-    FIELD(en_ring_slot, fill_us, 4),
-    FIELD(en_ring_slot, warned, 4),
-    FIELD(en_ring_slot, report, 1),
-    {NULL, 0, 0, 0},
-};
+    S(seq, 4), S(count, 4), S(ticket, 8), S(error, 4), S(failures, 4), S(report_len, 4),
+    S(fill_us, 4), S(warned, 4), S(report, 1), END};
 
 const en_ring_field en_ring_failure_fields[] = {
-    FIELD(en_ring_failure, sample_id, 8),
-    FIELD(en_ring_failure, path_len, 4),
-    FIELD(en_ring_failure, message_len, 4),
-    FIELD(en_ring_failure, reason, 1),
-    FIELD(en_ring_failure, flags, 1),
-    {NULL, 0, 0, 0},
-};
+    F(sample_id, 8), F(path_len, 4), F(message_len, 4), F(reason, 1), F(flags, 1), END};
+
+#undef H
+#undef S
+#undef F
+#undef END
 
 /* *at = align(*at, a) + n * width, refusing overflow; returns the aligned start. */
 static int place(size_t *at, size_t align, size_t n, size_t width, size_t *start) {
@@ -196,6 +180,38 @@ static int reserve(int fd, size_t size) {
     return 0;
 }
 
+/* Size the new memory file fd to size bytes, reserve every page (a ring that does not
+ * fit fails here, never with SIGBUS later), seal it (kind "memfd") and map it; the
+ * mapping, or NULL with errno and err set.  what/name label the messages. */
+static void *size_reserve_map(int fd, size_t size, const char *kind, const char *name,
+                              char *err, size_t errlen) {
+    char what[32];
+    int rc;
+    if (ftruncate(fd, (off_t)size) != 0) {
+        snprintf(what, sizeof what, "ftruncate %s", kind);
+        describe(err, errlen, what, name);
+        return NULL;
+    }
+    if ((rc = reserve(fd, size)) != 0) {
+        errno = rc;
+        snprintf(what, sizeof what, "fallocate %s", kind);
+        describe(err, errlen, what, name);
+        return NULL;
+    }
+#ifdef F_ADD_SEALS
+    /* Nobody, a worker included, can shrink it under a mapping (SIGBUS) or grow it.
+     * (A named segment cannot be sealed: the call fails there, harmlessly.) */
+    (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+#endif
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        snprintf(what, sizeof what, "mmap %s", kind);
+        describe(err, errlen, what, name);
+        return NULL;
+    }
+    return p;
+}
+
 int en_memfd_create(const char *label, size_t size, int *fd_out, void **addr, char *err,
                     size_t errlen) {
     if (size == 0 || size > (size_t)INT64_MAX) {
@@ -213,33 +229,16 @@ int en_memfd_create(const char *label, size_t size, int *fd_out, void **addr, ch
         describe(err, errlen, "memfd_create", label);
         return -1;
     }
-    int rc;
-    if (ftruncate(fd, (off_t)size) != 0) {
-        describe(err, errlen, "ftruncate memfd", label);
-        goto fail;
-    }
-    if ((rc = reserve(fd, size)) != 0) {
+    void *p = size_reserve_map(fd, size, "memfd", label, err, errlen);
+    if (p == NULL) {
+        int rc = errno;
+        close(fd);
         errno = rc;
-        describe(err, errlen, "fallocate memfd", label);
-        goto fail;
-    }
-#ifdef F_ADD_SEALS
-    /* Nobody, a worker included, can shrink it under a mapping (SIGBUS) or grow it. */
-    (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
-#endif
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        describe(err, errlen, "mmap memfd", label);
-        goto fail;
+        return -1;
     }
     *fd_out = fd;
     *addr = p;
     return 0;
-fail:
-    rc = errno;
-    close(fd);
-    errno = rc;
-    return -1;
 }
 
 int en_fd_attach(int fd, void **addr, size_t *size, char *err, size_t errlen) {
@@ -318,30 +317,16 @@ int en_shm_create(const char *name, size_t size, void **addr, char *err, size_t 
         describe(err, errlen, "shm_open", name);
         return -1;
     }
-    int rc;
-    if (ftruncate(fd, (off_t)size) != 0) {
-        describe(err, errlen, "ftruncate", name);
-        goto fail;
-    }
-    if ((rc = reserve(fd, size)) != 0) {
-        errno = rc;
-        describe(err, errlen, "fallocate", name);
-        goto fail;
-    }
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        describe(err, errlen, "mmap", name);
-        goto fail;
-    }
+    void *p = size_reserve_map(fd, size, "shm", name, err, errlen);
+    int rc = errno;
     close(fd); /* the mapping keeps the segment alive; no fd is left open */
+    if (p == NULL) {
+        shm_unlink(name);
+        errno = rc;
+        return -1;
+    }
     *addr = p;
     return 0;
-fail:
-    rc = errno;
-    close(fd);
-    shm_unlink(name);
-    errno = rc;
-    return -1;
 }
 
 int en_shm_attach(const char *name, void **addr, size_t *size, char *err, size_t errlen) {

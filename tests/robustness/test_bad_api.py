@@ -89,13 +89,13 @@ def test_size_out_of_range_resize_crop(size):
                                      (0, ValueError), (-1, ValueError), (70000, ValueError),
                                      (10**12, ValueError)])
 def test_center_crop_size_and_canvas_min_side_named(jpeg, png, bad, exc):
-    """decode_center_crop `size`/`resize_size` and decode_canvas `min_side` errors name them."""
+    """decode_center_crop `size`/`resize` and decode_canvas `min_side` errors name them."""
     for data in (jpeg, png):
         with pytest.raises(exc, match=r"^size must"):
             en.decode_center_crop(data, bad)
-        if bad is not None:             # resize_size=None is the default
-            with pytest.raises(exc, match=r"^resize_size must"):
-                en.decode_center_crop(data, 8, resize_size=bad)
+        if bad is not None:             # resize=None is the default
+            with pytest.raises(exc, match=r"^resize must"):
+                en.decode_center_crop(data, 8, resize=bad)
         with pytest.raises(exc, match=r"^min_side must"):
             en.decode_canvas(data, bad)
 
