@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native import _kernel
+from echo_native._checks import number
 from echo_native._kernel import Op as op
 from echo_native.transforms import CenterCrop, RandomResizedCrop
 
@@ -45,13 +46,6 @@ ARGS = _kernel.OP_ARGS  # arguments per program step (src/kernel/en_opcodes.h)
 _TAG_OPS = 0x6F707321  # "ops!": the ops' Philox stream, apart from the crop's
 
 
-def _number(owner, name, v, lo=-math.inf, hi=math.inf):
-    if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool) \
-            or not lo <= v <= hi:
-        raise ValueError(f"{owner}: {name} must be a number in [{lo}, {hi}], got {v!r}")
-    return float(v)
-
-
 def _range(owner, name, value, center, bound=(0.0, math.inf)):
     """torchvision's ``_check_input``: a number v means [center - v, center + v]
     (clipped at the lower bound), a pair is the range itself."""
@@ -59,11 +53,11 @@ def _range(owner, name, value, center, bound=(0.0, math.inf)):
         if len(value) != 2:
             raise ValueError(f"{owner}: {name} must be a number or a (min, max) pair, "
                              f"got {value!r}")
-        lo, hi = (_number(owner, name, v, *bound) for v in value)
+        lo, hi = (number(owner, name, v, *bound) for v in value)
         if lo > hi:
             raise ValueError(f"{owner}: {name} range {value!r} has min > max")
         return lo, hi
-    v = _number(owner, name, value, 0.0)
+    v = number(owner, name, value, 0.0)
     lo, hi = center - v, center + v
     if center == 0.0 and hi > bound[1]:
         raise ValueError(f"{owner}: {name} must be at most {bound[1]}, got {value!r}")
@@ -71,7 +65,7 @@ def _range(owner, name, value, center, bound=(0.0, math.inf)):
 
 
 def _probability(owner, p):
-    return _number(owner, "p", p, 0.0, 1.0)
+    return number(owner, "p", p, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -161,7 +155,7 @@ class RandomErasing:
         values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * 3
         if len(values) != 3:
             raise ValueError(f"{name}: value must be a number or 3 numbers, got {value!r}")
-        set_(self, "value", tuple(_number(name, "value", v) for v in values))
+        set_(self, "value", tuple(number(name, "value", v) for v in values))
 
     def draw(self, rng, h, w, fill):
         if rng.random() >= self.p:
@@ -207,7 +201,7 @@ class TrivialAugmentWide:
         bins = self.num_magnitude_bins
         if not isinstance(bins, (int, np.integer)) or isinstance(bins, bool) or bins < 2:
             raise ValueError(f"{name}: num_magnitude_bins must be an integer >= 2, got {bins!r}")
-        object.__setattr__(self, "fill", _number(name, "fill", self.fill, 0, 255))
+        object.__setattr__(self, "fill", number(name, "fill", self.fill, 0, 255))
 
     def magnitude(self, name, b):
         """The magnitude of op ``name`` at bin ``b`` (unsigned)."""

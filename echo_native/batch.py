@@ -20,8 +20,8 @@ class Batch:
     Straight from the ring (echo=1 on the CPU), the arrays are views of the
     slot until the next batch is requested or :meth:`release` is called.
     From :class:`EchoRing` otherwise (echoing, normalising, on a GPU), images
-    live in rotating output buffers (two; three on a GPU, so that the copy of
-    the next batch overlaps the work on this one), valid until the batch after
+    live in the device's rotating output buffers (three, so that the next batch
+    is made while the consumer works on this one), valid until the batch after
     next is requested, and until ``close()``.  Either way ``copy()`` what you
     keep longer.  The arrays export DLPack: ``torch.from_dlpack(batch.images)``
     shares the memory.  On a GPU, images are a ``DeviceArray`` (or a

@@ -32,7 +32,7 @@ from echo_native.plan import ON_ERROR, Plan
 from echo_native.resume import (check_epoch, check_merged, check_state, merge_states,
                                 resumed_plan, state_at)
 from echo_native.memory import WORKER_BYTES, MemoryBudget, RingMemoryError
-from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, Ring
+from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, WAIT_OK, Ring
 from echo_native.source import as_source, check_labels
 from echo_native.specs import check_batch_size, fold
 from echo_native.pool import WorkerPool, ship
@@ -495,7 +495,7 @@ class Loader(Started):
             # Short sleeps so that a dead worker is noticed within a second and
             # Ctrl-C is honoured; the sleep itself is a futex wait, not a spin.
             rc = ring.wait_filled(ticket, 0.2)
-            if rc == 0:
+            if rc == WAIT_OK:
                 break
             pool.check(ticket)
             if time.perf_counter() > deadline:

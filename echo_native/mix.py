@@ -21,15 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from echo_native._checks import number
+
 __all__ = ["Mix", "mix_params", "soft_targets"]
-
-
-def _number(name, v, lo, hi=math.inf, hi_open=False):
-    if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool) \
-            or not (lo <= v < hi if hi_open else lo <= v <= hi):
-        bound = f"[{lo}, {hi})" if hi_open else f"[{lo}, {hi}]"
-        raise ValueError(f"Mix: {name} must be a number in {bound}, got {v!r}")
-    return float(v)
 
 
 @dataclass(frozen=True)
@@ -74,15 +68,15 @@ class Mix:
 
     def __post_init__(self):
         set_ = object.__setattr__
-        set_(self, "mixup_alpha", _number("mixup_alpha", self.mixup_alpha, 0.0))
-        set_(self, "cutmix_alpha", _number("cutmix_alpha", self.cutmix_alpha, 0.0))
+        set_(self, "mixup_alpha", number("Mix", "mixup_alpha", self.mixup_alpha, 0.0))
+        set_(self, "cutmix_alpha", number("Mix", "cutmix_alpha", self.cutmix_alpha, 0.0))
         if self.mixup_alpha == 0 and self.cutmix_alpha == 0 and self.cutmix_minmax is None:
             raise ValueError("Mix: mixup_alpha and cutmix_alpha are both 0, nothing would be "
                              "mixed (give one of them, or no Mix)")
-        set_(self, "prob", _number("prob", self.prob, 0.0, 1.0))
-        set_(self, "switch_prob", _number("switch_prob", self.switch_prob, 0.0, 1.0))
+        set_(self, "prob", number("Mix", "prob", self.prob, 0.0, 1.0))
+        set_(self, "switch_prob", number("Mix", "switch_prob", self.switch_prob, 0.0, 1.0))
         set_(self, "label_smoothing",
-             _number("label_smoothing", self.label_smoothing, 0.0, 1.0, hi_open=True))
+             number("Mix", "label_smoothing", self.label_smoothing, 0.0, 1.0, hi_open=True))
         c = self.num_classes
         if c is not None and (not isinstance(c, (int, np.integer)) or isinstance(c, bool)
                               or c < 1):

@@ -71,6 +71,10 @@ MEMFD_PREFIX = _ring.MEMFD_PREFIX
 #: Claim word value while a worker is between taking a ticket and recording it.
 CLAIM_PENDING = _ring.CLAIM_PENDING
 
+#: What a wait on a slot's word returns: the word came, the timeout passed, or the ring
+#: is closing.
+WAIT_OK, WAIT_TIMEOUT, WAIT_CLOSED = _ring.WAIT_OK, _ring.WAIT_TIMEOUT, _ring.WAIT_CLOSED
+
 # Slot error kinds.
 ERR_NONE, ERR_WORKER, ERR_DECODE = _ring.ERR_NONE, _ring.ERR_WORKER, _ring.ERR_DECODE
 

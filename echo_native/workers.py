@@ -28,7 +28,7 @@ from echo_native.plan import Plan
 from echo_native.remote import StoreUnavailableError
 from echo_native.failures import NO_SAMPLE, Failure
 from echo_native.memory import pid_alive
-from echo_native.ring import (CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, OK, REASON_DECODE,
+from echo_native.ring import (WAIT_CLOSED, WAIT_OK, CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, OK, REASON_DECODE,
                               REASON_LIMIT, REASON_NONE, REASON_READ, REPLACED, Ring)
 
 _MAX_REPLACEMENTS = 16
@@ -256,16 +256,16 @@ def run_worker(ring, index, plan, source, redo=(), owner_pid=None, stop=None, st
             ring.set_claim(index, ticket + 1)
         while True:
             rc = ring.wait_free(ticket, _POLL_S)
-            if rc == 0:
+            if rc == WAIT_OK:
                 break
-            if rc == 2 or (stop is not None and stop.is_set()):
+            if rc == WAIT_CLOSED or (stop is not None and stop.is_set()):
                 return
             if owner_pid is not None and not pid_alive(owner_pid):
                 _orphaned(ring)
                 return
             if ring.is_past(ticket):
                 break
-        if rc != 0:
+        if rc != WAIT_OK:
             # Filled by another worker: a ticket re-issued after a crash whose first
             # fill landed after all.  Filling it again would corrupt the next lap.
             ring.set_claim(index, 0)

@@ -7,9 +7,7 @@ that offsets are in bounds and aligned, and that waits release the GIL.
 """
 import os
 
-from cpython.buffer cimport PyBUF_WRITABLE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, UINT32_MAX, UINT64_MAX
-from libc.string cimport memset
 from libc.errno cimport errno
 from posix.unistd cimport close as c_close
 
