@@ -43,7 +43,7 @@ class Output:
 
     ``output=None`` means uint8 NHWC, the same as ``Output(normalize=False)``.
     Normalisation runs once per batch where the batch is (on the GPU for
-    ``device="cuda"``), into rotating output buffers (two; three on a GPU).
+    ``device="cuda"``), into the device's rotating output buffers (three).
     """
 
     normalize: object = True
