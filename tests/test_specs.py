@@ -28,22 +28,22 @@ from echo_native.specs import Specs, Workers, fold
 
 # ---- Workers -----------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, exc, message", [
-    ({"count": 0}, ValueError, f"Workers: count must be an integer from 1 to {MAX_WORKERS}, "
-                               f"got 0"),
+    ({"count": 0}, ValueError, (f"Workers: count must be an integer from 1 to {MAX_WORKERS}, "
+                               f"got 0")),
     ({"count": MAX_WORKERS + 1}, ValueError, f"from 1 to {MAX_WORKERS}, got {MAX_WORKERS + 1}"),
     ({"count": True}, ValueError, "Workers: count must be an integer from 1"),
     ({"count": 2.0}, ValueError, "Workers: count must be an integer from 1"),
-    ({"mode": "fiber"}, ValueError, "Workers: mode must be one of ('process', 'thread'), "
-                                    "got 'fiber'"),
+    ({"mode": "fiber"}, ValueError, ("Workers: mode must be one of ('process', 'thread'), "
+                                    "got 'fiber'")),
     ({"slots": 1}, ValueError, "Workers: slots must be an integer >= 2, got 1"),
     ({"slots": 4.0}, ValueError, "Workers: slots must be an integer >= 2, got 4.0"),
-    ({"timeout": "60"}, TypeError, "Workers: timeout must be a positive number of seconds, "
-                                   "got '60'"),
+    ({"timeout": "60"}, TypeError, ("Workers: timeout must be a positive number of seconds, "
+                                   "got '60'")),
     ({"timeout": 0}, ValueError, "Workers: timeout must be a positive number of seconds"),
     ({"timeout": math.inf}, ValueError, "Workers: timeout must be a positive number"),
     ({"timeout": math.nan}, ValueError, "Workers: timeout must be a positive number"),
-    ({"sample_timeout": "60"}, ValueError, "Workers: sample_timeout must be a positive number "
-                                           "of seconds or None, got '60'"),
+    ({"sample_timeout": "60"}, ValueError, ("Workers: sample_timeout must be a positive number "
+                                           "of seconds or None, got '60'")),
     ({"sample_timeout": -1.0}, ValueError, "Workers: sample_timeout must be a positive"),
 ])
 def test_workers_refuses_a_bad_value_naming_it(kw, exc, message):
@@ -154,8 +154,8 @@ def test_leftover_keywords_are_refused_by_name():
      "timeout must be a positive number of seconds, got '60'"),
     ({"workers": "two"}, ValueError,
      "Loader: workers must be a number of workers or an echo_native.Workers, got 'two'"),
-    ({"workers": 2.0}, ValueError, "Loader: workers must be a number of workers or an "
-                                   "echo_native.Workers, got 2.0"),
+    ({"workers": 2.0}, ValueError, ("Loader: workers must be a number of workers or an "
+                                   "echo_native.Workers, got 2.0")),
 ])
 def test_a_bad_worker_shorthand_is_named_as_the_user_wrote_it(kw, exc, message):
     """A bad flat worker keyword is reported under its own name (workers=, worker_mode=,
