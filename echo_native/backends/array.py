@@ -86,6 +86,10 @@ class ArrayDevice:
         """Block until ``job`` (what :meth:`crop_resize` returned), or every emission
         step queued so far, has written its output."""
 
+    #: :meth:`job_seconds` times the device's work on each job (the CPU backend's
+    #: host thread and pool); here the work is done inside the calls that queue it.
+    times_jobs = False
+
     def job_seconds(self, job):
         """Seconds the device spent making ``job`` (after :meth:`synchronize`), for auto
         echo's capacity model; None where the work is not timed this way (here it is

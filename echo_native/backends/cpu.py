@@ -65,6 +65,7 @@ class CpuDevice(ArrayDevice):
     host_resident = True
     output_buffers = 3
     prepares_ahead = True
+    times_jobs = True
 
     def __init__(self, threads=None):
         super().__init__(np)
