@@ -107,7 +107,18 @@ def _label(rich):
     return RICH_LABEL if rich else CROP_LABEL
 
 
-# role: dict(kind, rich, e, placement, step)
+def _echo(e, placement, threads=None):
+    """``Echo(e, placement, threads=...)``; a build without the threads field (the code
+    before the pool) takes the default."""
+    if threads is None:
+        return en.Echo(e, placement=placement)
+    try:
+        return en.Echo(e, placement=placement, threads=threads)
+    except TypeError:
+        return None
+
+
+# role: dict(kind, rich, e, placement, step, threads)
 ROLES = {}
 for _x, _rich in (("crop", False), ("rich", True)):
     ROLES[f"echo1_{_x}"] = dict(kind="echo", rich=_rich, e=1, placement="before_augment",
@@ -116,6 +127,12 @@ for _x, _rich in (("crop", False), ("rich", True)):
         ROLES[f"echo{_e}_{_x}"] = dict(kind="echo", rich=_rich, e=_e, placement="before_augment",
                                        step=False,
                                        label=f"EchoRing echo={_e} before_augment, {_label(_rich)}")
+if _echo(2, "before_augment", 1) is not None:  # a build with Echo(threads=)
+    for _x, _rich in (("crop", False), ("rich", True)):
+        ROLES[f"echo2_{_x}_t1"] = dict(kind="echo", rich=_rich, e=2, placement="before_augment",
+                                       step=False, threads=1,
+                                       label=f"EchoRing echo=2 before_augment, Echo(threads=1), "
+                                             f"{_label(_rich)}")
 ROLES["canvas"] = dict(kind="canvas", rich=False, e=1, step=False,
                        label="the workers' canvases alone (before_augment's upstream), fresh")
 for _x, _rich in (("crop", False), ("rich", True)):
@@ -136,6 +153,8 @@ if PROTOTYPE:
 # (numerator, denominator, meaning, target on the median)
 RATIOS = [
     ("echo2_rich", "echo1_rich", "rich: e=2 / echo=1", 1.0),
+    *((f"echo2_{x}", f"echo2_{x}_t1", f"{x} e=2: the pool on every core / one thread", None)
+      for x in ("crop", "rich") if f"echo2_{x}_t1" in ROLES),
     ("echo4_rich", "echo1_rich", "rich: e=4 / echo=1", 1.0),
     ("echo2_crop", "echo1_crop", "crop: e=2 / echo=1", 1.25),
     ("echo4_crop", "echo1_crop", "crop: e=4 / echo=1", 1.0),
@@ -161,17 +180,6 @@ def _ops(rich):
 def _augment(rich):
     crop = en.RandomResizedCrop(SIZE)
     return [crop, *_ops(rich)] if rich else crop
-
-
-def _echo(e, placement, threads=None):
-    """``Echo(e, placement, threads=...)``; a build without the threads field (the code
-    before the pool) takes the default."""
-    if threads is None:
-        return en.Echo(e, placement=placement)
-    try:
-        return en.Echo(e, placement=placement, threads=threads)
-    except TypeError:
-        return None
 
 
 def settle(timeout=30.0, window=0.15, quiet=0.03):
@@ -244,7 +252,8 @@ class EchoStream:
         r = ROLES[role]
         self.e, self.step = r["e"], r["step"]
         self.ring = en.EchoRing(src, batch_size=BATCH, augment=_augment(r["rich"]),
-                                echo=_echo(self.e, r["placement"]), workers=WORKERS,
+                                echo=_echo(self.e, r["placement"], r.get("threads")),
+                                workers=WORKERS,
                                 seed=SEED, timeout=120)
         self.ring.start()
         slots = self.ring.loader.slots
