@@ -13,8 +13,9 @@ Every random parameter is a pure function of (seed, epoch, sample id, echo
 index), like the crop's, so nothing depends on workers or timing and a resume
 is exact: a batch's parameters are drawn in one native call
 (``_kernel.draw_ops``, src/kernel/en_augment.c) from Philox under a tag of the
-ops' own, with torchvision's distributions.  The ops compile into a *program* per image (:class:`Program`: op
-codes and arguments, ``_kernel.Op``: src/kernel/en_opcodes.h), which one kernel
+ops' own, with torchvision's distributions.  The ops compile into a *program*
+per image (:class:`Program`: op codes and arguments, ``_kernel.Op``:
+src/kernel/en_opcodes.h), which one kernel
 source runs on both devices: natively on the CPU (in the workers for fresh
 examples, in the batched re-augmentation for echoes) and as CUDA kernels on the
 echo buffer's output on a GPU.

@@ -94,7 +94,6 @@ class ArrayDevice:
         """Seconds the device spent making ``job`` (after :meth:`synchronize`), for auto
         echo's capacity model; None where the work is not timed this way (here it is
         done inside the call that made the job, which the echo stage times itself)."""
-        return None
 
     def use_threads(self, threads):
         """Make emissions on ``threads`` host threads (None: as many as the process may
