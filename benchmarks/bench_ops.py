@@ -14,10 +14,27 @@ trivial_augment TrivialAugmentWide: one of its 14 ops per image at a random magn
 Each round restores the batch first (a copy, included in the time: about 1% of it)
 so that every round runs the program on the same pixels.  ``extra_info["img_per_s"]``
 holds the throughput; the test prints it too.
+
+**Per thread, against another build** (``test_colour_ops_per_thread``): the CPU time
+(this thread's, so other load on a shared machine hardly moves it) per 224 px image
+of each colour op alone and of the ColorJitter program, in this tree and, with
+``ECHO_NATIVE_BENCH_BEFORE=<another checkout, built in place>``, in that one, the
+two measured in alternating subprocesses (``ECHO_NATIVE_BENCH_OPS_PAIRS`` pairs,
+default 5); the ratio before / after is taken per pair and reported as median
+(min-max)::
+
+    ECHO_NATIVE_BENCH_BEFORE=/path/to/old/checkout \
+        python -m pytest benchmarks/bench_ops.py -s -k per_thread
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,3 +119,91 @@ def test_apply_ops(benchmark, images, name):
     rate = BATCH / benchmark.stats.stats.mean
     benchmark.extra_info.update(images=BATCH, size=SIZE, program=name, img_per_s=rate)
     print(f"\n{name}: {rate:,.0f} img/s ({BATCH} x {SIZE} x {SIZE}, one thread)")
+
+
+# ---- per thread, against another build ------------------------------------------------------
+PER_THREAD = r"""
+import json, sys, time
+import numpy as np
+from PIL import Image
+import skimage.data
+from echo_native import _kernel
+from echo_native._kernel import Op as op
+photos = []
+for name in ("astronaut", "coffee", "chelsea", "rocket", "camera"):
+    arr = getattr(skimage.data, name)()
+    arr = np.stack([arr] * 3, -1) if arr.ndim == 2 else arr[..., :3]
+    photos.append(np.asarray(Image.fromarray(arr).resize((224, 224), Image.BILINEAR)))
+n = 64
+images = np.ascontiguousarray(np.stack([photos[i % 5] for i in range(n)]))
+rng = np.random.default_rng(0)
+def program(codes, factors):
+    args = np.zeros((n, codes.shape[1], _kernel.OP_ARGS), np.float32)
+    args[..., 0] = factors
+    return np.ascontiguousarray(codes, np.int32), args
+one = lambda code, lo, hi: program(np.full((n, 1), code), rng.uniform(lo, hi, (n, 1)))
+order = np.stack([rng.permutation([op.BRIGHTNESS, op.CONTRAST, op.SATURATION, op.HUE])
+                  for _ in range(n)])
+factors = np.where(order == op.HUE, rng.uniform(-0.1, 0.1, (n, 4)), rng.uniform(0.6, 1.4, (n, 4)))
+programs = {"brightness": one(op.BRIGHTNESS, 0.6, 1.4), "contrast": one(op.CONTRAST, 0.6, 1.4),
+            "saturation": one(op.SATURATION, 0.6, 1.4), "hue": one(op.HUE, -0.1, 0.1),
+            "color_jitter": program(order, factors)}
+out = {}
+work = images.copy()
+for name, (codes, args) in programs.items():
+    best = float("inf")
+    for _ in range(5):
+        work[...] = images
+        t0 = time.thread_time()
+        _kernel.apply_ops(work, codes, args)
+        best = min(best, time.thread_time() - t0)
+    out[name] = best / n
+print(json.dumps(out))
+"""
+
+
+def _per_thread(tree):
+    env = {**os.environ, "PYTHONPATH": tree}
+    r = subprocess.run([sys.executable, "-c", PER_THREAD], env=env, capture_output=True,
+                       text=True, timeout=600, cwd="/", check=False)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.benchmark(group="ops-per-thread")
+def test_colour_ops_per_thread(benchmark):
+    """CPU time per image of the colour ops on one thread, here and (optionally) in the
+    build at ECHO_NATIVE_BENCH_BEFORE, in alternating subprocesses."""
+    before = os.environ.get("ECHO_NATIVE_BENCH_BEFORE")
+    pairs = int(os.environ.get("ECHO_NATIVE_BENCH_OPS_PAIRS", "5"))
+    import echo_native
+    # this build: the tree the running echo_native was imported from
+    here = str(Path(echo_native.__file__).resolve().parents[1])
+    runs = {"after": [], "before": []}
+
+    def pair():
+        runs["after"].append(_per_thread(here))
+        if before:
+            runs["before"].append(_per_thread(before))
+
+    benchmark.pedantic(pair, rounds=pairs, iterations=1)
+    names = list(runs["after"][0])
+    lines = ["", f"Colour ops, one thread, CPU time per 224 px image (median of {pairs} runs):",
+             "| op | after, us | before, us | before / after, median (min-max) |",
+             "|---|---:|---:|---|"]
+    result = {}
+    for name in names:
+        after = [r[name] for r in runs["after"]]
+        row = {"after_s": statistics.median(after)}
+        if runs["before"]:
+            old = [r[name] for r in runs["before"]]
+            ratio = [b / a for a, b in zip(after, old)]
+            row.update(before_s=statistics.median(old), speedup=statistics.median(ratio),
+                       speedup_min=min(ratio), speedup_max=max(ratio))
+            lines.append(f"| {name} | {row['after_s'] * 1e6:,.0f} | {row['before_s'] * 1e6:,.0f}"
+                         f" | {row['speedup']:.2f} ({min(ratio):.2f}-{max(ratio):.2f}) |")
+        else:
+            lines.append(f"| {name} | {row['after_s'] * 1e6:,.0f} | - | - |")
+        result[name] = row
+    benchmark.extra_info.update(result)
+    print("\n".join(lines))

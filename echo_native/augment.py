@@ -11,8 +11,11 @@ semantics:
 
 Every random parameter is a pure function of (seed, epoch, sample id, echo
 index), like the crop's, so nothing depends on workers or timing and a resume
-is exact.  The ops compile into a *program* per image (:class:`Program`: op
-codes and arguments, ``_kernel.Op``: src/kernel/en_opcodes.h), which one kernel
+is exact: a batch's parameters are drawn in one native call
+(``_kernel.draw_ops``, src/kernel/en_augment.c) from Philox under a tag of the
+ops' own, with torchvision's distributions.  The ops compile into a *program*
+per image (:class:`Program`: op codes and arguments, ``_kernel.Op``:
+src/kernel/en_opcodes.h), which one kernel
 source runs on both devices: natively on the CPU (in the workers for fresh
 examples, in the batched re-augmentation for echoes) and as CUDA kernels on the
 echo buffer's output on a GPU.
@@ -36,14 +39,20 @@ import numpy as np
 
 from echo_native import _kernel
 from echo_native._checks import number
-from echo_native._kernel import Op as op
 from echo_native.transforms import CenterCrop, RandomResizedCrop
 
 __all__ = ["ColorJitter", "RandomGrayscale", "TrivialAugmentWide", "RandomErasing", "Program",
            "WithOps", "split_augment"]
 
 ARGS = _kernel.OP_ARGS  # arguments per program step (src/kernel/en_opcodes.h)
-_TAG_OPS = 0x6F707321  # "ops!": the ops' Philox stream, apart from the crop's
+SPEC = 13  # numbers per op for the native draws: its kind and 12 parameters
+
+
+def _spec_row(kind, *numbers):
+    row = np.zeros(SPEC, np.float64)
+    row[0] = kind
+    row[1:1 + len(numbers)] = numbers
+    return row
 
 
 def _range(owner, name, value, center, bound=(0.0, math.inf)):
@@ -93,18 +102,12 @@ class ColorJitter:
         set_(self, "hue", _range(name, "hue", self.hue, 0.0, (-0.5, 0.5)))
         set_(self, "p", _probability(name, self.p))
 
-    def draw(self, rng, h, w, fill):
-        out = []
-        if rng.random() >= self.p:
-            return out
-        codes = (op.BRIGHTNESS, op.CONTRAST, op.SATURATION, op.HUE)
-        ranges = (self.brightness, self.contrast, self.saturation, self.hue)
-        identity = ((1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (0.0, 0.0))
-        for k in rng.permutation(4):
-            lo, hi = ranges[k]
-            if (lo, hi) != identity[k]:
-                out.append((codes[k], (rng.uniform(lo, hi),)))
-        return out
+    def spec(self, fill):
+        """Its row of numbers for the native draws (en_kernel.h): each adjustment whose
+        range is not the identity gets a factor (hue: a shift) uniform on its range,
+        in the order of a uniform permutation of the four, as torchvision's."""
+        return _spec_row(_kernel.DRAW_COLOR_JITTER, self.p, *self.brightness, *self.contrast,
+                         *self.saturation, *self.hue)
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,8 @@ class RandomGrayscale:
     def __post_init__(self):
         object.__setattr__(self, "p", _probability(type(self).__name__, self.p))
 
-    def draw(self, rng, h, w, fill):
-        return [(op.GRAYSCALE, ())] if rng.random() < self.p else []
+    def spec(self, fill):
+        return _spec_row(_kernel.DRAW_GRAYSCALE, self.p)
 
 
 @dataclass(frozen=True)
@@ -157,22 +160,12 @@ class RandomErasing:
             raise ValueError(f"{name}: value must be a number or 3 numbers, got {value!r}")
         set_(self, "value", tuple(number(name, "value", v) for v in values))
 
-    def draw(self, rng, h, w, fill):
-        if rng.random() >= self.p:
-            return []
-        area = h * w
-        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
-        for _ in range(10):
-            erase_area = area * rng.uniform(*self.scale)
-            aspect = math.exp(rng.uniform(*log_ratio))
-            eh = int(round(math.sqrt(erase_area * aspect)))
-            ew = int(round(math.sqrt(erase_area / aspect)))
-            if not (eh < h and ew < w):
-                continue
-            top = int(rng.integers(0, h - eh + 1))
-            left = int(rng.integers(0, w - ew + 1))
-            return [(op.ERASE, (top, left, eh, ew) + fill(self.value))]
-        return []
+    def spec(self, fill):
+        """Ten tries at an area uniform on ``scale`` x the image's and an aspect ratio
+        log-uniform on ``ratio``; the first that fits is placed uniformly
+        (torchvision's ``get_params``), filled with ``fill(value)``."""
+        return _spec_row(_kernel.DRAW_ERASING, self.p, *self.scale, math.log(self.ratio[0]),
+                         math.log(self.ratio[1]), *fill(self.value))
 
 
 @dataclass(frozen=True)
@@ -203,48 +196,14 @@ class TrivialAugmentWide:
             raise ValueError(f"{name}: num_magnitude_bins must be an integer >= 2, got {bins!r}")
         object.__setattr__(self, "fill", number(name, "fill", self.fill, 0, 255))
 
-    def magnitude(self, name, b):
-        """The magnitude of op ``name`` at bin ``b`` (unsigned)."""
-        n = self.num_magnitude_bins
-        span = {"ShearX": 0.99, "ShearY": 0.99, "TranslateX": 32.0, "TranslateY": 32.0,
-                "Rotate": 135.0, "Brightness": 0.99, "Color": 0.99, "Contrast": 0.99,
-                "Sharpness": 0.99}
-        if name in span:
-            return span[name] * b / (n - 1)
-        if name == "Posterize":
-            return float(8 - int(np.round(b / ((n - 1) / 6))))
-        if name == "Solarize":
-            return 255.0 * (1 - b / (n - 1))
-        return 0.0
-
-    def draw(self, rng, h, w, fill):
-        name = self.OPS[int(rng.integers(len(self.OPS)))]
-        m = self.magnitude(name, int(rng.integers(self.num_magnitude_bins)))
-        if name in ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness",
-                    "Color", "Contrast", "Sharpness") and rng.integers(2):
-            m = -m
-        f = self.fill
-        if name == "Identity":
-            return []
-        if name == "ShearX":  # torchvision: affine(shear=(atan(m) in degrees, 0), center (0, 0))
-            return [(op.AFFINE, (1.0, m, 0.0, 0.0, 1.0, 0.0, f))]
-        if name == "ShearY":
-            return [(op.AFFINE, (1.0, 0.0, 0.0, m, 1.0, 0.0, f))]
-        if name == "TranslateX":  # torchvision translates by int(m) pixels
-            return [(op.AFFINE, (1.0, 0.0, -float(int(m)), 0.0, 1.0, 0.0, f))]
-        if name == "TranslateY":
-            return [(op.AFFINE, (1.0, 0.0, 0.0, 0.0, 1.0, -float(int(m)), f))]
-        if name == "Rotate":
-            return [(op.AFFINE, rotation(m, h, w) + (f,))]
-        enhance = {"Brightness": op.BRIGHTNESS, "Color": op.SATURATION,
-                   "Contrast": op.CONTRAST, "Sharpness": op.SHARPNESS}
-        if name in enhance:
-            return [(enhance[name], (1.0 + m,))]
-        if name == "Posterize":
-            return [(op.POSTERIZE, (m,))]
-        if name == "Solarize":
-            return [(op.SOLARIZE, (m,))]
-        return [(op.AUTOCONTRAST if name == "AutoContrast" else op.EQUALIZE, ())]
+    def spec(self, fill):
+        """One op of :attr:`OPS` uniformly, at a magnitude bin uniform on
+        ``num_magnitude_bins``, a random sign for the signed ops (shears, translations,
+        rotation and the four enhancements): torchvision's ``_augmentation_space``
+        mapped to the kernels' ops (shears and translations as affine maps about the
+        origin, translations by ``int(magnitude)`` pixels, rotation about the centre
+        as :func:`rotation`)."""
+        return _spec_row(_kernel.DRAW_TRIVIAL_WIDE, self.num_magnitude_bins, self.fill)
 
 
 def rotation(degrees, h, w):
@@ -291,6 +250,9 @@ class Program:
         self.ops, self.size = tuple(ops), tuple(size)
         self.steps = sum(o.steps for o in self.ops)
         self.mean, self.std = mean, std
+        self.specs = np.ascontiguousarray(
+            np.stack([o.spec(self._fill) for o in self.ops]) if self.ops
+            else np.zeros((0, SPEC)), np.float64)
 
     def __bool__(self):
         return bool(self.ops)
@@ -304,24 +266,9 @@ class Program:
 
     def draw(self, seed, epochs, sample_ids, echo_index):
         """(codes, args) of the images keyed (seed, epoch, sample id, echo index):
-        int32 (n, steps) and float32 (n, steps, 8)."""
-        n = len(sample_ids)
-        codes = np.zeros((n, self.steps), np.int32)
-        args = np.zeros((n, self.steps, ARGS), np.float32)
-        h, w = self.size
-        epochs = np.broadcast_to(np.asarray(epochs, np.int64), (n,))
-        echo_index = np.broadcast_to(np.asarray(echo_index, np.int64), (n,))
-        for i in range(n):
-            rng = np.random.Generator(np.random.Philox(
-                key=[int(seed), _TAG_OPS],
-                counter=[int(epochs[i]), int(sample_ids[i]), int(echo_index[i]), 0]))
-            k = 0
-            for o in self.ops:
-                for code, a in o.draw(rng, h, w, self._fill):
-                    codes[i, k] = code
-                    args[i, k, :len(a)] = a
-                    k += 1
-        return codes, args
+        int32 (n, steps) and float32 (n, steps, 8), the batch in one native call."""
+        return _kernel.draw_ops(self.specs, int(seed), epochs, sample_ids, echo_index,
+                                self.size)
 
     def __repr__(self):
         return f"Program({list(self.ops)!r}, size={self.size})"

@@ -89,6 +89,9 @@ class Books:
         self.started = 0.0
         self.fresh = self.delivered = self.batches = self.fresh_batches = self.warned = 0
         self.wait_s = self.consumer_s = self.fill_s = 0.0
+        # Time spent waiting for the echo stage's own work on a device that times it
+        # (auto echo weighs that work as the stage's capacity, not as consumer time).
+        self.echo_wait_s = 0.0
 
     def start(self):
         if not self.started:

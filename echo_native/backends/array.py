@@ -1,8 +1,8 @@
 """The array-module backend: every emission step written once against ``xp``.
 
 A backend turns echo-buffer entries into an output batch: ``store`` (ring slot
--> buffer), ``gather`` (repeat prepared images), ``crop_resize`` (re-augment
-canvases), ``augment`` (per-image op programs after the crop), ``flip``,
+-> buffer), ``gather`` (repeat prepared images), ``reaugment`` (re-augment
+canvases: ``crop_resize`` then ``augment``, the per-image op programs), ``flip``,
 ``normalize`` and ``to_device`` (a fresh batch that is not echoed).  :class:`ArrayDevice` runs on NumPy or CuPy; the CPU backend swaps in
 the native resampler, the CUDA backend adds what only CUDA has.  Which entries
 are emitted is decided by :mod:`echo_native.echo`, the same for every backend.
@@ -86,6 +86,19 @@ class ArrayDevice:
         """Block until ``job`` (what :meth:`crop_resize` returned), or every emission
         step queued so far, has written its output."""
 
+    #: :meth:`job_seconds` times the device's work on each job (the CPU backend's
+    #: host thread and pool); here the work is done inside the calls that queue it.
+    times_jobs = False
+
+    def job_seconds(self, job):
+        """Seconds the device spent making ``job`` (after :meth:`synchronize`), for auto
+        echo's capacity model; None where the work is not timed this way (here it is
+        done inside the call that made the job, which the echo stage times itself)."""
+
+    def use_threads(self, threads):
+        """Make emissions on ``threads`` host threads (None: as many as the process may
+        use).  Only a backend that makes them on host threads has anything to size."""
+
     def ready(self, batch):
         """Called on each batch before it reaches the consumer."""
         return batch
@@ -167,6 +180,15 @@ class ArrayDevice:
             res = xp.einsum("oh,hwc->owc", rows, canvas)
             res = xp.einsum("pw,owc->opc", cols, res)
             out[i] = xp.clip(xp.floor(res + 0.5), 0, 255).astype(xp.uint8)
+
+    def reaugment(self, buffer, entries, boxes, flips, out, codes=None, args=None):
+        """Re-augment emitted canvases: :meth:`crop_resize` into ``out``, then, with
+        ``codes`` and ``args``, :meth:`augment` runs each row's program on its crop.
+        Returns the job for :meth:`synchronize` (None: done already)."""
+        job = self.crop_resize(buffer, entries, boxes, flips, out)
+        if codes is not None:
+            job = self.augment(out, codes, args, after=job) or job
+        return job
 
     def augment(self, images, codes, args, after=None):
         """Run a program per image on ``images`` (n, h, w, 3) uint8, in place: ``codes``

@@ -39,6 +39,22 @@ class AutoEcho:
     It never raises e above the rate target: that would add steps, not
     progress.  Without feedback the cap is ``max_echo``.
 
+    **Capacity.**  The echo stage has a throughput of its own: ``t_echo``, its time
+    per emitted batch (making the pixels: the draws and the re-augmentation or the
+    gather, on all its threads; the median of the last 15), which the device
+    reports (:meth:`emission`).  Whatever e is, the stage emits at most one batch
+    per ``t_echo``, while the upstream feeds e batches per ``t_up``: above
+    ``t_up / t_echo`` the stage, not the upstream, limits what is delivered, and a
+    higher e would only spend fresh examples (on the CPU, the stage's threads
+    would also take cores from the workers).  So e is also capped at
+    ``headroom`` x t_up / t_echo (at least 1), and a change of e that this cap
+    decides is recorded with the reason ``"capacity"``.  The consumer's time then
+    leaves out its waits for the echo stage's own work, which ``t_echo`` counts
+    (for a device that times that work; see :meth:`Stage.batches`), so the
+    rates' R is the consumer's and the cap is the stage's.  Under this model the
+    delivered rate at the chosen e, min(e / t_up, 1 / t_down, 1 / t_echo), is
+    never below its value at e = 1.
+
     When e moves, the examples in the echo buffer are recounted at the new e
     (their per-example draws are fixed), so the buffer follows e at once instead
     of draining the counts it was filled with.  That makes a high start cheap:
@@ -48,7 +64,8 @@ class AutoEcho:
 
     Every change of more than 0.05 is recorded in :attr:`trace` (at most the
     last 256) with its reason: ``"stall"`` (before the rates are known, or the
-    correction), ``"rates"``, ``"loss"`` or ``"probe"`` (see :meth:`fed`).
+    correction), ``"rates"``, ``"capacity"``, ``"loss"`` or ``"probe"`` (see
+    :meth:`fed`).
     """
 
     HEADROOM = 1.1
@@ -71,9 +88,10 @@ class AutoEcho:
         start = self.START if start is None else start
         self.value = float(min(max(start, 1.0), max_echo))
         self.cap = self.max_echo
-        self.t_up = self.t_down = None
+        self.t_up = self.t_down = self.t_echo = None
         self._ups = collections.deque(maxlen=self.WINDOW)
         self._downs = collections.deque(maxlen=self.WINDOW)
+        self._echoes = collections.deque(maxlen=self.WINDOW)
         self._n_loss = 0
         self._boost = 1.0
         self._loss_ratio = None
@@ -115,6 +133,13 @@ class AutoEcho:
         self._boost = max(1.0, self._boost * 0.995)
         self._update("rates")
 
+    def emission(self, seconds):
+        """The echo stage took ``seconds`` to make an emitted batch (its own work, on
+        all its threads)."""
+        if seconds > 0:
+            self._echoes.append(seconds)
+            self.t_echo = float(np.median(self._echoes))
+
     def stalled(self):
         """The consumer waited for fresh data with no repeat left to emit."""
         if self._warm:
@@ -154,6 +179,14 @@ class AutoEcho:
         return self.t_up / self.t_down
 
     @property
+    def capacity(self):
+        """t_up / t_echo: the e at which the echo stage emits exactly as fast as the
+        upstream feeds it (None before enough emissions are timed)."""
+        if self.t_up is None or not self.t_echo or len(self._echoes) < self.WARM:
+            return None
+        return self.t_up / self.t_echo
+
+    @property
     def loss_ratio(self):
         """Smoothed mean loss of echoed rows / fresh rows (None without feedback)."""
         return self._loss_ratio
@@ -164,8 +197,13 @@ class AutoEcho:
     def _update(self, reason):
         if self._warm:
             target = self.headroom * self._boost * self.R
+            capacity = self.capacity
+            if capacity is not None and self.headroom * capacity < min(target, self.max_echo,
+                                                                       self.cap):
+                target, reason = self.headroom * capacity, "capacity"
             target = min(self.max_echo, self.cap, max(1.0, target))
-            if reason == "rates" and abs(target - self.value) < self.DEADBAND * self.value:
+            if reason in ("rates", "capacity") and \
+                    abs(target - self.value) < self.DEADBAND * self.value:
                 return  # the measured rates jitter; e follows only real changes
             self._set(target, reason)
         elif self.value > self.cap:
@@ -174,9 +212,11 @@ class AutoEcho:
     def _set(self, value, reason):
         value = max(1.0, value)
         if abs(value - self.value) > 0.05:
+            capacity = self.capacity
             self.trace.append({"t_s": round(self._clock() - self._t0, 3), "batch": self.batches,
                                "echo": round(value, 3), "reason": reason,
-                               "R": None if math.isnan(self.R) else round(self.R, 3)})
+                               "R": None if math.isnan(self.R) else round(self.R, 3),
+                               "capacity": None if capacity is None else round(capacity, 3)})
             del self.trace[:-self.TRACE]
         self.value = value
 

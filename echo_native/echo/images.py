@@ -57,6 +57,9 @@ class ImageExamples:
         self.size = tuple(crop.size)
         self.sample_bytes = int(sample_bytes)
         self.stored = None
+        # Threads making the emissions where the device makes them on the host (the
+        # CPU backend's pool); None sizes them from the cores.
+        device.use_threads(echo.threads)
 
     # -- the shuffle buffer's entries ---------------------------------------------------
     def allocate(self, capacity):
@@ -103,10 +106,10 @@ class ImageExamples:
                 self.seed, epochs, sample_ids, np.asarray(echo_index, np.int32),
                 s.source_hw[entries], s.scale[entries], s.shape[entries], crop.scale,
                 crop.ratio, crop.flip_p)
-            job = device.crop_resize(s, entries, canvas_boxes, flips, images)
-            if self.program:
+            codes = args = None
+            if self.program:  # the batch's programs in one native call
                 codes, args = self.program.draw(self.seed, epochs, sample_ids, echo_index)
-                job = device.augment(images, codes, args) or job
+            job = device.reaugment(s, entries, canvas_boxes, flips, images, codes, args)
         return job, (images, s.label[entries].copy(), sample_ids, fresh, echo_index, boxes,
                      flips, epoch)
 

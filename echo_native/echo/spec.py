@@ -43,6 +43,10 @@ class Echo:
         2 x canvas_side^2), which fixes the memory per example.
     flip : bool, default False
         after_augment: each repeat draws its own horizontal flip.
+    threads : int, optional
+        Threads that make the emissions on the CPU (re-augmentation, gathers),
+        sharing each batch's rows; default: one per core the process may use
+        (``os.sched_getaffinity``).  The pixels are the same for any count.
     """
 
     factor: float = 2.0
@@ -52,6 +56,7 @@ class Echo:
     canvas_side: int = None
     canvas_max_pixels: int = None
     flip: bool = False
+    threads: int = None
 
     def __post_init__(self):
         f = self.factor
@@ -68,7 +73,7 @@ class Echo:
                              f"{self.placement!r}")
         object.__setattr__(self, "max_echo",
                            number("Echo", "max_echo", self.max_echo, 1.0, math.inf, True))
-        for name in ("shuffle_buffer", "canvas_side", "canvas_max_pixels"):
+        for name in ("shuffle_buffer", "canvas_side", "canvas_max_pixels", "threads"):
             object.__setattr__(self, name, optional_positive_int("Echo", name,
                                                                  getattr(self, name)))
         object.__setattr__(self, "flip", flag("Echo", "flip", self.flip))

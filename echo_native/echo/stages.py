@@ -58,13 +58,14 @@ def deferred_interrupts():
 
 class Emission:
     """One emitted batch on its way to the consumer: the job making its pixels, the first
-    emissions it carries (booked at hand-over), its parts for ``finish``, and the batch
-    once handed over."""
+    emissions it carries (booked at hand-over), its parts for ``finish``, the batch
+    once handed over, and the seconds the call that started it took."""
 
-    __slots__ = ("job", "sent", "parts", "batch")
+    __slots__ = ("job", "sent", "parts", "batch", "made_s")
 
-    def __init__(self, job, sent, parts):
+    def __init__(self, job, sent, parts, made_s=0.0):
         self.job, self.sent, self.parts, self.batch = job, sent, parts, None
+        self.made_s = made_s
 
 
 class EpochDraws:
@@ -182,15 +183,17 @@ class Stage:
     # -- emissions ----------------------------------------------------------------------
     def batches(self):
         """One epoch of batches (the rest of one left early), booked: the consumer's time
-        between two batches, less the time the stage blocked on the upstream, is what
-        auto echo weighs against the upstream's."""
+        between two batches, less the time the stage blocked on the upstream and on its
+        own timed work (see :meth:`wait_for_device`), is what auto echo weighs against
+        the upstream's."""
         books, auto = self.books, self.auto
-        last = waited = None
+        last = waited = echoed = None
         for batch in self.emit_epoch():
             now = time.perf_counter()
             if auto is not None and last is not None:
-                auto.consumer(now - last - (books.wait_s - waited))
-            last, waited = now, books.wait_s
+                auto.consumer(now - last - (books.wait_s - waited) -
+                              (books.echo_wait_s - echoed))
+            last, waited, echoed = now, books.wait_s, books.echo_wait_s
             books.delivered += len(batch)
             books.batches += 1
             self.last_echo_index = batch.echo_index
@@ -199,6 +202,19 @@ class Stage:
 
     def emit_epoch(self):
         raise NotImplementedError
+
+    def wait_for_device(self, job=None):
+        """``device.synchronize(job)``; on a device that times its jobs (its
+        ``job_seconds``), the wait is booked as the echo stage's, which auto echo
+        counts through the jobs' own times instead."""
+        if not getattr(self.device, "times_jobs", False):
+            self.device.synchronize(job)
+            return
+        t0 = time.perf_counter()
+        try:
+            self.device.synchronize(job)
+        finally:
+            self.books.echo_wait_s += time.perf_counter() - t0
 
     def batches_in(self, epoch):
         """Batches the epoch will deliver (auto echo: at the current e)."""
@@ -353,7 +369,7 @@ class ExampleEcho(Stage):
                     yield batch
                     made.popleft()
                 if made:
-                    self.device.synchronize()  # _fill may reuse the entries it reads
+                    self.wait_for_device()  # _fill may reuse the entries it reads
                 moved, ended = self._fill(draws, fresh_left)
                 fresh_left = 0 if ended else fresh_left - moved
                 pending = buf.pending
@@ -433,16 +449,23 @@ class ExampleEcho(Stage):
             echo_index = buf.emit(entries)
         first = echo_index == 0
         ok = buf.ok[entries]
+        t0 = time.perf_counter()
         job, parts = self.examples.make(entries, sample_ids, echo_index, first & ok,
                                         buf.epoch[entries], epoch)
-        return Emission(job, (tickets[first], sample_ids[first], ok[first]), parts)
+        return Emission(job, (tickets[first], sample_ids[first], ok[first]), parts,
+                        time.perf_counter() - t0)
 
     def _hand_over(self, emission):
         """The batch of an emission, ready for the consumer.  Its first emissions count
         as sent (for :meth:`state`) only now, so a batch made ahead and never delivered
         is read again after a resume."""
         if emission.batch is None:
-            self.device.synchronize(emission.job)  # its pixels, not those made after it
+            self.wait_for_device(emission.job)  # its pixels, not those made after it
+            if self.auto is not None:
+                # The echo stage's own time for the batch: the call that started it and
+                # the device's work on it (auto echo's capacity).
+                busy = self.device.job_seconds(emission.job)
+                self.auto.emission(emission.made_s + (busy or 0.0))
             batch = self.finish(emission.parts)
             with deferred_interrupts():
                 self.ledger.sent(*emission.sent)

@@ -78,6 +78,15 @@ cdef extern from "en_kernel.h" nogil:
     int en_jpeg_decode_random_crop(en_decoder *d, const uint8_t *data, size_t length,
                                    en_key key, en_rrc_spec spec, int out_h, int out_w,
                                    uint8_t *out, size_t stride, en_box *box, int *flip)
+    int EN_DRAW_COLOR_JITTER, EN_DRAW_GRAYSCALE, EN_DRAW_TRIVIAL_WIDE, EN_DRAW_ERASING
+    ctypedef struct en_op_spec:
+        int kind
+        double v[12]
+    int en_ops_steps(const en_op_spec *ops, int nops)
+    void en_ops_draw(const en_op_spec *ops, int nops, int steps, uint64_t seed,
+                     const int64_t *epochs, const int64_t *sample_ids,
+                     const int64_t *echo_index, int64_t n, int h, int w, int32_t *codes,
+                     float *args)
 
 
 cdef extern from "en_ops.h" nogil:
@@ -91,6 +100,23 @@ cdef extern from "en_ops.h" nogil:
                      int w, char *msg, size_t cap)
     void en_ops_apply(uint8_t *images, int64_t n, int h, int w, const int32_t *codes,
                       const float *args, int steps, uint8_t *scratch)
+    ctypedef struct en_reaug:
+        pass
+    en_reaug *en_reaug_new(int threads)
+    void en_reaug_free(en_reaug *r)
+    int en_reaug_threads(const en_reaug *r)
+    int en_reaug_run(en_reaug *r, const uint8_t *pixels, int64_t row_bytes,
+                     const int64_t *entries, const int32_t *shapes, const double *boxes,
+                     const uint8_t *flips, int64_t n, int out_h, int out_w, uint8_t *out,
+                     const int32_t *codes, const float *args, int steps, char *msg, size_t cap)
+    int en_reaug_apply(en_reaug *r, uint8_t *images, int64_t n, int h, int w,
+                       const int32_t *codes, const float *args, int steps)
+    void en_reaug_gather(en_reaug *r, const uint8_t *pixels, int64_t row_bytes,
+                         const int64_t *entries, int64_t n, int h, int w, uint8_t *out,
+                         const uint8_t *mirror)
+    void en_store_rows(uint8_t *dst, int64_t dst_row_bytes, const int64_t *entries,
+                       const uint8_t *src, int64_t src_row_bytes, const int64_t *nbytes,
+                       int64_t n)
 
 
 DEFAULT_MAX_PIXELS = EN_DEFAULT_MAX_PIXELS
@@ -163,6 +189,30 @@ cdef cnp.ndarray _output(out, int h, int w):
     if strides[2] != 1 or strides[1] != 3 or strides[0] < w * 3:
         raise ValueError(f"out rows must be contiguous RGB pixels, got strides {strides}")
     return out
+
+
+cdef int _check_canvases(const uint8_t[:, ::1] pixels, const int64_t[::1] entries,
+                         const int32_t[:, ::1] shapes, const double[:, ::1] boxes,
+                         const uint8_t[::1] flips, uint8_t[:, :, :, ::1] o) except -1:
+    """ValueError / IndexError unless every entry is a row of ``pixels`` holding a canvas
+    of ``shapes[entry]`` and boxes, flips and outputs match the entries."""
+    cdef Py_ssize_t n = entries.shape[0], i
+    if boxes.shape[0] != n or flips.shape[0] != n or o.shape[0] < n:
+        raise ValueError(f"{n} entries need {n} boxes, flips and output images, got "
+                         f"{boxes.shape[0]}, {flips.shape[0]} and {o.shape[0]}")
+    if boxes.shape[1] != 4 or shapes.shape[1] != 2 or o.shape[3] != 3:
+        raise ValueError("boxes must be (n, 4), shapes (rows, 2) and out (n, h, w, 3)")
+    cdef Py_ssize_t rows = pixels.shape[0], row_bytes = pixels.shape[1]
+    cdef int64_t e
+    for i in range(n):
+        e = entries[i]
+        if e < 0 or e >= rows or e >= shapes.shape[0]:
+            raise IndexError(f"entry {e} is outside the {rows} rows of pixels")
+        if shapes[e, 0] <= 0 or shapes[e, 1] <= 0 or \
+                <Py_ssize_t>shapes[e, 0] * shapes[e, 1] * 3 > row_bytes:
+            raise ValueError(f"entry {e}: a {shapes[e, 0]}x{shapes[e, 1]} canvas does not "
+                             f"fit a row of {row_bytes} bytes")
+    return 0
 
 
 cdef class Decoder:
@@ -404,21 +454,8 @@ cdef class Decoder:
         The same resampling as :meth:`resize`, with the GIL released for the batch."""
         cdef uint8_t[:, :, :, ::1] o = out
         cdef Py_ssize_t n = entries.shape[0], i
-        if boxes.shape[0] != n or flips.shape[0] != n or o.shape[0] < n:
-            raise ValueError(f"{n} entries need {n} boxes, flips and output images, got "
-                             f"{boxes.shape[0]}, {flips.shape[0]} and {o.shape[0]}")
-        if boxes.shape[1] != 4 or shapes.shape[1] != 2 or o.shape[3] != 3:
-            raise ValueError("boxes must be (n, 4), shapes (rows, 2) and out (n, h, w, 3)")
-        cdef Py_ssize_t rows = pixels.shape[0], row_bytes = pixels.shape[1]
+        _check_canvases(pixels, entries, shapes, boxes, flips, o)
         cdef int64_t e
-        for i in range(n):
-            e = entries[i]
-            if e < 0 or e >= rows or e >= shapes.shape[0]:
-                raise IndexError(f"entry {e} is outside the {rows} rows of pixels")
-            if shapes[e, 0] <= 0 or shapes[e, 1] <= 0 or \
-                    <Py_ssize_t>shapes[e, 0] * shapes[e, 1] * 3 > row_bytes:
-                raise ValueError(f"entry {e}: a {shapes[e, 0]}x{shapes[e, 1]} canvas does not "
-                                 f"fit a row of {row_bytes} bytes")
         cdef int oh = o.shape[1], ow = o.shape[2], st = 0, ch, cw
         cdef size_t stride = o.strides[1]
         cdef en_box b
@@ -678,3 +715,204 @@ def apply_ops(images, codes, args):
     with nogil:
         en_ops_apply(&iv[0, 0, 0, 0], n, h, w, &cv[0, 0], &av[0, 0, 0], steps, &scratch[0])
     return images
+
+
+# -- the per-example ops' draws (src/kernel/en_augment.c) ------------------------------------
+
+#: Kinds of op spec :func:`draw_ops` takes (one row of numbers per op; en_kernel.h).
+DRAW_COLOR_JITTER = EN_DRAW_COLOR_JITTER
+DRAW_GRAYSCALE = EN_DRAW_GRAYSCALE
+DRAW_TRIVIAL_WIDE = EN_DRAW_TRIVIAL_WIDE
+DRAW_ERASING = EN_DRAW_ERASING
+
+
+def ops_steps(const double[:, ::1] specs not None):
+    """Program steps the op ``specs`` (see :func:`draw_ops`) need."""
+    cdef en_op_spec[64] ops
+    cdef int nops = _op_specs(specs, ops)
+    return en_ops_steps(ops, nops)
+
+
+cdef int _op_specs(const double[:, ::1] specs, en_op_spec *ops) except -1:
+    cdef Py_ssize_t nops = specs.shape[0], k, j
+    if nops > 64:
+        raise ValueError(f"at most 64 ops per program, got {nops}")
+    if nops and specs.shape[1] != 13:
+        raise ValueError(f"op specs must be (ops, 13): kind and 12 numbers, got "
+                         f"{tuple(specs.shape)}")
+    for k in range(nops):
+        ops[k].kind = <int>specs[k, 0]
+        if ops[k].kind != specs[k, 0] or not EN_DRAW_COLOR_JITTER <= ops[k].kind <= \
+                EN_DRAW_ERASING:
+            raise ValueError(f"op spec {k}: kind {specs[k, 0]!r} is not one of "
+                             f"{EN_DRAW_COLOR_JITTER} .. {EN_DRAW_ERASING}")
+        for j in range(12):
+            ops[k].v[j] = specs[k, 1 + j]
+    return <int>nops
+
+
+def draw_ops(const double[:, ::1] specs not None, uint64_t seed, epochs, sample_ids,
+             echo_index, size):
+    """The per-example programs of ``len(sample_ids)`` images of ``size`` = (h, w): row i
+    drawn from Philox keyed by (seed, epochs[i], sample_ids[i], echo_index[i]) (numbers
+    or arrays, broadcast), a pure function of its key, with torchvision's
+    distributions.  ``specs`` (float64 (ops, 13)) has one row per op, its kind
+    (``DRAW_*``) and its numbers (en_kernel.h; echo_native.augment builds them).
+    Returns (codes int32 (n, steps), args float32 (n, steps, OP_ARGS)), the batch
+    drawn in one call with the GIL released."""
+    cdef en_op_spec[64] ops
+    cdef int nops = _op_specs(specs, ops)
+    h, w = check_size(size)
+    ids = np.ascontiguousarray(sample_ids, np.int64).reshape(-1)
+    cdef Py_ssize_t n = ids.shape[0]
+    ep = np.ascontiguousarray(np.broadcast_to(np.asarray(epochs, np.int64), (n,)))
+    ei = np.ascontiguousarray(np.broadcast_to(np.asarray(echo_index, np.int64), (n,)))
+    cdef int steps = en_ops_steps(ops, nops)
+    codes = np.zeros((n, steps), np.int32)
+    args = np.zeros((n, steps, OP_ARGS_C), np.float32)
+    if n == 0 or steps == 0:
+        return codes, args
+    cdef const int64_t[::1] e = ep, i = ids, x = ei
+    cdef int32_t[:, ::1] cv = codes
+    cdef float[:, :, ::1] av = args
+    cdef int hh = h, ww = w
+    with nogil:
+        en_ops_draw(ops, nops, steps, seed, &e[0], &i[0], &x[0], n, hh, ww, &cv[0, 0],
+                    &av[0, 0, 0])
+    return codes, args
+
+
+# -- re-augmentation on a pool of native threads (src/kernel/en_ops.cpp) ---------------------
+
+def store_rows(dst not None, const int64_t[::1] entries not None, src not None,
+               const int64_t[::1] nbytes not None):
+    """Row ``entries[i]`` of ``dst`` (a (rows, row_bytes) uint8 array) = the first
+    ``nbytes[i]`` bytes of row i of ``src`` ((n, src_row_bytes) uint8), for every i, in one
+    call with the GIL released: a batch of variable-size canvases into the echo buffer."""
+    cdef uint8_t[:, ::1] d = dst
+    cdef const uint8_t[:, ::1] s_ = src
+    cdef Py_ssize_t n = entries.shape[0], i
+    if nbytes.shape[0] != n or s_.shape[0] < n:
+        raise ValueError(f"{n} entries need {n} byte counts and source rows, got "
+                         f"{nbytes.shape[0]} and {s_.shape[0]}")
+    for i in range(n):
+        if entries[i] < 0 or entries[i] >= d.shape[0]:
+            raise IndexError(f"entry {entries[i]} is outside the {d.shape[0]} rows of dst")
+        if nbytes[i] < 0 or nbytes[i] > d.shape[1] or nbytes[i] > s_.shape[1]:
+            raise ValueError(f"row {i}: {nbytes[i]} bytes do not fit rows of {d.shape[1]} "
+                             f"(dst) and {s_.shape[1]} (src) bytes")
+    if n == 0:
+        return dst
+    with nogil:
+        en_store_rows(&d[0, 0], d.shape[1], &entries[0], &s_[0, 0], s_.shape[1], &nbytes[0], n)
+    return dst
+
+
+cdef class Reaugmenter:
+    """A pool of ``threads`` native threads (the calling thread is one of them) that
+    re-augments a batch of echoed canvases, its rows shared out among the threads:
+    crop + resize + flip and the row's op program in one task per row.  A row's bytes
+    never depend on another row or on the thread that made it, so every thread count
+    gives the same batch.  The GIL is released while a batch is made; the threads
+    sleep between batches.  One batch at a time (calls are serialised)."""
+    cdef en_reaug *_r
+
+    def __cinit__(self, int threads=1):
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        with nogil:
+            self._r = en_reaug_new(threads)
+        if self._r == NULL:
+            raise MemoryError(f"cannot start a pool of {threads} re-augmentation threads")
+
+    def __dealloc__(self):
+        if self._r != NULL:
+            with nogil:
+                en_reaug_free(self._r)
+
+    @property
+    def threads(self):
+        return en_reaug_threads(self._r)
+
+    def run(self, const uint8_t[:, ::1] pixels not None, const int64_t[::1] entries not None,
+            const int32_t[:, ::1] shapes not None, const double[:, ::1] boxes not None,
+            const uint8_t[::1] flips not None, out not None, codes=None, args=None):
+        """For each i: crop ``boxes[i]`` of the canvas in row ``entries[i]`` of ``pixels``
+        (``shapes[entries[i]]`` = (h, w)), resize it into ``out[i]``, flip it where
+        ``flips[i]``, then run its program ``codes[i]`` / ``args[i]`` (see
+        :func:`apply_ops`; None: no ops).  The bytes of :meth:`Decoder.resize_batch`
+        followed by :func:`apply_ops`.  Returns ``out``."""
+        cdef uint8_t[:, :, :, ::1] o = out
+        _check_canvases(pixels, entries, shapes, boxes, flips, o)
+        cdef Py_ssize_t n = entries.shape[0]
+        cdef int steps = 0
+        cdef const int32_t *cp = NULL
+        cdef const float *ap = NULL
+        cdef const int32_t[:, ::1] cv
+        cdef const float[:, :, ::1] av
+        if (codes is None) != (args is None):
+            raise ValueError("codes and args come together (or neither)")
+        if codes is not None:
+            check_ops(codes, args, (n, o.shape[1], o.shape[2], 3))
+            steps = codes.shape[1]
+            if n and steps:
+                cv, av = codes, args
+                cp, ap = &cv[0, 0], &av[0, 0, 0]
+            else:
+                steps = 0
+        if n == 0:
+            return out
+        cdef char msg[600]
+        cdef int st
+        with nogil:
+            st = en_reaug_run(self._r, &pixels[0, 0], pixels.shape[1], &entries[0],
+                              &shapes[0, 0], &boxes[0, 0], &flips[0], n, o.shape[1],
+                              o.shape[2], &o[0, 0, 0, 0], cp, ap, steps, msg, sizeof(msg))
+        if st:
+            text = msg.decode("utf-8", "replace")
+            if st == EN_ERR_NOMEM:
+                raise MemoryError(text)
+            raise ValueError(text)
+        return out
+
+    def apply(self, images, codes, args):
+        """:func:`apply_ops` with the batch's rows shared out among the threads."""
+        _array(images, "images", np.uint8, 4, writable=True)
+        check_ops(codes, args, images.shape)
+        cdef int64_t n = images.shape[0]
+        cdef int h = images.shape[1], w = images.shape[2], steps = codes.shape[1], st
+        if n == 0 or steps == 0:
+            return images
+        cdef uint8_t[:, :, :, ::1] iv = images
+        cdef const int32_t[:, ::1] cv = codes
+        cdef const float[:, :, ::1] av = args
+        with nogil:
+            st = en_reaug_apply(self._r, &iv[0, 0, 0, 0], n, h, w, &cv[0, 0], &av[0, 0, 0],
+                                steps)
+        if st:
+            raise MemoryError(f"out of memory for the ops' scratch image ({h} x {w})")
+        return images
+
+    def gather(self, const uint8_t[:, ::1] pixels not None, const int64_t[::1] entries not None,
+               out not None, const uint8_t[::1] mirror=None):
+        """:func:`gather_rows` with the batch's rows shared out among the threads."""
+        cdef uint8_t[:, :, :, ::1] o = out
+        cdef Py_ssize_t n = entries.shape[0], i, rows = pixels.shape[0]
+        cdef Py_ssize_t h = o.shape[1], w = o.shape[2]
+        if o.shape[0] < n or o.shape[3] != 3 or pixels.shape[1] < h * w * 3:
+            raise ValueError(f"{n} entries of {pixels.shape[1]} bytes do not fit out "
+                             f"{tuple(out.shape)} (n, h, w, 3)")
+        if mirror is not None and mirror.shape[0] != n:
+            raise ValueError(f"{n} entries need {n} mirror flags, got {mirror.shape[0]}")
+        for i in range(n):
+            if entries[i] < 0 or entries[i] >= rows:
+                raise IndexError(f"entry {entries[i]} is outside the {rows} rows of pixels")
+        if n == 0:
+            return out
+        cdef const uint8_t *mp = NULL
+        if mirror is not None:
+            mp = &mirror[0]
+        with nogil:
+            en_reaug_gather(self._r, &pixels[0, 0], pixels.shape[1], &entries[0], n, <int>h,
+                            <int>w, &o[0, 0, 0, 0], mp)
+        return out

@@ -8,6 +8,9 @@
 #include "en_kernel.h"
 
 #include <math.h>
+#include <string.h>
+
+#include "en_opcodes.h"
 
 static inline void mulhilo(uint64_t a, uint64_t b, uint64_t *hi, uint64_t *lo) {
     __uint128_t p = (__uint128_t)a * b;
@@ -131,4 +134,182 @@ en_box en_center_crop_box(int height, int width, int resize_side, int out_h, int
     double top = nearbyint((rh - ch) / 2.0), left = nearbyint((rw - cw) / 2.0);
     en_box b = {top / sy, left / sx, ch / sy, cw / sx};
     return b;
+}
+
+/* ---- the per-example ops' programs -------------------------------------- */
+
+#define EN_STREAM_OPS 0x6F707321ULL /* "ops!" */
+
+/* Op k of a row reads blocks k << 32, (k << 32) + 1, ... of its stream. */
+static void op_draws(draws *s, uint64_t seed, uint64_t epoch, uint64_t sample_id,
+                     uint64_t echo_index, int k) {
+    s->ctr[0] = epoch;
+    s->ctr[1] = sample_id;
+    s->ctr[2] = echo_index;
+    s->ctr[3] = (uint64_t)k << 32;
+    s->key[0] = seed;
+    s->key[1] = EN_STREAM_OPS;
+    s->used = 4;
+}
+
+static double between(draws *s, double lo, double hi) { return lo + (hi - lo) * uniform(s); }
+
+/* Uniform integer in 0 .. n - 1 (torch.randint(n)); n is far below 2^53, so the
+ * bias of scaling a 53-bit uniform is below 2^-30. */
+static int64_t below(draws *s, int64_t n) {
+    int64_t v = (int64_t)(uniform(s) * (double)n);
+    return v < n ? v : n - 1;
+}
+
+typedef struct program {
+    int32_t *codes;
+    float *args;
+    int steps, k;
+} program;
+
+static void emit(program *p, int code, const double *a, int count) {
+    if (p->k >= p->steps) return; /* steps comes from en_ops_steps: never short */
+    p->codes[p->k] = code;
+    for (int i = 0; i < count && i < OP_ARGS; i++) p->args[p->k * OP_ARGS + i] = (float)a[i];
+    p->k++;
+}
+
+/* torchvision's ColorJitter (with RandomApply's p): the four adjustments in the
+ * order of a uniform permutation (randperm(4)), each factor uniform on its range. */
+static void draw_color_jitter(draws *s, const double *v, program *p) {
+    if (uniform(s) >= v[0]) return;
+    static const int codes[4] = {OP_BRIGHTNESS, OP_CONTRAST, OP_SATURATION, OP_HUE};
+    int order[4] = {0, 1, 2, 3};
+    for (int i = 3; i > 0; i--) { /* Fisher-Yates */
+        const int j = (int)below(s, i + 1), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    for (int i = 0; i < 4; i++) {
+        const int which = order[i];
+        const double lo = v[1 + 2 * which], hi = v[2 + 2 * which];
+        const double identity = which == 3 ? 0.0 : 1.0;
+        if (lo == identity && hi == identity) continue; /* torchvision leaves it out */
+        const double f = between(s, lo, hi);
+        emit(p, codes[which], &f, 1);
+    }
+}
+
+/* Pillow's rotate(degrees) about the image centre as the inverse affine map the
+ * AFFINE op takes (augment.rotation in Python); cos and sin are rounded to 15
+ * decimals so that right angles map exactly. */
+static void rotation(double degrees, int h, int w, double *m) {
+    double d = fmod(degrees, 360.0);
+    if (d < 0) d += 360.0;
+    const double a = -(d * (3.14159265358979323846 / 180.0)); /* as math.radians */
+    const double c = nearbyint(cos(a) * 1e15) / 1e15, sn = nearbyint(sin(a) * 1e15) / 1e15;
+    const double cx = w / 2.0, cy = h / 2.0;
+    m[0] = c;
+    m[1] = sn;
+    m[2] = c * -cx + sn * -cy + cx;
+    m[3] = -sn;
+    m[4] = c;
+    m[5] = -sn * -cx + c * -cy + cy;
+}
+
+/* torchvision's TrivialAugmentWide (its PIL path): one of 14 ops, uniformly, at a
+ * uniform magnitude bin of the wide ranges, with a random sign for signed ops. */
+static void draw_trivial_wide(draws *s, const double *v, int h, int w, program *p) {
+    enum { IDENTITY, SHEAR_X, SHEAR_Y, TRANSLATE_X, TRANSLATE_Y, ROTATE, BRIGHT, COLOR,
+           CONTRAST, SHARP, POSTERIZE, SOLARIZE, AUTOCONTRAST, EQUALIZE, COUNT };
+    const int bins = (int)v[0];
+    const double fill = v[1];
+    const int op = (int)below(s, COUNT);
+    const int b = (int)below(s, bins);
+    const double t = (double)b / (bins - 1);
+    double m = 0.0;
+    switch (op) {
+        case SHEAR_X: case SHEAR_Y: case BRIGHT: case COLOR: case CONTRAST: case SHARP:
+            m = 0.99 * t; break;
+        case TRANSLATE_X: case TRANSLATE_Y: m = 32.0 * t; break;
+        case ROTATE: m = 135.0 * t; break;
+        case POSTERIZE: m = 8.0 - nearbyint(b / ((bins - 1) / 6.0)); break;
+        case SOLARIZE: m = 255.0 * (1.0 - t); break;
+        default: break;
+    }
+    if (op >= SHEAR_X && op <= SHARP && below(s, 2)) m = -m;
+    double a[7] = {1.0, 0.0, 0.0, 0.0, 1.0, 0.0, fill};
+    switch (op) {
+        case SHEAR_X: a[1] = m; emit(p, OP_AFFINE, a, 7); break;
+        case SHEAR_Y: a[3] = m; emit(p, OP_AFFINE, a, 7); break;
+        case TRANSLATE_X: a[2] = -trunc(m); emit(p, OP_AFFINE, a, 7); break; /* int(m) px */
+        case TRANSLATE_Y: a[5] = -trunc(m); emit(p, OP_AFFINE, a, 7); break;
+        case ROTATE: rotation(m, h, w, a); emit(p, OP_AFFINE, a, 7); break;
+        case BRIGHT: case COLOR: case CONTRAST: case SHARP: {
+            static const int codes[4] = {OP_BRIGHTNESS, OP_SATURATION, OP_CONTRAST,
+                                         OP_SHARPNESS};
+            const double f = 1.0 + m;
+            emit(p, codes[op - BRIGHT], &f, 1);
+            break;
+        }
+        case POSTERIZE: emit(p, OP_POSTERIZE, &m, 1); break;
+        case SOLARIZE: emit(p, OP_SOLARIZE, &m, 1); break;
+        case AUTOCONTRAST: emit(p, OP_AUTOCONTRAST, NULL, 0); break;
+        case EQUALIZE: emit(p, OP_EQUALIZE, NULL, 0); break;
+        default: break; /* identity */
+    }
+}
+
+/* torchvision's RandomErasing.get_params: ten tries at an area uniform on scale x
+ * the image's and a log-uniform aspect ratio; the first that fits is placed
+ * uniformly, else nothing is erased. */
+static void draw_erasing(draws *s, const double *v, int h, int w, program *p) {
+    if (uniform(s) >= v[0]) return;
+    const double area = (double)h * w;
+    for (int attempt = 0; attempt < 10; attempt++) {
+        const double erase = area * between(s, v[1], v[2]);
+        const double aspect = exp(between(s, v[3], v[4]));
+        /* nearbyint rounds half to even, as Python's round() in torchvision */
+        const int64_t eh = (int64_t)nearbyint(sqrt(erase * aspect));
+        const int64_t ew = (int64_t)nearbyint(sqrt(erase / aspect));
+        if (!(eh < h && ew < w)) continue;
+        const double top = (double)below(s, h - eh + 1), left = (double)below(s, w - ew + 1);
+        const double a[7] = {top, left, (double)eh, (double)ew, v[5], v[6], v[7]};
+        emit(p, OP_ERASE, a, 7);
+        return;
+    }
+}
+
+int en_ops_steps(const en_op_spec *ops, int nops) {
+    int steps = 0;
+    for (int k = 0; k < nops; k++) {
+        switch (ops[k].kind) {
+            case EN_DRAW_COLOR_JITTER: steps += 4; break;
+            case EN_DRAW_GRAYSCALE:
+            case EN_DRAW_TRIVIAL_WIDE:
+            case EN_DRAW_ERASING: steps += 1; break;
+            default: return -1;
+        }
+    }
+    return steps;
+}
+
+void en_ops_draw(const en_op_spec *ops, int nops, int steps, uint64_t seed,
+                 const int64_t *epochs, const int64_t *sample_ids, const int64_t *echo_index,
+                 int64_t n, int h, int w, int32_t *codes, float *args) {
+    memset(codes, 0, (size_t)n * steps * sizeof *codes);
+    memset(args, 0, (size_t)n * steps * OP_ARGS * sizeof *args);
+    for (int64_t i = 0; i < n; i++) {
+        program p = {codes + i * steps, args + i * steps * OP_ARGS, steps, 0};
+        for (int k = 0; k < nops; k++) {
+            draws s;
+            op_draws(&s, seed, (uint64_t)epochs[i], (uint64_t)sample_ids[i],
+                     (uint64_t)echo_index[i], k);
+            const double *v = ops[k].v;
+            switch (ops[k].kind) {
+                case EN_DRAW_COLOR_JITTER: draw_color_jitter(&s, v, &p); break;
+                case EN_DRAW_GRAYSCALE:
+                    if (uniform(&s) < v[0]) emit(&p, OP_GRAYSCALE, NULL, 0);
+                    break;
+                case EN_DRAW_TRIVIAL_WIDE: draw_trivial_wide(&s, v, h, w, &p); break;
+                case EN_DRAW_ERASING: draw_erasing(&s, v, h, w, &p); break;
+                default: break;
+            }
+        }
+    }
 }

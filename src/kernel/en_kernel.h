@@ -149,6 +149,37 @@ void en_philox4x64(const uint64_t ctr[4], const uint64_t key[2], uint64_t out[4]
 void en_random_resized_crop(en_key key, int height, int width, en_rrc_spec spec,
                             en_box *box, int *flip);
 
+/* The per-example ops' parameters (echo_native/augment.py), drawn like the crop
+ * from Philox keyed by (seed, epoch, sample id, echo index) under a tag of their
+ * own, with torchvision's distributions; op k of the list reads its own blocks
+ * of the stream, so its draws do not depend on how many the ops before it took.
+ * One spec per op, its numbers by kind:
+ *   EN_DRAW_COLOR_JITTER  p, brightness lo hi, contrast lo hi, saturation lo hi,
+ *                         hue lo hi (four steps: the adjustments in a random
+ *                         order, those whose range is the identity left out)
+ *   EN_DRAW_GRAYSCALE     p
+ *   EN_DRAW_TRIVIAL_WIDE  magnitude bins, fill
+ *   EN_DRAW_ERASING       p, scale lo hi, log ratio lo hi, fill R G B
+ * (one step each).  The programs go to codes (n, steps) and args (n, steps,
+ * OP_ARGS), zeroed first: a step no op used is OP_NONE. */
+enum { EN_DRAW_COLOR_JITTER = 1, EN_DRAW_GRAYSCALE = 2, EN_DRAW_TRIVIAL_WIDE = 3,
+       EN_DRAW_ERASING = 4 };
+
+typedef struct en_op_spec {
+    int kind;
+    double v[12];
+} en_op_spec;
+
+/* Steps the specs need (4 for ColorJitter, 1 for the others), or -1 for an
+ * unknown kind. */
+int en_ops_steps(const en_op_spec *ops, int nops);
+
+/* The programs of n images of h x w: row i keyed (seed, epochs[i], sample_ids[i],
+ * echo_index[i]); `steps` is at least en_ops_steps(ops, nops). */
+void en_ops_draw(const en_op_spec *ops, int nops, int steps, uint64_t seed,
+                 const int64_t *epochs, const int64_t *sample_ids, const int64_t *echo_index,
+                 int64_t n, int h, int w, int32_t *codes, float *args);
+
 /* The fused evaluation transform: resize the shorter side to resize_side, then
  * take the centre out_h x out_w, as one resampling of a box of the original. */
 en_box en_center_crop_box(int height, int width, int resize_side, int out_h, int out_w);

@@ -1,18 +1,31 @@
-// The augmentation programs of kernels.cu on the CPU.
+// The augmentation programs of kernels.cu on the CPU, and the batched
+// re-augmentation of echoed canvases on a pool of native threads.
 //
 // kernels.cu is included as it is: the CUDA keywords become plain C++, and
 // instead of walking a launch grid each image runs its whole program here,
 // one op over all of its pixels at a time, through the same device functions
-// (ops_count, ops_table, ops_pixel) the kernels call.  A row never reads
-// another row, so the bytes are those of the GPU's step-by-step launches
-// (tests/test_cuda_kernels.py compares them with the emulated launches).
+// (ops_count, ops_table, ops_pixel, ops_hue_rgb, ...) the kernels call.  A row
+// never reads another row, so the bytes are those of the GPU's step-by-step
+// launches (tests/test_cuda_kernels.py compares them with the emulated
+// launches), and they do not depend on which thread ran the row.
 // Built with -ffp-contract=off (setup.py): no multiply and add is fused
 // beyond the fmaf the source writes, as NVRTC's --fmad=false on the device.
 #include "en_ops.h"
 
+#include "en_kernel.h"
+
+#include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#include <signal.h>
+
+#include <atomic>
+#include <new>
 
 #define __global__
 #define __device__
@@ -36,6 +49,18 @@ inline int atomicAdd(int* p, int v) {
     *p += v;
     return old;
 }
+// Eight floats as one value (GCC's vector extension): what the colour ops of
+// kernels.cu run on here, eight pixels at a time.  Arguments of this type
+// never cross a call that is not inlined, so its ABI does not matter.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int vi8 __attribute__((vector_size(32)));
+
+// kernels.cu's helpers for the vector type (see its ops_like).
+inline __attribute__((always_inline)) vf8 ops_like(const vf8&, float v) { return vf8{} + v; }
+inline __attribute__((always_inline)) vf8 ops_trunc(const vf8& x) {
+    return __builtin_convertvector(__builtin_convertvector(x, vi8), vf8);
+}
 }  // namespace
 
 #include "kernels.cu"
@@ -58,7 +83,165 @@ void apply_image(const float* a, const u8* __restrict__ src, u8* __restrict__ ds
         for (int x = 0; x < w; x++) ops_pixel(Code, a, src, dst, lut, h, w, y, x);
 }
 
+// ---- per-pixel colour ops over runs of pixels, in vector registers ---------------------
+//
+// Hue, saturation and grayscale read only their own pixel, so the host runs
+// them over the image as one run of pixels: BLOCK pixels at a time are split
+// into float planes, the kernels' own per-pixel function (written without
+// branches) runs over the planes, where the compiler keeps several pixels in
+// one vector register, and the bytes are put back together.  Each pixel sees
+// the same float operations in the same order as the device's thread for it:
+// the same bytes, whatever the vector width.
+
+enum { BLOCK = 256, LANES = 8 };
+
+// Each op takes eight pixels' channels and gives their eight output levels per
+// channel as ints (the clamped value, truncated as round_u8 truncates).
+struct HueOp {
+    float shift;
+    __forceinline__ void operator()(const vf8& r, const vf8& g, const vf8& b, vi8* o) const {
+        vf8 v[3];
+        ops_hue_rgb(r, g, b, shift, v);
+        for (int c = 0; c < 3; c++) o[c] = __builtin_convertvector(ops_clamp_level(v[c]), vi8);
+    }
+};
+
+struct SaturationOp {
+    float f;
+    __forceinline__ void operator()(const vf8& r, const vf8& g, const vf8& b, vi8* o) const {
+        const vf8 l = luma_rgb(r, g, b);
+        o[0] = __builtin_convertvector(ops_clamp_level(ops_saturate(r, l, f)), vi8);
+        o[1] = __builtin_convertvector(ops_clamp_level(ops_saturate(g, l, f)), vi8);
+        o[2] = __builtin_convertvector(ops_clamp_level(ops_saturate(b, l, f)), vi8);
+    }
+};
+
+struct GrayOp {
+    __forceinline__ void operator()(const vf8& r, const vf8& g, const vf8& b, vi8* o) const {
+        o[0] = o[1] = o[2] = __builtin_convertvector(ops_clamp_level(luma_rgb(r, g, b)), vi8);
+    }
+};
+
+template <class Op>
+__forceinline__ void pixel_run(const Op op, const u8* __restrict__ src, u8* __restrict__ dst,
+                               i64 count) {
+    alignas(32) float r[BLOCK], g[BLOCK], b[BLOCK];
+    alignas(32) int o[3][BLOCK];
+    for (i64 p0 = 0; p0 < count; p0 += BLOCK) {
+        const int m = count - p0 < BLOCK ? (int)(count - p0) : (int)BLOCK;
+        const int padded = (m + LANES - 1) / LANES * LANES;
+        const u8* s = src + 3 * p0;
+        for (int i = 0; i < m; i++) {
+            r[i] = (float)s[3 * i];
+            g[i] = (float)s[3 * i + 1];
+            b[i] = (float)s[3 * i + 2];
+        }
+        for (int i = m; i < padded; i++) r[i] = g[i] = b[i] = 0.0f;  // lanes nobody reads
+        for (int i = 0; i < padded; i += LANES) {
+            vf8 vr, vg, vb;
+            vi8 vo[3];
+            memcpy(&vr, r + i, sizeof vr);
+            memcpy(&vg, g + i, sizeof vg);
+            memcpy(&vb, b + i, sizeof vb);
+            op(vr, vg, vb, vo);
+            for (int c = 0; c < 3; c++) memcpy(o[c] + i, &vo[c], sizeof vo[c]);
+        }
+        u8* d = dst + 3 * p0;
+        for (int i = 0; i < m; i++) {
+            d[3 * i] = (u8)o[0][i];
+            d[3 * i + 1] = (u8)o[1][i];
+            d[3 * i + 2] = (u8)o[2][i];
+        }
+    }
+}
+
+// The exact channel sums of an image (what ops_mean reads off its histogram).
+__forceinline__ void channel_sums(const u8* __restrict__ src, i64 count, i64* s) {
+    s[0] = s[1] = s[2] = 0;
+    // 32-bit partial sums are exact for 2^24 pixels of 255: flushed well before.
+    const i64 chunk = (i64)1 << 16;
+    for (i64 p0 = 0; p0 < count; p0 += chunk) {
+        const i64 m = count - p0 < chunk ? count - p0 : chunk;
+        const u8* q = src + 3 * p0;
+        u32 a = 0, b = 0, c = 0;
+        for (i64 i = 0; i < m; i++) {
+            a += q[3 * i];
+            b += q[3 * i + 1];
+            c += q[3 * i + 2];
+        }
+        s[0] += a;
+        s[1] += b;
+        s[2] += c;
+    }
+}
+
+// The same runs compiled twice: for the baseline x86-64 (SSE2, four floats per
+// register) and for AVX2 (eight), picked at run time like the resampler's
+// kernels (ECHO_NATIVE_SIMD=none keeps the baseline).  Identical arithmetic.
+#define EN_RUNS(suffix, attr)                                                            \
+    attr void hue_run##suffix(const u8* src, u8* dst, i64 n, float shift) {             \
+        pixel_run(HueOp{shift}, src, dst, n);                                           \
+    }                                                                                   \
+    attr void saturation_run##suffix(const u8* src, u8* dst, i64 n, float f) {          \
+        pixel_run(SaturationOp{f}, src, dst, n);                                        \
+    }                                                                                   \
+    attr void gray_run##suffix(const u8* src, u8* dst, i64 n) {                         \
+        pixel_run(GrayOp{}, src, dst, n);                                               \
+    }                                                                                   \
+    attr void sums_run##suffix(const u8* src, i64 n, i64* s) { channel_sums(src, n, s); }
+
+EN_RUNS(_base, )
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(EN_NO_SIMD)
+#define EN_OPS_AVX2 1
+EN_RUNS(_avx2, __attribute__((target("avx2"))))
+
+bool use_avx2() {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        const char* cap = getenv("ECHO_NATIVE_SIMD");
+        const bool off = cap && !strcmp(cap, "none");
+        cached = !off && __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return cached == 1;
+}
+#define EN_PICK(name, ...) (use_avx2() ? name##_avx2(__VA_ARGS__) : name##_base(__VA_ARGS__))
+#else
+#define EN_PICK(name, ...) name##_base(__VA_ARGS__)
+#endif
+
+// ERASE: the device tests every pixel against the rectangle in float; the test
+// of a row depends on y alone and that of a column on x alone, so the host
+// finds the rows and the run of columns that pass (the same comparisons) and
+// fills them, copying the rest.
+void erase_image(const float* a, const u8* src, u8* dst, int h, int w) {
+    memcpy(dst, src, (size_t)3 * h * w);
+    int x0 = -1, x1 = -1;
+    for (int x = 0; x < w; x++) {
+        const float fx = (float)x;
+        if (fx >= a[1] && fx < a[1] + a[3]) {
+            if (x0 < 0) x0 = x;
+            x1 = x + 1;
+        }
+    }
+    if (x0 < 0) return;
+    const u8 fill[3] = {round_u8(a[4]), round_u8(a[5]), round_u8(a[6])};
+    for (int y = 0; y < h; y++) {
+        const float fy = (float)y;
+        if (!(fy >= a[0] && fy < a[0] + a[2])) continue;
+        u8* o = dst + 3 * ((i64)y * w);
+        for (int x = x0; x < x1; x++) {
+            // (x0 .. x1 is one run: the test is an interval of x)
+            o[3 * x] = fill[0];
+            o[3 * x + 1] = fill[1];
+            o[3 * x + 2] = fill[2];
+        }
+    }
+}
+
 void apply_op(int code, const float* a, const u8* src, u8* dst, const u8* lut, int h, int w) {
+    const i64 hw = (i64)h * w;
     switch (code) {
         case OP_BRIGHTNESS:  // every table op is one loop: a lookup per channel
         case OP_CONTRAST:
@@ -66,14 +249,49 @@ void apply_op(int code, const float* a, const u8* src, u8* dst, const u8* lut, i
         case OP_SOLARIZE:
         case OP_AUTOCONTRAST:
         case OP_EQUALIZE: apply_image<OP_BRIGHTNESS>(a, src, dst, lut, h, w); break;
-        case OP_SATURATION: apply_image<OP_SATURATION>(a, src, dst, lut, h, w); break;
-        case OP_HUE: apply_image<OP_HUE>(a, src, dst, lut, h, w); break;
-        case OP_GRAYSCALE: apply_image<OP_GRAYSCALE>(a, src, dst, lut, h, w); break;
-        case OP_ERASE: apply_image<OP_ERASE>(a, src, dst, lut, h, w); break;
+        case OP_SATURATION: EN_PICK(saturation_run, src, dst, hw, a[0]); break;
+        case OP_HUE: EN_PICK(hue_run, src, dst, hw, a[0]); break;
+        case OP_GRAYSCALE: EN_PICK(gray_run, src, dst, hw); break;
+        case OP_ERASE: erase_image(a, src, dst, h, w); break;
         case OP_SHARPNESS: apply_image<OP_SHARPNESS>(a, src, dst, lut, h, w); break;
         case OP_AFFINE: apply_image<OP_AFFINE>(a, src, dst, lut, h, w); break;
         default: apply_image<OP_NONE>(a, src, dst, lut, h, w); break;
     }
+}
+
+// One image's program, in place; scratch holds h * w * 3 bytes.
+void run_program(u8* image, int h, int w, const int32_t* codes, const float* args, int steps,
+                 u8* scratch) {
+    const i64 hw = (i64)h * w;
+    int hist[768];
+    u8 lut[768];
+    u8 *cur = image, *other = scratch;
+    for (int k = 0; k < steps; k++) {
+        const int code = codes[k];
+        const float* a = args + k * OP_ARGS;
+        if (code == OP_NONE) continue;  // what a copy would give
+        if (code == OP_CONTRAST) {
+            // Its table needs only the mean luma: the exact channel sums, taken
+            // directly instead of through the histogram (the same integers).
+            i64 s[3];
+            EN_PICK(sums_run, cur, hw, s);
+            ops_contrast_table(a[0], ops_mean_of_sums(s, hw), lut);
+            memcpy(lut + 256, lut, 256);
+            memcpy(lut + 512, lut, 256);
+        } else {
+            if (op_counts(code)) {
+                memset(hist, 0, sizeof hist);
+                for (i64 p = 0; p < hw; p++) ops_count(cur + 3 * p, hist);
+            }
+            if (op_maps(code))
+                for (int c = 0; c < 3; c++) ops_table(code, a, hist, hw, c, lut + 256 * c);
+        }
+        apply_op(code, a, cur, other, lut, h, w);
+        u8* t = cur;
+        cur = other;
+        other = t;
+    }
+    if (cur != image) memcpy(image, cur, (size_t)(3 * hw));
 }
 
 // Whole numbers up to 2^24 are exact in float, and so are their sums.
@@ -163,26 +381,335 @@ extern "C" int en_ops_check(const int32_t* codes, const float* args, int64_t n, 
 extern "C" void en_ops_apply(uint8_t* images, int64_t n, int h, int w, const int32_t* codes,
                              const float* args, int steps, uint8_t* scratch) {
     const i64 hw = (i64)h * w;
-    int hist[768];
-    u8 lut[768];
-    for (int64_t b = 0; b < n; b++) {
-        u8* image = images + 3 * hw * b;
-        u8 *cur = image, *other = scratch;
-        for (int k = 0; k < steps; k++) {
-            const int code = codes[b * steps + k];
-            const float* a = args + (b * steps + k) * OP_ARGS;
-            if (code == OP_NONE) continue;  // what a copy would give
-            if (op_counts(code)) {
-                memset(hist, 0, sizeof hist);
-                for (i64 p = 0; p < hw; p++) ops_count(cur + 3 * p, hist);
-            }
-            if (op_maps(code))
-                for (int c = 0; c < 3; c++) ops_table(code, a, hist, hw, c, lut + 256 * c);
-            apply_op(code, a, cur, other, lut, h, w);
-            u8* t = cur;
-            cur = other;
-            other = t;
-        }
-        if (cur != image) memcpy(image, cur, (size_t)(3 * hw));
+    for (int64_t b = 0; b < n; b++)
+        run_program(images + 3 * hw * b, h, w, codes + b * steps, args + b * steps * OP_ARGS,
+                    steps, scratch);
+}
+
+// ---- the re-augmentation pool --------------------------------------------------------------
+
+struct en_reaug;
+
+namespace {
+
+typedef void (*task_fn)(en_reaug* r, void* ctx, int64_t task, int thread);
+
+struct worker_arg {
+    en_reaug* r;
+    int index;
+};
+
+}  // namespace
+
+struct en_reaug {
+    int threads;        // the caller and threads - 1 of our own
+    pid_t pid;          // the process that started them
+    int started;        // threads running
+    pthread_t* tids;
+    worker_arg* wargs;
+    pthread_mutex_t run_mu;  // one batch at a time
+    pthread_mutex_t mu;      // guards what follows, up to `next`
+    pthread_cond_t wake, done;
+    unsigned long long generation;
+    int stop, busy;
+    task_fn fn;
+    void* ctx;
+    int64_t tasks;
+    std::atomic<int64_t> next;
+    // per thread: a decoder (the resampler's scratch) and the ops' scratch image
+    en_decoder** dec;
+    uint8_t** scratch;
+    size_t* scratch_cap;
+    // the first failed row of a batch
+    pthread_mutex_t err_mu;
+    int64_t err_row;
+    int err_status;
+    char err_msg[512];
+};
+
+namespace {
+
+void work(en_reaug* r, int thread) {
+    const int64_t tasks = r->tasks;
+    for (int64_t t; (t = r->next.fetch_add(1, std::memory_order_relaxed)) < tasks;)
+        r->fn(r, r->ctx, t, thread);
+}
+
+void* worker_main(void* p) {
+    worker_arg* a = (worker_arg*)p;
+    en_reaug* r = a->r;
+    unsigned long long seen = 0;
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        while (!r->stop && r->generation == seen) pthread_cond_wait(&r->wake, &r->mu);
+        if (r->stop) break;
+        seen = r->generation;
+        pthread_mutex_unlock(&r->mu);
+        work(r, a->index);
+        pthread_mutex_lock(&r->mu);
+        if (--r->busy == 0) pthread_cond_signal(&r->done);
     }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+// Tasks 0 .. tasks - 1 over the pool; returns when every one has run.
+void pool_run(en_reaug* r, task_fn fn, void* ctx, int64_t tasks) {
+    if (r->started == 0 || tasks <= 1 || getpid() != r->pid) {
+        // No thread of ours here (a forked child has none): the caller does it all.
+        for (int64_t t = 0; t < tasks; t++) fn(r, ctx, t, 0);
+        return;
+    }
+    pthread_mutex_lock(&r->mu);
+    r->fn = fn;
+    r->ctx = ctx;
+    r->tasks = tasks;
+    r->next.store(0, std::memory_order_relaxed);
+    r->busy = r->started;
+    r->generation++;
+    pthread_cond_broadcast(&r->wake);
+    pthread_mutex_unlock(&r->mu);
+    work(r, 0);
+    pthread_mutex_lock(&r->mu);
+    while (r->busy) pthread_cond_wait(&r->done, &r->mu);
+    pthread_mutex_unlock(&r->mu);
+}
+
+void stop_threads(en_reaug* r) {
+    pthread_mutex_lock(&r->mu);
+    r->stop = 1;
+    pthread_cond_broadcast(&r->wake);
+    pthread_mutex_unlock(&r->mu);
+    if (getpid() == r->pid)
+        for (int i = 0; i < r->started; i++) pthread_join(r->tids[i], NULL);
+    r->started = 0;
+}
+
+// Every thread's ops scratch holds at least `bytes`: allocated by the caller, so
+// that a task never fails for memory.
+int reserve_scratch(en_reaug* r, size_t bytes) {
+    for (int t = 0; t < r->threads; t++) {
+        if (r->scratch_cap[t] >= bytes) continue;
+        uint8_t* p = (uint8_t*)realloc(r->scratch[t], bytes);
+        if (!p) return -1;
+        r->scratch[t] = p;
+        r->scratch_cap[t] = bytes;
+    }
+    return 0;
+}
+
+void reset_error(en_reaug* r) {
+    r->err_row = -1;
+    r->err_status = 0;
+    r->err_msg[0] = '\0';
+}
+
+void record_error(en_reaug* r, int64_t row, int status, const char* why) {
+    pthread_mutex_lock(&r->err_mu);
+    if (r->err_row < 0 || row < r->err_row) {  // the first row, whatever the schedule
+        r->err_row = row;
+        r->err_status = status;
+        snprintf(r->err_msg, sizeof r->err_msg, "row %lld: %s", (long long)row, why);
+    }
+    pthread_mutex_unlock(&r->err_mu);
+}
+
+struct run_job {
+    const uint8_t* pixels;
+    int64_t row_bytes;
+    const int64_t* entries;
+    const int32_t* shapes;
+    const double* boxes;
+    const uint8_t* flips;
+    int out_h, out_w;
+    uint8_t* out;
+    const int32_t* codes;
+    const float* args;
+    int steps;
+};
+
+void run_task(en_reaug* r, void* ctx, int64_t i, int thread) {
+    const run_job* j = (const run_job*)ctx;
+    const int64_t e = j->entries[i];
+    const int ch = j->shapes[2 * e], cw = j->shapes[2 * e + 1];
+    const en_box box = {j->boxes[4 * i], j->boxes[4 * i + 1], j->boxes[4 * i + 2],
+                        j->boxes[4 * i + 3]};
+    const size_t row = (size_t)j->out_w * 3;
+    uint8_t* out = j->out + (size_t)i * j->out_h * row;
+    const int st = en_resize_rgb(r->dec[thread], j->pixels + e * j->row_bytes, ch, cw,
+                                 (size_t)cw * 3, box, j->out_h, j->out_w, j->flips[i] != 0,
+                                 out, row);
+    if (st) {
+        record_error(r, i, st, en_decoder_errmsg(r->dec[thread]));
+        return;
+    }
+    if (j->steps)
+        run_program(out, j->out_h, j->out_w, j->codes + i * j->steps,
+                    j->args + i * j->steps * OP_ARGS, j->steps, r->scratch[thread]);
+}
+
+struct apply_job {
+    uint8_t* images;
+    int h, w;
+    const int32_t* codes;
+    const float* args;
+    int steps;
+};
+
+void apply_task(en_reaug* r, void* ctx, int64_t i, int thread) {
+    const apply_job* j = (const apply_job*)ctx;
+    run_program(j->images + (size_t)i * j->h * j->w * 3, j->h, j->w, j->codes + i * j->steps,
+                j->args + i * j->steps * OP_ARGS, j->steps, r->scratch[thread]);
+}
+
+struct gather_job {
+    const uint8_t* pixels;
+    int64_t row_bytes;
+    const int64_t* entries;
+    int h, w;
+    uint8_t* out;
+    const uint8_t* mirror;
+};
+
+void gather_task(en_reaug*, void* ctx, int64_t i, int) {
+    const gather_job* j = (const gather_job*)ctx;
+    const size_t row = (size_t)j->w * 3, size = row * j->h;
+    const uint8_t* src = j->pixels + j->entries[i] * j->row_bytes;
+    uint8_t* dst = j->out + (size_t)i * size;
+    if (!j->mirror || !j->mirror[i]) {
+        memcpy(dst, src, size);
+        return;
+    }
+    for (int y = 0; y < j->h; y++) {
+        const uint8_t* s = src + y * row;
+        uint8_t* d = dst + y * row;
+        for (int x = 0; x < j->w; x++) {
+            const uint8_t* p = s + (size_t)(j->w - 1 - x) * 3;
+            d[3 * x] = p[0];
+            d[3 * x + 1] = p[1];
+            d[3 * x + 2] = p[2];
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" en_reaug* en_reaug_new(int threads) {
+    if (threads < 1) threads = 1;
+    en_reaug* r = (en_reaug*)calloc(1, sizeof *r);
+    if (!r) return NULL;
+    new (&r->next) std::atomic<int64_t>(0);
+    r->threads = threads;
+    r->pid = getpid();
+    pthread_mutex_init(&r->run_mu, NULL);
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_mutex_init(&r->err_mu, NULL);
+    pthread_cond_init(&r->wake, NULL);
+    pthread_cond_init(&r->done, NULL);
+    r->dec = (en_decoder**)calloc(threads, sizeof *r->dec);
+    r->scratch = (uint8_t**)calloc(threads, sizeof *r->scratch);
+    r->scratch_cap = (size_t*)calloc(threads, sizeof *r->scratch_cap);
+    r->tids = (pthread_t*)calloc(threads, sizeof *r->tids);
+    r->wargs = (worker_arg*)calloc(threads, sizeof *r->wargs);
+    if (!r->dec || !r->scratch || !r->scratch_cap || !r->tids || !r->wargs) {
+        en_reaug_free(r);
+        return NULL;
+    }
+    for (int t = 0; t < threads; t++)
+        if (!(r->dec[t] = en_decoder_new())) {
+            en_reaug_free(r);
+            return NULL;
+        }
+    // The threads never take a signal: the process's handlers (Python's) run on
+    // the threads that expect them.
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    for (int t = 1; t < threads; t++) {
+        r->wargs[t - 1] = {r, t};
+        if (pthread_create(&r->tids[t - 1], NULL, worker_main, &r->wargs[t - 1])) break;
+        r->started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (r->started != threads - 1) {
+        en_reaug_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+extern "C" void en_reaug_free(en_reaug* r) {
+    if (!r) return;
+    stop_threads(r);
+    for (int t = 0; t < r->threads; t++) {
+        if (r->dec && r->dec[t]) en_decoder_free(r->dec[t]);
+        if (r->scratch) free(r->scratch[t]);
+    }
+    free(r->dec);
+    free(r->scratch);
+    free(r->scratch_cap);
+    free(r->tids);
+    free(r->wargs);
+    pthread_cond_destroy(&r->wake);
+    pthread_cond_destroy(&r->done);
+    pthread_mutex_destroy(&r->mu);
+    pthread_mutex_destroy(&r->err_mu);
+    pthread_mutex_destroy(&r->run_mu);
+    r->next.~atomic();
+    free(r);
+}
+
+extern "C" int en_reaug_threads(const en_reaug* r) { return r->threads; }
+
+extern "C" int en_reaug_run(en_reaug* r, const uint8_t* pixels, int64_t row_bytes,
+                            const int64_t* entries, const int32_t* shapes, const double* boxes,
+                            const uint8_t* flips, int64_t n, int out_h, int out_w, uint8_t* out,
+                            const int32_t* codes, const float* args, int steps, char* msg,
+                            size_t cap) {
+    pthread_mutex_lock(&r->run_mu);
+    int status = 0;
+    if (steps > 0 && reserve_scratch(r, (size_t)3 * out_h * out_w)) {
+        snprintf(msg, cap, "out of memory for the ops' scratch image (%d x %d)", out_h, out_w);
+        status = EN_ERR_NOMEM;
+    } else {
+        reset_error(r);
+        run_job j = {pixels, row_bytes, entries, shapes, boxes, flips, out_h, out_w, out,
+                     codes, args, steps};
+        pool_run(r, run_task, &j, n);
+        status = r->err_status;
+        if (status) snprintf(msg, cap, "%s", r->err_msg);
+    }
+    pthread_mutex_unlock(&r->run_mu);
+    return status;
+}
+
+extern "C" int en_reaug_apply(en_reaug* r, uint8_t* images, int64_t n, int h, int w,
+                              const int32_t* codes, const float* args, int steps) {
+    if (n <= 0 || steps <= 0) return 0;
+    pthread_mutex_lock(&r->run_mu);
+    int status = 0;
+    if (reserve_scratch(r, (size_t)3 * h * w)) {
+        status = EN_ERR_NOMEM;
+    } else {
+        apply_job j = {images, h, w, codes, args, steps};
+        pool_run(r, apply_task, &j, n);
+    }
+    pthread_mutex_unlock(&r->run_mu);
+    return status;
+}
+
+extern "C" void en_reaug_gather(en_reaug* r, const uint8_t* pixels, int64_t row_bytes,
+                                const int64_t* entries, int64_t n, int h, int w, uint8_t* out,
+                                const uint8_t* mirror) {
+    pthread_mutex_lock(&r->run_mu);
+    gather_job j = {pixels, row_bytes, entries, h, w, out, mirror};
+    pool_run(r, gather_task, &j, n);
+    pthread_mutex_unlock(&r->run_mu);
+}
+
+extern "C" void en_store_rows(uint8_t* dst, int64_t dst_row_bytes, const int64_t* entries,
+                              const uint8_t* src, int64_t src_row_bytes, const int64_t* nbytes,
+                              int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + entries[i] * dst_row_bytes, src + i * src_row_bytes, (size_t)nbytes[i]);
 }

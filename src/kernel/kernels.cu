@@ -178,12 +178,26 @@ extern "C" __global__ void normalize(
 
 // floor(x + 0.5) clamped to 0 .. 255 (NaN -> 0): clamped first, the floor of a
 // value >= 0 is its truncation.
-__device__ __forceinline__ u8 round_u8(float x) {
-    x = x + 0.5f;
-    x = x > 0.0f ? x : 0.0f;
-    x = x < 255.0f ? x : 255.0f;
-    return (u8)(int)x;
+//
+// The colour ops below are templates over the value type F: float here and on
+// the device, and on the host also a vector of floats (GCC's vector extension,
+// src/kernel/en_ops.cpp), where the same expressions run on several pixels at
+// once with the same IEEE operations, so they round alike.  Every choice is a
+// select between two computed values (a ? b : c works on both types), and the
+// helpers below, overloaded for the vector type before this file is included,
+// are the only operations that are spelled differently.
+__device__ __forceinline__ float ops_like(float, float v) { return v; }  // v, as type F
+__device__ __forceinline__ float ops_trunc(float x) { return (float)(int)x; }  // x in 0 .. 2^31
+
+template <class F>
+__device__ __forceinline__ F ops_clamp_level(const F& v) {  // v + 0.5 clamped to 0 .. 255
+    const F zero = ops_like(v, 0.0f), top = ops_like(v, 255.0f);
+    F x = v + 0.5f;
+    x = x > zero ? x : zero;
+    return x < top ? x : top;
 }
+
+__device__ __forceinline__ u8 round_u8(float x) { return (u8)(int)ops_clamp_level(x); }
 
 // The op reads its image's per-channel histogram (en_opcodes.h says which).
 __device__ __forceinline__ bool op_counts(int code) {
@@ -200,8 +214,13 @@ __device__ __forceinline__ bool op_maps(int code) {
 }
 
 // ITU-R 601 luma in float, one evaluation order on both sides.
+template <class F>
+__device__ __forceinline__ F luma_rgb(const F& r, const F& g, const F& b) {
+    return 0.299f * r + 0.587f * g + 0.114f * b;
+}
+
 __device__ __forceinline__ float luma(const u8* px) {
-    return 0.299f * (float)px[0] + 0.587f * (float)px[1] + 0.114f * (float)px[2];
+    return luma_rgb((float)px[0], (float)px[1], (float)px[2]);
 }
 
 // One pixel into its image's (3, 256) histogram.
@@ -211,14 +230,25 @@ __device__ __forceinline__ void ops_count(const u8* px, int* hist) {
     atomicAdd(hist + 512 + px[2], 1);
 }
 
-// The mean luma of an image from its integer channel sums: exact sums, one
-// double expression, so the value cannot depend on how the pixels were counted.
+// The mean luma of an image from its exact integer channel sums s[3], one double
+// expression, so the value cannot depend on how the pixels were counted (the
+// host sums the channels directly, the device reads them off the histogram).
+__device__ __forceinline__ float ops_mean_of_sums(const i64* s, i64 hw) {
+    const double m = 0.299 * (double)s[0] + 0.587 * (double)s[1] + 0.114 * (double)s[2];
+    return (float)(m / (double)hw);
+}
+
+// The mean luma of an image from its histogram.
 __device__ __forceinline__ float ops_mean(const int* hist, i64 hw) {
     i64 s[3] = {0, 0, 0};
     for (int c = 0; c < 3; c++)
         for (int v = 1; v < 256; v++) s[c] += (i64)v * hist[256 * c + v];
-    const double m = 0.299 * (double)s[0] + 0.587 * (double)s[1] + 0.114 * (double)s[2];
-    return (float)(m / (double)hw);
+    return ops_mean_of_sums(s, hw);
+}
+
+// ImageEnhance.Contrast's table about the mean luma m.
+__device__ __forceinline__ void ops_contrast_table(float f, float m, u8* lut) {
+    for (int v = 0; v < 256; v++) lut[v] = round_u8(m + f * ((float)v - m));
 }
 
 // The 256-entry lookup table of channel c for a table op with arguments a,
@@ -230,8 +260,7 @@ __device__ __forceinline__ void ops_table(int code, const float* a, const int* h
         const float f = a[0];
         for (int v = 0; v < 256; v++) lut[v] = round_u8((float)v * f);
     } else if (code == OP_CONTRAST) {
-        const float f = a[0], m = ops_mean(hist, hw);
-        for (int v = 0; v < 256; v++) lut[v] = round_u8(m + f * ((float)v - m));
+        ops_contrast_table(a[0], ops_mean(hist, hw), lut);
     } else if (code == OP_POSTERIZE) {
         // Bits outside 1 .. 8 are refused by the bindings; clamped here so that a
         // bad argument can never shift out of range.
@@ -278,43 +307,69 @@ __device__ __forceinline__ void ops_table(int code, const float* a, const int* h
 // max - min; with v = max and s = (max - min) / max the HSV -> RGB corners
 // v (1 - s), v (1 - s f) and v (1 - s (1 - f)) are min, max - (max - min) f
 // and max - (max - min) (1 - f): no division by v.
+//
+// Written without branches (every choice is a select, the grey case included:
+// there max - min = 0 makes every corner max, the pixel itself), so that the
+// host build runs it over a row of pixels in vector registers; the device
+// evaluates the same expressions, so both round alike.
+template <class F>
+__device__ __forceinline__ void ops_hue_rgb(const F& r, const F& g, const F& b, float shift,
+                                            F* o) {
+    const F zero = ops_like(r, 0.0f), one = ops_like(r, 1.0f), two = ops_like(r, 2.0f),
+            four = ops_like(r, 4.0f), six = ops_like(r, 6.0f);
+    F hi = r > g ? r : g, lo = r < g ? r : g;
+    hi = hi > b ? hi : b;
+    lo = lo < b ? lo : b;
+    const F cr = hi - lo;
+    const F den = cr > zero ? cr : one;  // grey: any non-zero divisor, the pixel stays
+    const F gb = g - b, br = b - r, rg = r - g;
+    F num = hi == g ? br : rg, base = hi == g ? two : four;
+    num = hi == r ? gb : num;
+    base = hi == r ? zero : base;
+    F h6 = base + num / den;  // in -1 .. 5
+    F up = h6 + 6.0f;
+    h6 = h6 < zero ? up : h6;
+    h6 = h6 + 6.0f * shift;  // -3 .. 9 for a checked shift
+    up = h6 + 6.0f;
+    const F down = h6 - 6.0f;
+    h6 = h6 < zero ? up : h6;
+    h6 = h6 >= six ? down : h6;
+    // 0 <= h6 < 6 for a checked shift: truncation is the floor.  An unchecked one
+    // (NaN, huge) is kept in range before any conversion to int.
+    h6 = h6 < six ? h6 : zero;
+    h6 = h6 > zero ? h6 : zero;
+    const F f = h6 - ops_trunc(h6);
+    const F q = hi - cr * f, t = hi - cr * (1.0f - f);
+    // Per channel, the corner of each sector k (k <= h6 < k + 1): hi, q, lo or t.
+    // (A mask per sector, each its own declaration: bool & bool is an int.)
+    const F three = ops_like(r, 3.0f), five = ops_like(r, 5.0f);
+    const auto s0 = h6 < one;
+    const auto s1 = (h6 >= one) & (h6 < two);
+    const auto s2 = (h6 >= two) & (h6 < three);
+    const auto s3 = (h6 >= three) & (h6 < four);
+    const auto s4 = (h6 >= four) & (h6 < five);
+    const auto s5 = h6 >= five;
+    F v0 = s4 ? t : lo, v1 = s3 ? q : lo, v2 = s5 ? q : lo;
+    v0 = s1 ? q : v0;
+    v1 = s0 ? t : v1;
+    v2 = s2 ? t : v2;
+    o[0] = (s0 | s5) ? hi : v0;
+    o[1] = (s1 | s2) ? hi : v1;
+    o[2] = (s3 | s4) ? hi : v2;
+}
+
 __device__ __forceinline__ void ops_hue(const u8* px, float shift, u8* o) {
-    const int ri = px[0], gi = px[1], bi = px[2];
-    const int hii = ri > gi ? (ri > bi ? ri : bi) : (gi > bi ? gi : bi);
-    const int loi = ri < gi ? (ri < bi ? ri : bi) : (gi < bi ? gi : bi);
-    const float r = (float)ri, g = (float)gi, b = (float)bi;
-    const float hi = (float)hii, lo = (float)loi, cr = (float)(hii - loi);
-    if (hii == loi) {  // grey: no hue to turn
-        o[0] = px[0];
-        o[1] = px[1];
-        o[2] = px[2];
-        return;
-    }
-    float h6;  // in -1 .. 5
-    if (hi == r) h6 = (g - b) / cr;
-    else if (hi == g) h6 = 2.0f + (b - r) / cr;
-    else h6 = 4.0f + (r - g) / cr;
-    if (h6 < 0.0f) h6 += 6.0f;
-    h6 += 6.0f * shift;  // -3 .. 3
-    if (h6 < 0.0f) h6 += 6.0f;
-    if (h6 >= 6.0f) h6 -= 6.0f;
-    // 0 <= h6 < 6 here: truncation is the floor (the test keeps an unchecked NaN
-    // shift from converting).
-    const int sector = h6 > 0.0f ? (int)h6 : 0;
-    const float f = h6 - (float)sector;
-    const float q = hi - cr * f, t = hi - cr * (1.0f - f);
-    float rr, gg, bb;
-    switch (sector) {
-        case 0: rr = hi; gg = t; bb = lo; break;
-        case 1: rr = q; gg = hi; bb = lo; break;
-        case 2: rr = lo; gg = hi; bb = t; break;
-        case 3: rr = lo; gg = q; bb = hi; break;
-        case 4: rr = t; gg = lo; bb = hi; break;
-        default: rr = hi; gg = lo; bb = q; break;
-    }
-    o[0] = round_u8(rr);
-    o[1] = round_u8(gg);
-    o[2] = round_u8(bb);
+    float v[3];
+    ops_hue_rgb((float)px[0], (float)px[1], (float)px[2], shift, v);
+    o[0] = round_u8(v[0]);
+    o[1] = round_u8(v[1]);
+    o[2] = round_u8(v[2]);
+}
+
+// ImageEnhance.Color (saturation) of one channel value v of a pixel of luma g.
+template <class F>
+__device__ __forceinline__ F ops_saturate(const F& v, const F& g, float f) {
+    return g + f * (v - g);
 }
 
 // Output pixel (y, x) of an h x w image after op `code` with arguments a:
@@ -334,7 +389,7 @@ __device__ __forceinline__ void ops_pixel(int code, const float* a,
         o[2] = lut[512 + s[2]];
     } else if (code == OP_SATURATION) {
         const float f = a[0], g = luma(s);
-        for (int c = 0; c < 3; c++) o[c] = round_u8(g + f * ((float)s[c] - g));
+        for (int c = 0; c < 3; c++) o[c] = round_u8(ops_saturate((float)s[c], g, f));
     } else if (code == OP_HUE) {
         ops_hue(s, a[0], o);
     } else if (code == OP_GRAYSCALE) {
