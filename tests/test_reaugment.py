@@ -450,7 +450,8 @@ def test_auto_echo_is_capped_by_the_echo_stages_capacity(up_s, down_s, echo_s, w
     """On scripted rates an example-echo stage settles at exactly min(1.1 R,
     1.1 t_up / t_echo) (at least 1), and the trace names the cap that decided it."""
     auto = ScriptedRates(up_s, down_s, echo_s)
-    stage = make("example", ScriptedUpstream(n=160, B=8), auto=auto, capacity=32)
+    # fill_s > 0: the upstream reports its work per batch, as the ring's workers do.
+    stage = make("example", ScriptedUpstream(n=160, B=8, fill_s=up_s), auto=auto, capacity=32)
     epoch_of(stage)
     epoch_of(stage)
     assert stage.e == pytest.approx(want)
