@@ -261,6 +261,7 @@ def _torchrun(tmp_path, nproc, *args, timeout=180):
     return text
 
 
+@pytest.mark.slow   # a real torchrun job; the same sharding per rank in one process above
 def test_torchrun_two_ranks_gloo(tmp_path):
     """torchrun 2 ranks, gloo: each epoch's gathered fresh ids cover all once + padding."""
     pytest.importorskip("torch.distributed.run")

@@ -97,7 +97,7 @@ def free_port():
 
 
 # ---- every example -------------------------------------------------------------------------
-@pytest.mark.parametrize("script", [  # JAX's import takes seconds; test_jax_example runs it
+@pytest.mark.parametrize("script", [  # JAX's import takes seconds: slow with test_jax_example
     pytest.param(s, marks=pytest.mark.slow) if s == "train_jax.py" else s for s in SCRIPTS])
 def test_example_is_a_plain_script_with_help(script, tmp_path):
     """No main guard (the way users write them), a docstring that says how to run it, --help."""
@@ -202,6 +202,7 @@ def test_torch_example_under_torchrun(data, tmp_path):
 
 
 # ---- JAX -----------------------------------------------------------------------------------
+@pytest.mark.slow   # an example training (JAX's import and compile take seconds)
 @pytest.mark.timeout(300)
 def test_jax_example(data, tmp_path):
     pytest.importorskip("jax")

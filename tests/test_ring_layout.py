@@ -392,8 +392,11 @@ def test_loader_names_hostile_paths_exactly(mode):
                        on_error="replace", seed=5) as ld:
             batches = [b.copy() for b in ld]
             stats = ld.stats()
-    warned = [w.message for w in caught if issubclass(w.category, en.SampleFailureWarning)
-              and w.message.failure is not None]   # not the epoch's summary
+    every = [w.message for w in caught if issubclass(w.category, en.SampleFailureWarning)]
+    warned = [w for w in every if w.failure is not None]    # one per failed file
+    summaries = [str(w) for w in every if w.failure is None]  # one per epoch with failures
+    assert summaries == [f"epoch 0: {len(HOSTILE)} sample(s) failed (decode {len(HOSTILE)}), "
+                         "replaced; totals in stats()['failures']"]
     assert sorted((w.failure.path for w in warned), key=os.fsencode) == \
         sorted(HOSTILE, key=os.fsencode)
     for w in warned:

@@ -19,6 +19,10 @@ for p in (ROOT / "tests", ROOT / "benchmarks"):
 import ring_helpers as rh  # noqa: E402
 import soak  # noqa: E402
 
+# A soak: slow (`python -m pytest -m slow`).  The default run keeps its parts: kills
+# mid-epoch in test_faults.py, leaks over start/stop cycles and exit paths there too.
+pytestmark = pytest.mark.slow
+
 EPOCHS, KILL_AT = 8, (2, 5)
 RSS_BOUND = 16 * soak.MIB   # loose: growth seen here is well under 1 MiB
 WARMUP = 2
