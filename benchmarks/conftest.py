@@ -24,6 +24,15 @@ import pytest
 import echo_native as en
 from benchenv import env_int
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Benchmarks run in one process: the test suite's ``-n auto`` (pyproject's addopts)
+    would make pytest-benchmark switch itself off and swallow the printed reports."""
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+
+
 SIZE = (224, 224)
 AUG_SEED = 1234         # augmentation seed: boxes and flips are a pure function of it
 EPOCH = 0

@@ -105,16 +105,27 @@ def cpus():
         return max(1, os.cpu_count() or 1)
 
 
+class Taken(dict):
+    """Shorthands taken for one spec, by the spec's field names; ``written`` keeps the
+    keywords as the user wrote them, for messages."""
+
+    written = ()
+
+
 def take(keywords, names):
     """The keywords named in ``names`` (a tuple, or a dict renaming them), removed from
     ``keywords``: a constructor's flat shorthands for one spec."""
-    return {names[k] if isinstance(names, dict) else k: keywords.pop(k)
-            for k in list(keywords) if k in names}
+    written = [k for k in keywords if k in names]
+    taken = Taken((names[k] if isinstance(names, dict) else k, keywords.pop(k))
+                  for k in written)
+    taken.written = tuple(written)
+    return taken
 
 
 def either(owner, spec_text, spec, given, given_text=None):
     """Refuse a shorthand given next to the spec it belongs to (which would win is not
     obvious)."""
     if given and spec is not None:
+        names = getattr(given, "written", ()) or given
         raise TypeError(f"{owner}: give either {spec_text} or "
-                        f"{given_text or ', '.join(sorted(given))}, not both")
+                        f"{given_text or ', '.join(sorted(names))}, not both")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 import time
 
+from echo_native._checks import is_int, is_number
+
 __all__ = ["measure_upstream", "time_step", "recommend", "trial_auto"]
 
 
@@ -75,6 +77,8 @@ def recommend(t_up, t_down, cap=4.0):
 
     Returns ``(R, e)``; ``e`` is rounded down to one decimal (fractional factors work).
     """
+    if not is_number(cap) or not cap >= 1:
+        raise ValueError(f"the echo cap must be a number >= 1, got {cap!r}")
     R = t_up / t_down if t_down > 0 else float("inf")
     e = min(float(cap), max(1.0, R))
     e = math.floor(e * 10 + 1e-9) / 10
@@ -95,8 +99,7 @@ def trial_auto(step, source, batch_size, image_size, workers, seconds=5.0, max_e
     """
     import echo_native as en
 
-    if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int)
-                                or batches < 1):
+    if batches is not None and (not is_int(batches) or batches < 1):
         raise ValueError(f"trial_auto: batches must be an integer >= 1 or None, got {batches!r}")
     clock = clock or time.perf_counter
     sleep = sleep or time.sleep

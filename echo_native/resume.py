@@ -137,6 +137,10 @@ def merge_states(states):
         check_state_values(s)
     merged = {}
     for key in sorted({k for s in states for k in s} - _RANK_KEYS):
+        missing = [s.get("rank") for s in states if key not in s]
+        if missing:
+            raise ValueError(f"merge_states: the state of rank(s) {missing} has no {key!r} "
+                             f"where the others have one: they are not from one job")
         values = {repr(s[key]) for s in states if key in s}
         if len(values) > 1:
             raise ValueError(f"merge_states: the states disagree on {key} "

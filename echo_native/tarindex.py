@@ -194,8 +194,8 @@ def scan(fileobj, name, shard_bytes) -> TarIndex:
                 damage = (m.offset, f"member {m.name[:100]!r} runs to byte {end}, past the "
                                     f"end of the shard ({shard_bytes} bytes)")
                 break
-            if not m.isfile():
-                continue
+            if not m.isfile() or not key or key.endswith("/"):
+                continue  # a folder, a link, or a name with no key before its extension
             ext = "." + ext.lower()
             if ext in IMAGE_EXTS:
                 images[key] = (m.offset_data, m.size)
@@ -230,6 +230,14 @@ def _end_damage(fileobj, offset, shard_bytes):
     fileobj.seek(offset)
     block = fileobj.read(_BLOCK)
     if len(block) == _BLOCK and not block.strip(b"\0"):
+        # The end of an archive is zeros to the end; a zeroed header with members after
+        # it (a file written out of order, a hole in a copy) is damage, not the end.
+        rest = fileobj.read(16 * _BLOCK)
+        while rest:
+            if rest.strip(b"\0"):
+                return (offset, "a zero block where a member header belongs, with data "
+                                "after it")
+            rest = fileobj.read(16 * _BLOCK)
         return None
     if not block:
         return (offset, "the shard ends without its end-of-archive blocks (cut at a "

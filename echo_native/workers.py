@@ -101,13 +101,13 @@ class _Filler:
         except StoreUnavailableError as e:
             raise _StoreDown(e) from None
         except ReadLimitError as e:
-            raise _SampleFailure(REASON_LIMIT, self.source.describe(sid),
+            raise _SampleFailure(REASON_LIMIT, describe(self.source, sid),
                                  f"refused: {e.strerror or e}") from None
         except OSError as e:
-            raise _SampleFailure(REASON_READ, self.source.describe(sid),
+            raise _SampleFailure(REASON_READ, describe(self.source, sid),
                                  f"cannot read: {e.strerror or e}") from None
         except MemoryError:
-            raise _SampleFailure(REASON_LIMIT, self.source.describe(sid),
+            raise _SampleFailure(REASON_LIMIT, describe(self.source, sid),
                                  "out of memory reading it") from None
         except Exception:
             raise  # a bug in the source: the worker's traceback, naming the sample
@@ -121,9 +121,9 @@ class _Filler:
         try:
             self.plan.transform.apply(self.dec, data, (self.plan.seed, epoch, sid, 0), slot, i)
         except (DecodeError, ValueError) as e:
-            raise _SampleFailure(REASON_DECODE, self.source.describe(sid), str(e)) from None
+            raise _SampleFailure(REASON_DECODE, describe(self.source, sid), str(e)) from None
         except MemoryError as e:
-            raise _SampleFailure(REASON_LIMIT, self.source.describe(sid),
+            raise _SampleFailure(REASON_LIMIT, describe(self.source, sid),
                                  f"out of memory decoding it ({e})") from None
 
     def fill(self, ticket):

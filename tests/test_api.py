@@ -125,7 +125,7 @@ def test_shorthands_give_the_same_batches_as_specs(samples, placement):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(augment=en.RandomResizedCrop(16), image_size=16), r"augment= or size"),
+    (dict(augment=en.RandomResizedCrop(16), image_size=16), r"augment= or image_size"),
     (dict(echo=en.Echo(2), placement="batch"), r"echo=Echo\(\.\.\.\) or placement"),
     (dict(output=en.Output(), normalize=True), r"output=Output\(\.\.\.\) or normalize"),
     (dict(decode=en.DecodeLimits(), strict=False), r"decode= or strict="),

@@ -184,3 +184,10 @@ def test_trial_auto_runs_auto_echo_up_to_max_echo(source, monkeypatch):
     assert 1.0 <= stats["echo_factor"] <= 1.5
     assert all(1.0 <= t["echo"] <= 1.5 for t in stats["echo_trace"])
     assert {t["reason"] for t in stats["echo_trace"]} <= {"stall", "rates"}
+
+
+@pytest.mark.parametrize("cap", [0.5, 0, float("nan"), "4"])
+def test_recommend_refuses_a_cap_below_one(cap):
+    """An echo cap below 1 (or not a number) is refused: e is never below 1."""
+    with pytest.raises(ValueError, match="echo cap"):
+        profile.recommend(5.0, 1.0, cap)

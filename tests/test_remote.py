@@ -317,8 +317,11 @@ def test_prefetcher_bounds_count_and_bytes():
     pf = Prefetcher(fetch, RemoteOptions(prefetch=4, prefetch_bytes=25, threads=8))
     ids = list(range(12))
     pf.hint(ids, [10] * 12)
-    time.sleep(0.1)
+    deadline = time.monotonic() + 30
+    while state["now"] < 2 and time.monotonic() < deadline:  # both fetches under way
+        time.sleep(0.005)
     assert len(pf._held) == 2 and pf._bytes == 20  # 25 bytes hold two 10-byte samples
+    assert state["now"] == 2                       # and no third fetch was started
     gate.set()
     for i in ids:
         if i == 7:

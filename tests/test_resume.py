@@ -268,3 +268,14 @@ def test_a_merged_state_another_plan_cannot_resume_is_refused():
     bad = dict(merged, ranks=[dict(merged["ranks"][0], ticket=-1)])
     with pytest.raises(ValueError, match=r"state\['ticket'\]"):
         resume.check_merged(plan(), bad)
+
+
+def test_merge_states_refuses_a_setting_some_ranks_lack():
+    """A setting in one rank's state and missing from another's (a stage's key such as
+    placement) means the states are not from one job: refused, naming the key."""
+    base = {"ticket": 3, "rank": 0, "world_size": 2, "batches_per_epoch": 5, "seed": 0,
+            "placement": "before_augment"}
+    other = {k: v for k, v in base.items() if k != "placement"}
+    other["rank"] = 1
+    with pytest.raises(ValueError, match="rank\\(s\\) \\[1\\] has no 'placement'"):
+        merge_states([base, other])

@@ -428,3 +428,25 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
         tarindex.write_atomic(path, "not bytes")
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["s.tar.idx"]
+
+
+def test_a_zeroed_header_with_members_after_it_is_damage_not_the_end(three):
+    """A member header zeroed in the middle of a shard (a hole in a copy) is reported as
+    damage at its offset; the samples before it are kept."""
+    shard, m = three
+    data = bytearray(shard.read_bytes())
+    at = m["b.jpg"].offset
+    data[at:at + BLOCK] = bytes(BLOCK)
+    index = tarindex.scan(io.BytesIO(bytes(data)), "holed", len(data))
+    assert index.keys == ["a"]
+    assert index.damage == (at, "a zero block where a member header belongs, with data "
+                                "after it")
+
+
+def test_a_member_with_no_key_before_its_extension_is_not_a_sample(tmp_path, jpegs):
+    """A member named just ``jpg`` (or ``.jpg``) has no key: it is skipped, never a sample
+    with an empty key."""
+    shard = write_tar(tmp_path / "s.tar", [("jpg", jpegs[0]), (".jpg", jpegs[1]),
+                                           ("a.jpg", jpegs[2]), ("a.cls", b"4")])
+    index = tarindex.scan_file(shard)
+    assert index.keys == ["a"] and index.labels == [4]

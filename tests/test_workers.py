@@ -580,3 +580,24 @@ def test_a_pool_says_who_holds_a_ticket_it_waits_for():
         assert pool.holder(5) == 2 and pool.waiting_on(5) == "worker 2 holds it"
     with pytest.raises(ValueError, match="worker mode must be 'process' or 'thread', got 'fork'"):
         WorkerPool(None, plan, None, 1, mode="fork")
+
+
+class _BrokenDescribe(Scripted):
+    def describe(self, i):
+        raise RuntimeError("describe() is broken")
+
+
+@pytest.mark.parametrize("bad", ["decode", "read"])
+def test_a_broken_describe_still_lets_on_error_handle_the_sample(blobs, bad):
+    """A source whose describe() raises: the failed sample is still handled by on_error
+    ("skip" here), named by a stand-in that says what happened, not a worker error."""
+    plan = plan_of("skip")
+    ids = ids_of(plan, 0)
+    src = _BrokenDescribe(blobs, bad={ids[1]} if bad == "decode" else (),
+                          raises={ids[1]: OSError(5, "I/O error")} if bad == "read" else None)
+    with ring_for(plan) as ring:
+        workers._Filler(ring, plan, src).fill(0)
+        meta, got, *_ = filled(ring, 0)
+    assert meta.error == ERR_NONE and got == [i for i in ids if i != ids[1]]
+    (record,) = meta.records
+    assert record.sample_id == ids[1] and "describe() raised" in record.path
