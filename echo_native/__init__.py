@@ -3,7 +3,8 @@
 Pipeline order, one module per stage (open them in this order to follow a
 batch from file bytes to the GPU; each imports only modules above it):
 
-  errors      DecodeError and the other errors the pipeline raises
+  errors      DecodeError and the other errors the pipeline raises;
+              remote_errors (storage errors told apart, said without credentials)
   remote      objects in storage by URL: bounded, retried reads (fsspec);
               prefetch (reads ahead of the decode: samples, tar-shard blocks)
   source      where the bytes come from: ImageFolder, FileList, Samples;

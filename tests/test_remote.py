@@ -32,6 +32,7 @@ pytest.importorskip("moto.server")
 
 import echo_native as en  # noqa: E402
 from echo_native import remote  # noqa: E402
+from echo_native import remote_errors  # noqa: E402
 from echo_native.errors import ReadLimitError  # noqa: E402
 from echo_native.prefetch import BlockCache, Prefetcher  # noqa: E402
 from echo_native.remote import (RemoteOptions, RemoteReadError,  # noqa: E402
@@ -275,7 +276,7 @@ def test_urls_are_redacted_and_file_urls_are_local():
     assert remote.local_path("file:///data/a%20b.tar") == "/data/a b.tar"
     url = "https://user:s3cret@host.example:8443/p/shard.tar?X-Amz-Signature=abc&t=1#frag"
     assert remote.redact(url) == "https://host.example:8443/p/shard.tar"
-    text = remote._redact_text(f"GET {url} failed")
+    text = remote_errors._redact_text(f"GET {url} failed")
     assert "s3cret" not in text and "Signature" not in text and "host.example" in text
     store = RemoteStore({"key": "AKIA-secret", "secret": "hush"})
     assert "hush" not in repr(store) and "AKIA-secret" not in repr(store)
