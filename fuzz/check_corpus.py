@@ -53,7 +53,7 @@ def calls(data):
 
 
 def pillow_reference(data):
-    import conftest
+    import jpegs as conftest
     try:
         return conftest.pil_decode(data)
     except Exception:
@@ -110,7 +110,7 @@ def run(corpus_dir, only=None):
     with open(os.path.join(corpus_dir, "manifest.json")) as f:
         manifest = json.load(f)
     # Warm up (imports, first decoder, Pillow plugins) before taking the RSS baseline.
-    import conftest
+    import jpegs as conftest
     warm = conftest.pil_jpeg(conftest.fit(conftest.photo("chelsea"), 64, 96), 85)
     for fn in calls(warm).values():
         fn()

@@ -2,7 +2,7 @@
 """Generate the hostile-input corpus as files: ``python fuzz/hostile_corpus.py OUTDIR``.
 
 The corpus itself is not checked in: every file is made from scikit-image's
-photographs by the builders the tests use (``tests/conftest.py``: Pillow, byte
+photographs by the builders the tests use (``tests/jpegs.py``: Pillow, byte
 surgery) and from the tests' committed JPEG fixtures (``tests/data/jpeg/``: the
 arithmetic, many-scan, lossless, 12-bit, CMYK/YCCK and restart-interval files that
 Pillow cannot write), so it needs no compiler or command-line tool.  Generation is
@@ -45,7 +45,7 @@ for _p in (_TESTS, os.path.join(_TESTS, "data")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import conftest as C  # noqa: E402  (the tests' photo/encoder/byte-surgery helpers)
+import jpegs as C  # noqa: E402  (the tests' photo/encoder/byte-surgery helpers)
 import jpeg_fixtures as fx  # noqa: E402  (the committed JPEGs Pillow cannot write)
 
 ERROR, IMAGE, ANY = "error", "image", "any"
