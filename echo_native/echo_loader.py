@@ -95,9 +95,7 @@ class IterableUpstream:
         try:
             batch = next(self._it)
         except StopIteration:
-            self._it = None
-            self._epoch, self._index, self._next_id = self._epoch + 1, 0, 0
-            self._last = None
+            self._next_epoch()
             raise EpochEnd from None
         now = time.perf_counter()
         waited, period = now - t0, now - (self._last if self._last is not None else t0)
@@ -108,7 +106,25 @@ class IterableUpstream:
                       period if waited > _WAIT_SHARE * period and waited > 1e-4 else 0.0)
         self._held, self.position = fresh, self.position + 1
         self._index, self._next_id = self._index + 1, self._next_id + n
+        if self._index == self.batches_per_epoch:
+            self._end_of_iterator()
         return fresh
+
+    def _end_of_iterator(self):
+        """The epoch's last batch (by the wrapped loader's len()) is out: run its iterator
+        to its end now, so that a loader with worker processes stops them at once, and
+        a loader whose len() was short of its batches is found out."""
+        try:
+            next(self._it)
+        except StopIteration:
+            self._next_epoch()
+            return
+        raise RuntimeError(f"the wrapped {type(self.iterable).__name__} yielded more batches "
+                           f"than its len() ({self.batches_per_epoch})")
+
+    def _next_epoch(self):
+        self._it, self._last = None, None
+        self._epoch, self._index, self._next_id = self._epoch + 1, 0, 0
 
     def held(self):
         return self._held
@@ -148,6 +164,10 @@ class IterableUpstream:
         :meth:`EchoLoader.set_epoch`)."""
         self._it, self._held, self._last = None, None, None
         self._epoch, self._index, self._next_id = epoch, 0, 0
+        if self.batches_per_epoch is not None:
+            # Tickets count whole epochs where the length is known, as the ring's do:
+            # ticket // batches_per_epoch is the epoch.
+            self.position = epoch * self.batches_per_epoch
 
     def close(self):
         # Dropping the iterator lets a loader with worker processes shut them down.

@@ -193,10 +193,10 @@ def test_the_wrapped_loaders_error_reaches_the_consumer_with_its_traceback():
 
 class Dying(Dataset):
     def __len__(self):
-        return 400
+        return 60
 
     def __getitem__(self, i):
-        if i == 150:
+        if i == 30:
             os._exit(3)  # a worker killed mid-epoch (the OOM killer, a crash)
         return np.float32(i)
 
@@ -204,7 +204,7 @@ class Dying(Dataset):
 def test_a_dead_worker_of_the_wrapped_loader_stops_iteration_with_its_error():
     """A worker of the wrapped DataLoader that dies is the DataLoader's RuntimeError at
     the consumer, not a hang; nothing is left running after close()."""
-    el = en.EchoLoader(DataLoader(Dying(), batch_size=10, num_workers=2, timeout=60), echo=2)
+    el = en.EchoLoader(DataLoader(Dying(), batch_size=5, num_workers=1, timeout=60), echo=2)
     with pytest.raises(RuntimeError, match="exited unexpectedly"):
         list(el)
     el.close()
@@ -367,3 +367,29 @@ def test_auto_echo_probes_lower_while_the_loader_keeps_up():
     assert auto.value == 1.0
     auto.upstream(0.5)            # a wait resets the count
     assert auto._fed == 0
+
+
+def test_iterating_again_is_the_next_epoch_and_the_workers_stop_at_each_end():
+    """Without set_epoch, each iteration is the next epoch (each example twice in each);
+    the wrapped DataLoader's iterator is run to its end with the epoch's last batch, so
+    its worker processes are gone between epochs."""
+    el = en.EchoLoader(loader(), echo=2)
+    for epoch in range(2):
+        ids = ids_of(list(el))
+        assert np.bincount(ids, minlength=96).tolist() == [2] * 96
+        assert el.epoch == epoch + 1
+        _no_children()
+
+
+def test_a_loader_with_more_batches_than_its_len_is_named():
+    """A wrapped loader whose len() is short of what it yields is an error naming it,
+    not a silently dropped batch."""
+    class Liar:
+        def __len__(self):
+            return 2
+
+        def __iter__(self):
+            return iter([np.arange(4), np.arange(4, 8), np.arange(8, 12)])
+
+    with pytest.raises(RuntimeError, match="more batches than its len"):
+        list(en.EchoLoader(Liar(), echo=2))
