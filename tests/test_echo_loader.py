@@ -207,7 +207,11 @@ class Dying(Dataset):
             os._exit(3)  # a worker killed mid-epoch (the OOM killer, a crash)
         return np.float32(i)
 
-el = en.EchoLoader(DataLoader(Dying(), batch_size=5, num_workers=1, timeout=60), echo=2)
+# Batches are NumPy arrays, sent through the result pipe: a collated tensor would
+# travel as a file descriptor that the main process fetches from the worker, and a
+# worker dead by then fails that fetch with a ConnectionResetError (torch's own race).
+dl = DataLoader(Dying(), batch_size=5, num_workers=1, timeout=60, collate_fn=np.stack)
+el = en.EchoLoader(dl, echo=2)
 try:
     n = sum(len(b) for b in el)
 except RuntimeError as e:

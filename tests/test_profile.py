@@ -183,7 +183,8 @@ def test_trial_auto_runs_auto_echo_up_to_max_echo(source, monkeypatch):
     assert made[0].loader.plan.seed == 7
     assert 1.0 <= stats["echo_factor"] <= 1.5
     assert all(1.0 <= t["echo"] <= 1.5 for t in stats["echo_trace"])
-    assert {t["reason"] for t in stats["echo_trace"]} <= {"stall", "rates"}
+    # No loss is fed back, so every reason but "loss" may appear, depending on the machine.
+    assert {t["reason"] for t in stats["echo_trace"]} <= {"stall", "rates", "capacity", "probe"}
 
 
 @pytest.mark.parametrize("cap", [0.5, 0, float("nan"), "4"])
