@@ -3,7 +3,11 @@
 ``write_shards(source, out_dir)`` (and ``echo-native make-shards SRC OUT``)
 writes ``shard-000000.tar``, ``shard-000001.tar``, ... each holding, per
 sample, ``<key>.<ext>`` (the image's bytes, untouched unless re-encoded) and
-``<key>.cls`` (its integer label), plus a ``<shard>.idx`` sidecar
+``<key>.cls`` (its integer label), and for a source that carries detection
+targets (a :class:`~echo_native.CocoDetection`, ...) ``<key>.json`` (its
+targets, :mod:`echo_native.targets`, between the two: the label is a sample's
+last member, so a shard cut short never keeps a sample without its targets),
+plus a ``<shard>.idx`` sidecar
 (:mod:`echo_native.tarindex`) so that readers never scan the shard.  Keys are
 the samples' indices in the source, zero-padded (``000042``), so sorted keys
 are the source's order and a key says which input a sample came from.
@@ -39,8 +43,11 @@ import tarfile
 import tempfile
 import warnings
 
+import numpy as np
+
 from echo_native import remote as _remote
 from echo_native import tarindex
+from echo_native.targets import as_targets, source_targets, targets_to_json
 
 __all__ = ["write_shards", "ShardList", "ShardWriteError", "parse_size"]
 
@@ -99,7 +106,8 @@ def _image_ext(data, name):
 
 
 def _reencode(data, max_side, quality):
-    """``data`` scaled so its longer side is ``max_side`` (aspect kept), as JPEG."""
+    """``data`` scaled so its longer side is ``max_side`` (aspect kept), as JPEG, and
+    its new (height, width)."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as im:
@@ -115,7 +123,7 @@ def _reencode(data, max_side, quality):
         im = im.resize(size, Image.Resampling.LANCZOS)
         buf = io.BytesIO()
         im.save(buf, "JPEG", quality=quality)
-        return buf.getvalue()
+        return buf.getvalue(), (size[1], size[0])
 
 
 def _member(name, size):
@@ -218,7 +226,7 @@ def _open_source(source, storage_options, remote, trust_list=False):
 def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max_side=None,
                  quality=90, verify=True, strict=False, overwrite=False, progress=None,
                  report=None, storage_options=None, remote=None,
-                 trust_list=False) -> ShardList:
+                 trust_list=False, targets=None) -> ShardList:
     """Pack ``source`` into tar shards in ``out_dir``; returns the shards' paths (or URLs).
 
     Parameters
@@ -254,6 +262,13 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
     trust_list : bool
         For a list read from a URL: read its local paths and URLs of other schemes as
         given (see :class:`~echo_native.FileList`; refused by default).
+    targets : bool, optional
+        Write each sample's detection targets as ``<key>.json``
+        (:class:`~echo_native.TarShards` reads them with ``targets=True``).  Default:
+        when the source carries targets.  They are checked against the image's
+        size (a sample whose targets are invalid or made for another size is left
+        out like an unreadable image) and scaled with it when ``max_side``
+        re-encodes it.
     """
     from echo_native.decode import decode, image_size
 
@@ -267,6 +282,12 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
     if not isinstance(quality, int) or not 1 <= quality <= 100:
         raise ValueError(f"quality must be an integer in 1..100, got {quality!r}")
     src = _open_source(source, storage_options, remote, trust_list)
+    read_targets = source_targets(src)
+    if targets is None:
+        targets = read_targets is not None
+    elif targets and read_targets is None:
+        raise ValueError(f"write_shards(targets=True): the source {shown(src)[:120]} carries "
+                         f"no targets (no targets(i), or has_targets is False)")
     n = len(src)
     width = max(6, len(str(max(n - 1, 0))))
     out = _Output(out_dir, storage_options, remote, overwrite)
@@ -284,9 +305,17 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
                 else:
                     h, w = image_size(data)
                 ext = _image_ext(data, name)
+                meta = as_targets(read_targets(i), shown(name), (h, w)) if targets else None
                 if max_side is not None and max(h, w) > max_side:
-                    data, ext = _reencode(data, max_side, quality), ".jpg"
+                    data, (h2, w2) = _reencode(data, max_side, quality)
+                    ext = ".jpg"
+                    if meta is not None:
+                        scale = np.asarray([w2 / w, h2 / h] * 2)
+                        meta = as_targets({"boxes": meta.boxes * scale, "labels": meta.labels,
+                                           "iscrowd": meta.iscrowd}, shown(name), (h2, w2))
                     result.reencoded += 1
+                if meta is not None:
+                    meta = targets_to_json(meta)
             except (Exception, MemoryError) as e:  # noqa: BLE001 - any bad input is reported
                 message = " ".join(str(e).split()) or type(e).__name__
                 if strict:
@@ -302,6 +331,8 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
                 continue
             label = f"{int(src.labels[i])}".encode()
             need = _tar_bytes(len(data)) + _tar_bytes(len(label))
+            if meta is not None:
+                need += _tar_bytes(len(meta))
             if tar is not None and (_closed_size(size + need) > shard_size
                                     or (max_count is not None and count >= max_count)):
                 tar.close()
@@ -314,6 +345,8 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
                 count = size = 0
             key = f"{i:0{width}d}"
             tar.addfile(_member(key + ext, len(data)), io.BytesIO(data))
+            if meta is not None:
+                tar.addfile(_member(key + ".json", len(meta)), io.BytesIO(meta))
             tar.addfile(_member(key + ".cls", len(label)), io.BytesIO(label))
             count += 1
             size += need

@@ -23,6 +23,7 @@ from echo_native import prefetch as _prefetch
 from echo_native import remote as _remote
 from echo_native._checks import IMAGE_EXTENSIONS
 from echo_native.errors import ReadLimitError
+from echo_native.targets import MAX_JSON_BYTES, targets_from_json
 
 #: Same set as torchvision's ``IMG_EXTENSIONS``.
 IMG_EXTENSIONS = IMAGE_EXTENSIONS
@@ -464,11 +465,17 @@ class FileList(_Files):
     URLs must be of the list's scheme.  A local path (``/etc/...``, ``file://``)
     or a URL of another scheme in it is refused at construction, naming the line,
     unless ``trust_list=True`` says to read the entries as given.
+
+    ``targets=True``: each image carries detection targets in a JSON file beside
+    it, its path less the extension plus ``.json`` (``img/1.jpg`` ->
+    ``img/1.json``; :mod:`echo_native.targets`), read by ``targets(i)`` in the
+    workers.  A missing or invalid one is that sample's failure, naming the file.
     """
 
     def __init__(self, path_or_rows, root=None, max_file_bytes=DEFAULT_MAX_FILE_BYTES, *,
-                 storage_options=None, remote=None, trust_list=False):
+                 storage_options=None, remote=None, trust_list=False, targets=False):
         self.max_file_bytes = _check_max_file_bytes("FileList", max_file_bytes)
+        self.has_targets = bool(targets)
         if isinstance(path_or_rows, str):
             path_or_rows = _remote.local_path(path_or_rows)
         if isinstance(root, str):
@@ -544,9 +551,36 @@ class FileList(_Files):
         self._paths = _PackedPaths([p for p, _, _ in rows])
         self.labels = np.asarray(labels, dtype=np.int64)
 
+    def targets(self, i):
+        """Sample ``i``'s :class:`~echo_native.targets.Targets`, read from the JSON file
+        beside its image (with ``targets=True``); ValueError naming that file when it
+        is missing, too large or not valid targets."""
+        if not self.has_targets:
+            raise ValueError(f"{self!r} was made without targets=True")
+        path = self.path(i)
+        url = self._store is not None and _remote.is_url(path)
+        # A query string (a signed URL) signs the image, not its targets: dropped.
+        path = os.path.splitext(path.split("?", 1)[0] if url else path)[0] + ".json"
+        where = _remote.redact(path) if url else path
+        try:
+            if url:
+                data = self._store.read_all(path, MAX_JSON_BYTES, what=where,
+                                            limit="the targets JSON limit")
+            else:
+                data = read_file(path, MAX_JSON_BYTES)
+        except ReadLimitError as e:
+            raise ValueError(f"{where}: {e.strerror}") from None
+        except OSError as e:
+            if e.errno != errno.ENOENT or isinstance(e, _remote.StoreUnavailableError):
+                raise
+            raise ValueError(f"{where}: no targets file beside the image "
+                             f"{self.describe(i)}") from None
+        return targets_from_json(data, where)
+
     def __repr__(self):
         root = _remote.redact(self.root) if _remote.is_url(self.root) else str(self.root)
-        return f"FileList({len(self)} samples, root={root!r})"
+        targets = ", targets=True" if self.has_targets else ""
+        return f"FileList({len(self)} samples, root={root!r}{targets})"
 
 
 _SOURCE_KINDS = "en.ImageFolder(root), en.FileList(list, root=...), en.TarShards([...]) or " \

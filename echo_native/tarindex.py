@@ -10,6 +10,11 @@ The sidecar ``<shard>.idx`` is JSON (small: about 40 bytes per sample)::
     {"format": "echo_native.tar-index", "version": 1, "shard_bytes": 268437504,
      "members": [["000000", 1536, 110412, 7], ["000001", 113152, 98211, 0], ...]}
 
+A sample with a ``<key>.json`` member (its detection targets,
+:mod:`echo_native.targets`) has two more numbers in its entry: that member's
+offset and size (``["000000", 1536, 110412, 7, 112128, 96]``); an index of a
+shard without such members is exactly as above.
+
 ``members`` are sorted by key; ``shard_bytes`` is the size of the shard the
 index was made from, so an index left over from another shard of the same name
 is noticed and not used.  ``echo-native make-shards`` writes one beside every
@@ -74,12 +79,18 @@ class TarIndex:
     """The image members of one shard: parallel lists ``keys``, ``offsets``, ``sizes``,
     ``labels`` (sorted by key), and the shard's size in bytes.  ``damage`` is None, or
     ``(offset, message)`` for a shard found cut short or damaged there (the index
-    then holds the samples complete before it)."""
+    then holds the samples complete before it).  ``json_offsets`` / ``json_sizes``:
+    where each sample's ``<key>.json`` member lies (-1 / 0 for a sample without one),
+    or None when no sample of the shard has one."""
 
-    def __init__(self, keys, offsets, sizes, labels, shard_bytes, damage=None):
+    def __init__(self, keys, offsets, sizes, labels, shard_bytes, damage=None,
+                 json_offsets=None, json_sizes=None):
         self.keys, self.offsets, self.sizes, self.labels = keys, offsets, sizes, labels
         self.shard_bytes = int(shard_bytes)
         self.damage = damage
+        if json_offsets is not None and all(o < 0 for o in json_offsets):
+            json_offsets = json_sizes = None
+        self.json_offsets, self.json_sizes = json_offsets, json_sizes
 
     def __len__(self):
         return len(self.keys)
@@ -87,6 +98,10 @@ class TarIndex:
     def to_json(self) -> bytes:
         members = [[k, int(o), int(s), int(lab)]
                    for k, o, s, lab in zip(self.keys, self.offsets, self.sizes, self.labels)]
+        if self.json_offsets is not None:
+            for m, jo, js in zip(members, self.json_offsets, self.json_sizes):
+                if jo >= 0:
+                    m += [int(jo), int(js)]
         # ensure_ascii: a member name that was not UTF-8 (kept as surrogate escapes)
         # round-trips as \\udcXX escapes.
         doc = {"format": FORMAT, "version": VERSION, "shard_bytes": self.shard_bytes,
@@ -126,24 +141,28 @@ class TarIndex:
         if len(members) > size // _BLOCK:
             raise ValueError(f"index lists {len(members):,} members, a shard of {size:,} "
                              f"bytes holds at most {size // _BLOCK:,}")
-        keys, offsets, sizes, labels = [], [], [], []
+        keys, offsets, sizes, labels, json_offsets, json_sizes = [], [], [], [], [], []
         for m in members:
-            if (not isinstance(m, list) or len(m) != 4 or not isinstance(m[0], str)
+            if (not isinstance(m, list) or len(m) not in (4, 6) or not isinstance(m[0], str)
                     or not all(isinstance(v, int) and not isinstance(v, bool) for v in m[1:])):
                 raise ValueError(f"bad index entry {str(m)[:80]}")
-            k, off, n, lab = m
-            if off < _BLOCK or off % _BLOCK or n < 0 or off + n > size \
-                    or not -2**63 <= lab < 2**63:
+            k, off, n, lab = m[:4]
+            jo, jn = m[4:] or (-1, 0)
+            if not _in_shard(off, n, size) or not -2**63 <= lab < 2**63 \
+                    or (jo >= 0 and not _in_shard(jo, jn, size)) or jo < -1:
                 raise ValueError(f"index entry {k[:80]!r} out of range (offset {off}, size "
                                  f"{n}, shard of {size} bytes)")
             keys.append(k)
             offsets.append(off)
             sizes.append(n)
             labels.append(lab)
+            json_offsets.append(jo)
+            json_sizes.append(jn)
         if any(a >= b for a, b in zip(keys, keys[1:])):
             raise ValueError("index members not sorted by key, or a key listed twice")
         # No two members' data overlap, and a header fits between one and the next.
-        spans = sorted(zip(offsets, sizes))
+        spans = sorted(list(zip(offsets, sizes))
+                       + [(o, n) for o, n in zip(json_offsets, json_sizes) if o >= 0])
         for (o1, n1), (o2, _) in zip(spans, spans[1:]):
             if o2 < o1 + -(-n1 // _BLOCK) * _BLOCK + _BLOCK:
                 raise ValueError(f"index entries at offsets {o1} and {o2} overlap")
@@ -154,14 +173,22 @@ class TarIndex:
                     or not isinstance(damage[1], str)):
                 raise ValueError("index with a malformed damage record")
             damage = (damage[0], damage[1][:300])
-        return cls(keys, offsets, sizes, labels, size, damage)
+        return cls(keys, offsets, sizes, labels, size, damage, json_offsets, json_sizes)
+
+
+def _in_shard(offset, size, shard_bytes):
+    """Whether a member's data can lie there: after a header, on a block boundary,
+    inside the shard."""
+    return offset >= _BLOCK and not offset % _BLOCK and size >= 0 \
+        and offset + size <= shard_bytes
 
 
 def scan(fileobj, name, shard_bytes) -> TarIndex:
     """Index a tar read from ``fileobj`` (seekable) by walking its member headers.
 
     Image data is skipped (seeked over); ``.cls`` members are read (a few
-    bytes each).  ``name`` is used in error messages.  A sample key holding
+    bytes each); a ``.json`` member's place is kept (its targets, read with the
+    sample).  ``name`` is used in error messages.  A sample key holding
     several image members keeps the last one; a sample without ``.cls`` gets
     label -1; a ``.cls`` that is not a 64-bit integer is a ValueError naming it.
 
@@ -171,7 +198,7 @@ def scan(fileobj, name, shard_bytes) -> TarIndex:
     damage came is left out even if its image is whole, as its label may be what
     was lost.  A file that is not a tar at all is a ValueError.
     """
-    images, classes = {}, {}
+    images, classes, jsons = {}, {}, {}
     damage, last = None, None
     try:
         tar = tarfile.open(fileobj=fileobj, mode="r:")
@@ -199,6 +226,8 @@ def scan(fileobj, name, shard_bytes) -> TarIndex:
             ext = "." + ext.lower()
             if ext in IMAGE_EXTS:
                 images[key] = (m.offset_data, m.size)
+            elif ext == ".json":
+                jsons[key] = (m.offset_data, m.size)
             elif ext == ".cls":
                 if m.size > _MAX_CLS_BYTES:
                     classes[key] = b"<%d bytes>" % m.size
@@ -221,7 +250,9 @@ def scan(fileobj, name, shard_bytes) -> TarIndex:
                                  f"integer label") from None
         labels.append(label)
     return TarIndex(keys, [images[k][0] for k in keys], [images[k][1] for k in keys],
-                    labels, shard_bytes, damage)
+                    labels, shard_bytes, damage,
+                    [jsons.get(k, (-1, 0))[0] for k in keys],
+                    [jsons.get(k, (-1, 0))[1] for k in keys])
 
 
 def _end_damage(fileobj, offset, shard_bytes):

@@ -19,6 +19,7 @@ from echo_native import prefetch as _prefetch
 from echo_native import remote as _remote
 from echo_native import tarindex
 from echo_native.errors import ReadLimitError
+from echo_native.targets import MAX_JSON_BYTES, targets_from_json
 from echo_native.source import (_LAZY, DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes,
                                 _PackedPaths, _prefetcher_of)
 
@@ -70,12 +71,20 @@ class TarShards:
     else ``~/.cache/echo_native/index``; ``False``: keep none), under a hash of its
     URL, size and ETag, so a changed object is indexed again.  ``write_index=True``
     also writes the sidecar next to each scanned shard, remote ones included.
+
+    ``targets=True``: the samples carry detection targets, each in a ``<key>.json``
+    member (:mod:`echo_native.targets`; :func:`~echo_native.write_shards` writes
+    them from a source with targets), read from the same shard by
+    ``targets(i)`` (remote ones in the same block as the image).  A sample
+    without one, or with one that is not valid targets, is a sample failure
+    naming ``shard:key.json``; shards with no such member at all are refused here.
     """
 
     IMAGE_EXTS = tarindex.IMAGE_EXTS
 
     def __init__(self, urls_or_paths, shuffle_buffer=1000, max_file_bytes=DEFAULT_MAX_FILE_BYTES,
-                 *, storage_options=None, remote=None, index_cache=None, write_index=False):
+                 *, storage_options=None, remote=None, index_cache=None, write_index=False,
+                 targets=False):
         self.max_file_bytes = _check_max_file_bytes("TarShards", max_file_bytes)
         if isinstance(urls_or_paths, (str, os.PathLike)):
             urls_or_paths = [urls_or_paths]
@@ -115,10 +124,31 @@ class TarShards:
         self._starts = np.asarray(starts, np.int64)
         self._keys = _PackedPaths(keys)
         self.labels = np.asarray(labels, np.int64)
+        self.has_targets = bool(targets)
+        self._json_offset = self._json_size = None
+        if self.has_targets:
+            self._json_offset, self._json_size = self._json_members(indexes)
         self._files = {}  # shard index -> descriptor, opened on first read in each process
         self._prefetchers = None  # remote reads ahead, per process and thread, on first hint
         self._blocks = None  # remote blocks cached and read ahead, per process
         self._plans = {}  # shard index -> its blocks, worked out on first use in each process
+
+    def _json_members(self, indexes):
+        offsets, sizes = [], []
+        for index in indexes:
+            if index.json_offsets is None:
+                offsets += [-1] * len(index)
+                sizes += [0] * len(index)
+            else:
+                offsets += index.json_offsets
+                sizes += index.json_sizes
+        offsets = np.asarray(offsets, np.int64)
+        if not (offsets >= 0).any():
+            shown = ", ".join(self._names[:2]) + (", ..." if len(self._names) > 2 else "")
+            raise ValueError(f"TarShards(targets=True): no sample of the {len(self.shards)} "
+                             f"shard(s) ({shown}) has a <key>.json member (its targets); "
+                             f"write them with write_shards(source_with_targets, ...)")
+        return offsets, np.asarray(sizes, np.int64)
 
     def _indexes(self, index_cache, write_index):
         local = [self._local_index(s, write_index) if not r else None
@@ -240,6 +270,9 @@ class TarShards:
                                               f"max_file_bytes={self.max_file_bytes}")
         if self._remote_shard[s]:
             return self._read_remote(i)
+        return self._pread(s, int(self._offset[i]), size)
+
+    def _pread(self, s, offset, size):
         fd = self._files.get(s)
         if fd is None:
             fd = os.open(self.shards[s], os.O_RDONLY)
@@ -247,10 +280,31 @@ class TarShards:
             if self._files.setdefault(s, fd) != fd:
                 os.close(fd)
                 fd = self._files[s]
-        data = os.pread(fd, size, int(self._offset[i]))
+        data = os.pread(fd, size, offset)
         if len(data) != size:
             raise OSError(f"short read: {len(data)} of {size} bytes")
         return data
+
+    def targets(self, i):
+        """Sample ``i``'s :class:`~echo_native.targets.Targets`, from its ``<key>.json``
+        member (with ``targets=True``); ValueError naming that member when it is
+        missing or not valid targets."""
+        if not self.has_targets:
+            raise ValueError(f"{self!r} was made without targets=True")
+        where = f"{self.describe(i)}.json"
+        offset, size = int(self._json_offset[i]), int(self._json_size[i])
+        if offset < 0:
+            raise ValueError(f"{where}: no such member in the shard (a sample without "
+                             f"targets)")
+        if size > MAX_JSON_BYTES:
+            raise ValueError(f"{where}: targets JSON of {size:,} bytes, over the limit of "
+                             f"{MAX_JSON_BYTES:,}")
+        s = int(self._shard[i])
+        if self._remote_shard[s]:
+            data = self._read_remote(i, offset, size, where)
+        else:
+            data = self._pread(s, offset, size)
+        return targets_from_json(data, where)
 
     def prefetch(self, ids, upcoming=()):
         """Hint: the samples this worker reads next, in order.  The blocks of remote
@@ -324,6 +378,12 @@ class TarShards:
             return plan
         lo, hi = int(self._starts[s]), int(self._starts[s + 1])
         offs, sizes = self._offset[lo:hi], self._size[lo:hi]
+        if self._json_offset is not None:  # a sample's span takes its targets in too
+            jo, js = self._json_offset[lo:hi], self._json_size[lo:hi]
+            has = jo >= 0
+            first = np.where(has, np.minimum(offs, jo), offs)
+            sizes = np.where(has, np.maximum(offs + sizes, jo + js), offs + sizes) - first
+            offs = first
         limit = self._store.options.block_bytes
         gap = max(limit // 4, 64 << 10)
         block_of = np.full(hi - lo, -1, np.int32)
@@ -349,9 +409,14 @@ class TarShards:
             return -1, 0, 0
         return b, int(starts[b]), int(ends[b])
 
-    def _read_remote(self, i):
+    def _read_remote(self, i, offset=None, size=None, what=None):
+        """Sample ``i``'s image (or, given ``offset``, ``size`` and ``what``, another of
+        its members) from the block that holds it, or read on its own."""
         opts = self._store.options
         wait = opts.retry_timeout + 5.0  # the fetch's own budget, plus a grace
+        member = offset is not None
+        if not member:
+            offset, size = int(self._offset[i]), int(self._size[i])
         if opts.block_bytes:
             s = int(self._shard[i])
             b, start, end = self._block(s, i)
@@ -364,9 +429,12 @@ class TarShards:
                     # The block's error, told about this sample.
                     raise _remote.RemoteReadError(e.errno or errno.EIO,
                                                   e.strerror or str(e),
-                                                  self.describe(i)) from None
-                off = int(self._offset[i]) - start
-                return bytes(memoryview(block)[off:off + int(self._size[i])])
+                                                  what or self.describe(i)) from None
+                if start <= offset and offset + size <= end:
+                    return bytes(memoryview(block)[offset - start:offset - start + size])
+        if member:
+            shard = self.shards[self._shard[i]]
+            return self._store.read_range(shard, offset, offset + size, what=what)
         pf = _prefetcher_of(self, create=False)
         if pf is not None:
             data = pf.take(i, wait)

@@ -1,0 +1,328 @@
+"""A COCO-format detection data set as a source: :class:`CocoDetection`.
+
+COCO's instances format is one JSON file (``images``, ``annotations``,
+``categories``) beside a folder of images.  It is read with the standard
+library's ``json`` (no pycocotools), checked whole at construction (a bad
+annotation is found before any worker starts, named by the file and its id),
+and kept as a few packed arrays: a source is pickled into every worker, and a
+Python object per annotation would make that cost seconds for COCO's 860,000.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from echo_native.source import (DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes, _PackedPaths,
+                                read_file)
+from echo_native.targets import TOLERANCE_PX, _trusted
+
+__all__ = ["CocoDetection", "DEFAULT_MAX_ANNOTATION_BYTES"]
+
+#: Largest annotation file read: COCO 2017's train instances are 448 MB; LVIS's about 1 GB.
+DEFAULT_MAX_ANNOTATION_BYTES = 4 * 2**30
+
+
+def _is_int(v):
+    """A JSON integer that fits int64 (``true`` is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
+
+
+class CocoDetection:
+    """Images and their boxes from a COCO instances file, ``annotation_json``, with the
+    images under ``images_root`` (each image's ``file_name`` relative to it).
+
+    Samples are the file's images, sorted by id (``image_ids``); ``labels`` are
+    zeros (an image has no class of its own), ``read(i)`` is the image's bytes
+    (refused over ``max_file_bytes``), ``describe(i)`` its path, and
+    ``targets(i)`` its :class:`~echo_native.targets.Targets`: each annotation's
+    ``bbox`` (x, y, width, height) as x1, y1, x2, y2 pixels, its label and
+    ``iscrowd``, in the order of the file, with the image's ``(height, width)``
+    from the file.
+
+    Labels: category ids are mapped, in increasing order, to 1, 2, ... (0 is the
+    background, as torchvision's detection models count it); ``category_to_label``
+    and ``label_to_category`` hold the mapping, ``categories[label]`` the name
+    (``"__background__"`` at 0), ``num_classes`` what a model's ``num_classes``
+    takes.  ``contiguous_labels=False`` keeps the category ids themselves as
+    labels (torchvision's COCO-pretrained detectors predict those: 91 classes with
+    gaps, named ``"N/A"`` in ``categories``).
+
+    ``keep_empty=False`` drops the images that have no annotation (torchvision's
+    detection training reference drops them; it also drops images whose every
+    box is at most 1 px wide or tall, and leaves crowd annotations out, which
+    this source keeps, flagged by ``iscrowd``).
+
+    Everything is checked at construction; a ValueError names the file and the
+    annotation (or image) id: missing fields, values of the wrong type, non-finite
+    numbers, a negative width or height, a box outside its image by more than
+    1 px (boxes within 1 px, from COCO's rounding, are clipped to the image), an
+    unknown image or category id, duplicate image or category ids, and a
+    ``file_name`` that leaves ``images_root`` (absolute, or through ``..``).
+    """
+
+    has_targets = True
+
+    def __init__(self, images_root, annotation_json, *, keep_empty=True,
+                 contiguous_labels=True, max_file_bytes=DEFAULT_MAX_FILE_BYTES,
+                 max_annotation_bytes=DEFAULT_MAX_ANNOTATION_BYTES):
+        self.max_file_bytes = _check_max_file_bytes("CocoDetection", max_file_bytes)
+        limit = _check_max_file_bytes("CocoDetection", max_annotation_bytes)
+        self.root = Path(images_root)
+        self.annotation_json = str(annotation_json)
+        name = self.annotation_json
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"CocoDetection: images_root {str(self.root)!r} is not a "
+                                    f"directory")
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"CocoDetection: annotation file {name!r} does not exist")
+        try:
+            doc = json.loads(read_file(name, limit))
+        except OSError as e:
+            raise ValueError(f"{name}: {e.strerror or e}") from None
+        except RecursionError:
+            raise ValueError(f"{name}: not a COCO annotation file (nested too deeply)") \
+                from None
+        except ValueError as e:
+            raise ValueError(f"{name}: not a COCO annotation file ({str(e)[:200]})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("images"), list):
+            raise ValueError(f"{name}: not a COCO annotation file (no 'images' list)")
+        for key in ("annotations", "categories"):
+            if not isinstance(doc.get(key, []), list):
+                raise ValueError(f"{name}: {key!r} must be a list")
+        ids, hw, files = self._images(doc["images"])
+        cats = self._categories(doc.get("categories", []), contiguous_labels)
+        img_of, boxes, labels, crowd = self._annotations(doc.get("annotations", []), ids, hw,
+                                                         cats)
+        del doc
+        counts = np.bincount(img_of, minlength=len(ids))
+        keep = np.ones(len(ids), bool) if keep_empty else counts > 0
+        if not keep.any():
+            raise ValueError(f"{name}: no images" + ("" if keep_empty else
+                                                     " with annotations (keep_empty=False)"))
+        order = np.argsort(img_of, kind="stable")  # by image, in the file's order within one
+        self._boxes = np.ascontiguousarray(boxes[order])
+        self._labels = labels[order]
+        self._crowd = crowd[order]
+        self._starts = np.zeros(int(keep.sum()) + 1, np.int64)
+        np.cumsum(counts[keep], out=self._starts[1:])
+        self.image_ids = ids[keep]
+        self._hw = hw[keep]
+        self._paths = _PackedPaths([f for f, k in zip(files, keep.tolist()) if k])
+        self.labels = np.zeros(len(self.image_ids), np.int64)
+
+    # ---- construction ---------------------------------------------------------------------
+    def _bad(self, what, ident, why):
+        return ValueError(f"{self.annotation_json}: {what} {str(ident)[:60]}: {why}")
+
+    def _images(self, images):
+        ids, hw, files = [], [], []
+        for k, im in enumerate(images):
+            if not isinstance(im, dict):
+                raise self._bad("image", f"#{k}", f"expected an object, got "
+                                                   f"{type(im).__name__}")
+            ident = im.get("id", f"#{k} (no id)")
+            for key in ("id", "file_name", "width", "height"):
+                if key not in im:
+                    raise self._bad("image id", ident, f"no {key!r}")
+            if not _is_int(im["id"]):
+                raise self._bad("image", f"#{k}", f"id {str(im['id'])[:40]!r} is not an "
+                                                   f"integer")
+            h, w = im["height"], im["width"]
+            if not (_is_int(h) and _is_int(w) and 0 < h < 2**31 and 0 < w < 2**31):
+                raise self._bad("image id", ident, f"width and height must be positive "
+                                                   f"integers, got {str(w)[:20]} x {str(h)[:20]}")
+            files.append(self._file_name(im["file_name"], ident))
+            ids.append(im["id"])
+            hw.append((h, w))
+        ids = np.asarray(ids, np.int64)
+        hw = np.asarray(hw, np.int32).reshape(-1, 2)
+        order = np.argsort(ids, kind="stable")
+        ids, hw = ids[order], hw[order]
+        dup = np.flatnonzero(ids[1:] == ids[:-1])
+        if dup.size:
+            raise self._bad("image id", int(ids[dup[0]]), "listed twice in 'images'")
+        return ids, hw, [files[j] for j in order.tolist()]
+
+    def _file_name(self, f, ident):
+        if not isinstance(f, str) or not f:
+            raise self._bad("image id", ident, f"file_name must be a non-empty string, got "
+                                               f"{str(f)[:40]!r}")
+        parts = f.replace("\\", "/").split("/")
+        if f.startswith(("/", "\\")) or os.path.isabs(f) or ".." in parts or "\0" in f:
+            raise self._bad("image id", ident, f"file_name {f[:200]!r} leaves images_root "
+                                               f"(absolute, through '..', or with a NUL)")
+        try:
+            os.fsencode(f)
+        except UnicodeError:
+            raise self._bad("image id", ident, f"file_name {f[:200]!r} is not a valid "
+                                               f"path") from None
+        return f
+
+    def _categories(self, categories, contiguous):
+        ids, names = [], []
+        for k, c in enumerate(categories):
+            if not isinstance(c, dict) or not _is_int(c.get("id")):
+                raise self._bad("category", f"#{k}", "expected an object with an integer id")
+            ids.append(c["id"])
+            names.append(str(c.get("name", c["id"])))
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise self._bad("category id", dup, "listed twice in 'categories'")
+        ordered = sorted(zip(ids, names))
+        if contiguous:
+            self.category_to_label = {cid: j + 1 for j, (cid, _) in enumerate(ordered)}
+        else:
+            bad = [cid for cid, _ in ordered if not 1 <= cid < 2**31]
+            if bad:
+                raise self._bad("category id", bad[0], "is not a label (with "
+                                "contiguous_labels=False, category ids are the labels, "
+                                "1 or more: 0 is the background)")
+            self.category_to_label = {cid: cid for cid, _ in ordered}
+        self.label_to_category = {lab: cid for cid, lab in self.category_to_label.items()}
+        self.num_classes = max(self.label_to_category, default=0) + 1
+        self.categories = ["N/A"] * self.num_classes
+        self.categories[0] = "__background__"
+        for cid, n in ordered:
+            self.categories[self.category_to_label[cid]] = n
+        return np.asarray([cid for cid, _ in ordered], np.int64)
+
+    def _annotations(self, anns, image_ids, hw, cat_ids):
+        n = len(anns)
+        aids, iids, bboxes, cids, crowd = [None] * n, [0] * n, [None] * n, [0] * n, [0] * n
+        for k, a in enumerate(anns):
+            if type(a) is not dict:
+                raise self._bad("annotation", f"#{k}", f"expected an object, got "
+                                                        f"{type(a).__name__}")
+            try:
+                aids[k], iids[k], bboxes[k], cids[k] = \
+                    a["id"], a["image_id"], a["bbox"], a["category_id"]
+            except KeyError as e:
+                raise self._bad("annotation id", a.get("id", f"#{k} (no id)"),
+                                f"no {e.args[0]!r}") from None
+            crowd[k] = a.get("iscrowd", 0)
+
+        img = self._ints(iids, aids, "image_id")
+        cat = self._ints(cids, aids, "category_id")
+        flags = self._ints(crowd, aids, "iscrowd", allow_bool=True)
+        bad = np.flatnonzero((flags != 0) & (flags != 1))
+        if bad.size:
+            k = int(bad[0])
+            raise self._bad("annotation id", aids[k], f"iscrowd is {crowd[k]!r}, not 0 or 1")
+        box = self._bbox_array(bboxes, aids)
+        # Which image, which category: unknown ids named.
+        where = np.searchsorted(image_ids, img)
+        found = where < len(image_ids)
+        found[found] = image_ids[where[found]] == img[found]
+        if not found.all():
+            k = int(np.flatnonzero(~found)[0])
+            raise self._bad("annotation id", aids[k], f"image_id {int(img[k])} is not in "
+                                                      f"'images'")
+        cpos = np.searchsorted(cat_ids, cat)
+        known = cpos < len(cat_ids)
+        known[known] = cat_ids[cpos[known]] == cat[known]
+        if not known.all():
+            k = int(np.flatnonzero(~known)[0])
+            raise self._bad("annotation id", aids[k], f"category_id {int(cat[k])} is not in "
+                                                      f"'categories'")
+        lut = np.zeros(len(cat_ids), np.int64)
+        for j, c in enumerate(cat_ids.tolist()):
+            lut[j] = self.category_to_label[c]
+        labels = lut[cpos].astype(np.int32)  # labels are below 2**31 (checked)
+        xyxy = self._checked_boxes(box, hw[where], aids, img)
+        return where.astype(np.int64), xyxy, labels, flags.astype(bool)
+
+    def _ints(self, values, aids, what, allow_bool=False):
+        """``values`` (one per annotation) as int64; else the first that is not an
+        integer is named (bools are not integers here, except as iscrowd flags)."""
+        try:
+            arr = np.asarray(values)
+        except (ValueError, TypeError, OverflowError):
+            arr = None
+        if arr is not None and arr.ndim == 1:
+            kind = arr.dtype.kind
+            if not arr.size or kind == "i" and (allow_bool or bool not in set(map(type, values))) \
+                    or kind == "b" and allow_bool:
+                return arr.astype(np.int64)
+        for k, v in enumerate(values):
+            if not (_is_int(v) or allow_bool and isinstance(v, bool)):
+                raise self._bad("annotation id", aids[k], f"{what} {str(v)[:40]!r} is not "
+                                                          f"an integer")
+        raise self._bad("annotations", "", f"{what} values are not integers")
+
+    def _bbox_array(self, bboxes, aids):
+        try:
+            box = np.asarray(bboxes) if bboxes else np.zeros((0, 4))
+            if box.ndim == 2 and box.shape[1] == 4 and box.dtype.kind in "iuf":
+                return box.astype(np.float64)
+        except (ValueError, TypeError, OverflowError):
+            pass
+        rows = []
+        for k, b in enumerate(bboxes):  # name the first that is not 4 numbers
+            try:
+                if not (isinstance(b, list) and len(b) == 4 and all(
+                        isinstance(v, (int, float)) and not isinstance(v, bool) for v in b)):
+                    raise TypeError
+                rows.append([float(v) for v in b])
+            except (TypeError, OverflowError):
+                raise self._bad("annotation id", aids[k], f"bbox {str(b)[:80]} is not "
+                                                          f"[x, y, width, height] numbers") \
+                    from None
+        return np.asarray(rows, np.float64)
+
+    def _checked_boxes(self, box, hw, aids, img):
+        def fail(mask, why):
+            k = int(np.flatnonzero(mask)[0])
+            raise self._bad("annotation id", aids[k], f"(image id {int(img[k])}) bbox "
+                                                      f"{box[k].tolist()} {why}")
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad = ~np.isfinite(box).all(axis=1)
+            if bad.any():
+                fail(bad, "holds a non-finite number")
+            bad = (box[:, 2] < 0) | (box[:, 3] < 0)
+            if bad.any():
+                fail(bad, "has a negative width or height")
+            xyxy = box.copy()
+            xyxy[:, 2:] += xyxy[:, :2]
+            h, w = hw[:, 0].astype(np.float64), hw[:, 1].astype(np.float64)
+            t = TOLERANCE_PX
+            bad = (xyxy[:, 0] < -t) | (xyxy[:, 1] < -t) | (xyxy[:, 2] > w + t) | \
+                (xyxy[:, 3] > h + t)
+            if bad.any():
+                k = int(np.flatnonzero(bad)[0])
+                fail(bad, f"lies outside its {int(h[k])}x{int(w[k])} (height x width) image "
+                          f"by more than {t:g} px")
+            np.clip(xyxy[:, 0::2], 0, w[:, None], out=xyxy[:, 0::2])
+            np.clip(xyxy[:, 1::2], 0, h[:, None], out=xyxy[:, 1::2])
+        return xyxy.astype(np.float32)
+
+    # ---- the source -------------------------------------------------------------------------
+    def __len__(self):
+        return len(self.image_ids)
+
+    def path(self, i) -> str:
+        return os.path.join(self.root, self._paths[i])
+
+    def describe(self, i) -> str:
+        return self.path(i)
+
+    def read(self, i) -> bytes:
+        return read_file(self.path(i), self.max_file_bytes)
+
+    def targets(self, i):
+        """Image ``i``'s boxes (x1, y1, x2, y2 pixels), labels and iscrowd flags."""
+        s, e = int(self._starts[i]), int(self._starts[i + 1])
+        h, w = self._hw[i]
+        return _trusted(self._boxes[s:e], self._labels[s:e].astype(np.int64),
+                        self._crowd[s:e], (int(h), int(w)))
+
+    @property
+    def num_annotations(self) -> int:
+        return int(self._starts[-1])
+
+    def __repr__(self):
+        return (f"CocoDetection({str(self.root)!r}, {self.annotation_json!r}, {len(self)} "
+                f"images, {self.num_annotations} annotations, "
+                f"{len(self.label_to_category)} categories)")
