@@ -76,7 +76,7 @@ class CocoDetection:
         if not self.root.is_dir():
             raise FileNotFoundError(f"CocoDetection: images_root {str(self.root)!r} is not a "
                                     f"directory")
-        if not os.path.isfile(name):
+        if not os.path.exists(name):
             raise FileNotFoundError(f"CocoDetection: annotation file {name!r} does not exist")
         try:
             doc = json.loads(read_file(name, limit))
@@ -248,14 +248,16 @@ class CocoDetection:
                 return arr.astype(np.int64)
         for k, v in enumerate(values):
             if not (_is_int(v) or allow_bool and isinstance(v, bool)):
-                raise self._bad("annotation id", aids[k], f"{what} {str(v)[:40]!r} is not "
+                raise self._bad("annotation id", aids[k], f"{what} {repr(v)[:40]} is not "
                                                           f"an integer")
         raise self._bad("annotations", "", f"{what} values are not integers")
 
     def _bbox_array(self, bboxes, aids):
         try:
             box = np.asarray(bboxes) if bboxes else np.zeros((0, 4))
-            if box.ndim == 2 and box.shape[1] == 4 and box.dtype.kind in "iuf":
+            # numpy takes true as 1 among numbers: a box with one is junk, not 1 px.
+            if box.ndim == 2 and box.shape[1] == 4 and box.dtype.kind in "iuf" and \
+                    not any(type(v) is bool for b in bboxes for v in b):
                 return box.astype(np.float64)
         except (ValueError, TypeError, OverflowError):
             pass
