@@ -23,7 +23,7 @@ from echo_native import prefetch as _prefetch
 from echo_native import remote as _remote
 from echo_native._checks import IMAGE_EXTENSIONS
 from echo_native.errors import ReadLimitError
-from echo_native.targets import MAX_JSON_BYTES, targets_from_json
+from echo_native.targets import MAX_JSON_BYTES, as_targets, targets_from_json
 
 #: Same set as torchvision's ``IMG_EXTENSIONS``.
 IMG_EXTENSIONS = IMAGE_EXTENSIONS
@@ -401,9 +401,11 @@ class ImageFolder(_Files):
 
 
 class Samples:
-    """In-memory samples: a list of encoded images and their labels (tests, small data)."""
+    """In-memory samples: a list of encoded images and their labels (tests, small data),
+    and optionally their detection ``targets`` (one :class:`~echo_native.targets.Targets`
+    or dict per image, checked here)."""
 
-    def __init__(self, blobs, labels=None, names=None):
+    def __init__(self, blobs, labels=None, names=None, targets=None):
         self._blobs = [bytes(b) for b in blobs]
         if labels is None:
             labels = np.zeros(len(self._blobs), dtype=np.int64)
@@ -413,9 +415,21 @@ class Samples:
         if names is not None and len(names) != len(self._blobs):
             raise ValueError(f"Samples got {len(self._blobs)} images but {len(names)} names")
         self._names = None if names is None else [str(n) for n in names]
+        self.has_targets = targets is not None
+        if self.has_targets:
+            if len(targets) != len(self._blobs):
+                raise ValueError(f"Samples got {len(self._blobs)} images but {len(targets)} "
+                                 f"targets")
+            self._targets = [as_targets(t, f"targets of {self.describe(i)}")
+                             for i, t in enumerate(targets)]
 
     def __len__(self):
         return len(self._blobs)
+
+    def targets(self, i):
+        if not self.has_targets:
+            raise ValueError(f"{self!r} was made without targets")
+        return self._targets[i]
 
     def describe(self, i) -> str:
         return self._names[i] if self._names else f"<sample {i}>"

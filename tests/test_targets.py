@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from echo_native import shards, tarindex
-from echo_native.source import FileList
+from echo_native.source import FileList, Samples
 from echo_native.tarshards import TarShards
 from echo_native.targets import (MAX_JSON_BYTES, Targets, as_targets, source_targets,
                                  targets_from_json, targets_to_json)
@@ -528,3 +528,102 @@ def test_targets_that_do_not_fit_the_image_leave_the_sample_out(listed, tmp_path
     assert msgs[src.describe(3)].startswith(f"{root}/im.3.json: no targets file")
     with pytest.raises(shards.ShardWriteError, match="41x48"):
         shards.write_shards(src, tmp_path / "t", strict=True, progress=False)
+
+
+# ---- from object storage ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server (as in test_remote.py) and an s3fs filesystem on it."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from test_remote import S3Server, s3fs_for
+
+    mp = pytest.MonkeyPatch()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        mp.setenv(k, v)
+    server = S3Server().start()
+    try:
+        yield server.endpoint, s3fs_for(server.endpoint)
+    finally:
+        server.stop()
+        mp.undo()
+
+
+def _counting(store):
+    """Record every range read of ``store`` (block reads and reads on their own)."""
+    calls, read_range = [], store.read_range
+
+    def counted(url, start, end, **kw):
+        calls.append((url, start, end))
+        return read_range(url, start, end, **kw)
+    store.read_range = counted
+    return calls
+
+
+def test_remote_shards_read_targets_from_the_images_blocks(target_shards, s3):
+    """Shards in S3: targets read back equal to the local ones; a block that holds an image
+    holds its targets too (reading them after the images asks the store for nothing more);
+    without blocks each targets member is one range read of exactly its bytes."""
+    from echo_native.remote import RemoteOptions
+
+    endpoint, fs = s3
+    _, out, _ = target_shards
+    fs.mkdir("det")
+    urls = []
+    for p in out:
+        for suffix in ("", ".idx"):
+            fs.put_file(p + suffix, f"det/{os.path.basename(p)}{suffix}")
+        urls.append(f"s3://det/{os.path.basename(p)}")
+    local = TarShards(out, targets=True)
+    opts = {"endpoint_url": endpoint}
+    tar = TarShards(urls, storage_options=opts, index_cache=False, targets=True,
+                    remote=RemoteOptions(prefetch=0, block_bytes=1 << 20))
+    calls = _counting(tar._store)
+    assert [tar.read(i) for i in range(len(tar))] == [local.read(i) for i in range(len(tar))]
+    blocks = len(calls)
+    assert blocks == len(urls)  # one block per (small) shard
+    assert [tar.targets(i) for i in range(len(tar))] == \
+        [local.targets(i) for i in range(len(tar))]
+    assert len(calls) == blocks
+    alone = TarShards(urls, storage_options=opts, index_cache=False, targets=True,
+                      remote=RemoteOptions(prefetch=0, block_bytes=0))
+    calls = _counting(alone._store)
+    assert [alone.targets(i) for i in range(len(tar))] == \
+        [local.targets(i) for i in range(len(tar))]
+    assert [end - start for _, start, end in calls] == \
+        [int(alone._json_size[i]) for i in range(len(tar))]
+
+
+def test_a_remote_file_list_reads_targets_beside_its_images(listed, s3):
+    """A list in S3 with targets=True reads each image's JSON beside it in the bucket; a
+    missing one is a ValueError naming its URL."""
+    endpoint, fs = s3
+    root, want = listed
+    fs.mkdir("flist")
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            fs.put_file(str(p), f"flist/{p.relative_to(root)}")
+    fs.rm_file("flist/im.2.json")
+    src = FileList("s3://flist/list.csv", storage_options={"endpoint_url": endpoint},
+                   targets=True)
+    got = {i: src.targets(i) for i in range(len(src)) if i != 2}
+    assert got == {i: t for i, t in enumerate(want) if i != 2}
+    with pytest.raises(ValueError, match=r"^s3://flist/im.2.json: no targets file beside the "
+                                         r"image s3://flist/im.2.jpg$"):
+        src.targets(2)
+
+
+def test_in_memory_samples_carry_checked_targets():
+    """Samples(..., targets=[...]): each checked at construction (a bad one named by its
+    sample), returned by targets(i); without targets the source carries none."""
+    blobs = sh.photo_jpegs(2, seed=1)
+    src = Samples(blobs, targets=[sample_targets(1), {"boxes": [], "labels": []}])
+    assert source_targets(src) == src.targets and src.targets(0) == sample_targets(1)
+    assert len(src.targets(1)) == 0
+    assert source_targets(Samples(blobs)) is None
+    with pytest.raises(ValueError, match=r"^targets of <sample 1>: object 0: label -2 is "
+                                         r"negative$"):
+        Samples(blobs, targets=[sample_targets(1), {"boxes": [[0, 0, 1, 1]], "labels": [-2]}])
+    with pytest.raises(ValueError, match="2 images but 1 targets"):
+        Samples(blobs, targets=[sample_targets(1)])
