@@ -7,11 +7,16 @@ batch from file bytes to the GPU; each imports only modules above it):
               remote_errors (storage errors told apart, said without credentials)
   remote      objects in storage by URL: bounded, retried reads (fsspec);
               prefetch (reads ahead of the decode: samples, tar-shard blocks)
+  targets     a detection sample's boxes and labels (Targets), their JSON form
   source      where the bytes come from: ImageFolder, FileList, Samples;
-              tarindex (a tar shard's index), tarshards (TarShards)
+              tarindex (a tar shard's index), tarshards (TarShards),
+              coco (CocoDetection: a COCO-format folder with its annotations)
   decode      bytes -> pixels: JPEG by the native kernel, other formats by Pillow;
               shards (the shard writer, which checks images with it)
   transforms  what each sample becomes: RandomResizedCrop, CenterCrop
+  detection   box-aware geometry: RandomZoomOut, RandomIoUCrop, RandomHorizontalFlip,
+              Resize, SanitizeBoundingBoxes (torchvision v2's semantics)
+  boxes       where boxes land: through each crop, flip and resize; Objects
   augment     per-example ops after the crop: ColorJitter, RandomGrayscale,
               TrivialAugmentWide, RandomErasing (in workers or per emission)
   plan        which samples each batch (ticket) holds: Plan, Shard
@@ -36,7 +41,9 @@ The lab (benchmark corpus, peers, demo) is :mod:`echo_native.lab`; the library
 never imports it.
 """
 from echo_native.errors import DecodeError
+from echo_native.targets import Targets
 from echo_native.source import FileList, ImageFolder, Samples
+from echo_native.coco import CocoDetection
 from echo_native.tarshards import TarShards
 from echo_native.remote import RemoteOptions
 from echo_native.shards import write_shards
@@ -55,6 +62,9 @@ from echo_native.decode import (
     resize_crop,
 )
 from echo_native.transforms import CenterCrop, RandomResizedCrop
+from echo_native.detection import (RandomHorizontalFlip, RandomIoUCrop, RandomZoomOut, Resize,
+                                   SanitizeBoundingBoxes)
+from echo_native.boxes import Objects
 from echo_native.augment import ColorJitter, RandomErasing, RandomGrayscale, TrivialAugmentWide
 from echo_native.plan import Shard
 from echo_native.memory import RingMemoryError
@@ -75,6 +85,7 @@ __all__ = [
     "BFloat16Array",
     "Batch",
     "CenterCrop",
+    "CocoDetection",
     "ColorJitter",
     "DecodeError",
     "DecodeLimits",
@@ -87,16 +98,23 @@ __all__ = [
     "ImageFolder",
     "Loader",
     "Mix",
+    "Objects",
     "Output",
     "RandomErasing",
     "RandomGrayscale",
+    "RandomHorizontalFlip",
+    "RandomIoUCrop",
     "RandomResizedCrop",
+    "RandomZoomOut",
     "RemoteOptions",
+    "Resize",
     "RingMemoryError",
     "SampleFailureWarning",
     "Samples",
+    "SanitizeBoundingBoxes",
     "Shard",
     "TarShards",
+    "Targets",
     "TrivialAugmentWide",
     "WorkerError",
     "Workers",

@@ -289,12 +289,17 @@ class WithOps:
     def sample_bytes(self):
         return self.crop.sample_bytes
 
-    def apply(self, dec, data, key, slot, i):
-        self.crop.apply(dec, data, key, slot, i)
+    @property
+    def takes_targets(self):
+        return getattr(self.crop, "takes_targets", False)
+
+    def apply(self, dec, data, key, slot, i, **targets):
+        dropped = self.crop.apply(dec, data, key, slot, i, **targets)
         seed, epoch, sample_id, echo_index = key
         codes, args = self.program.draw(seed, epoch, [sample_id], echo_index)
         h, w = self.crop.size
         _kernel.apply_ops(slot.pixels[i].reshape(1, h, w, 3), codes, args)
+        return dropped
 
     def __repr__(self):
         return f"WithOps({self.crop!r}, {list(self.program.ops)!r})"

@@ -35,14 +35,22 @@ class Batch:
     sample_ids: np.ndarray   # (B,) int64, indices into the source
     fresh: np.ndarray        # (B,) bool: first emission of a sample read this epoch
     echo_index: np.ndarray   # (B,) int64: 0 for the fresh emission, 1.. for echoes
-    boxes: np.ndarray        # (B, 4) float32: crop (top, left, height, width) in the original
+    crop_boxes: np.ndarray   # (B, 4) float32: the crop (top, left, height, width) in the
+                             # original image (detection boxes are ``objects``)
     flips: np.ndarray        # (B,) bool
     epoch: int = 0
     _release: object = None
     targets: object = None   # (B, classes) float32 soft targets with Mix, else None
+    objects: object = None   # Objects (detection: boxes after the crop, labels), else None
 
     def __len__(self):
         return len(self.labels)
+
+    @property
+    def boxes(self):
+        """The former name of :attr:`crop_boxes` (the crop windows, not detection
+        boxes: those are :attr:`objects`)."""
+        return self.crop_boxes
 
     def release(self):
         """Give the slot back to the workers now; the arrays must not be used after."""
@@ -53,9 +61,10 @@ class Batch:
     def copy(self):
         """A batch that owns its memory (survives the slot's reuse)."""
         return Batch(self.images.copy(), self.labels.copy(), self.sample_ids.copy(),
-                     self.fresh.copy(), self.echo_index.copy(), self.boxes.copy(),
+                     self.fresh.copy(), self.echo_index.copy(), self.crop_boxes.copy(),
                      self.flips.copy(), self.epoch,
-                     targets=None if self.targets is None else self.targets.copy())
+                     targets=None if self.targets is None else self.targets.copy(),
+                     objects=None if self.objects is None else self.objects.copy())
 
 
 @dataclass

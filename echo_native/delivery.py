@@ -75,7 +75,7 @@ class Delivery:
 
     def finish(self, parts):
         """The batch the consumer receives, from an emission's parts."""
-        images, labels, sample_ids, fresh, echo_index, boxes, flips, epoch = parts
+        images, labels, sample_ids, fresh, echo_index, boxes, flips, epoch, objects = parts
         out_spec = self.output
         if out_spec.normalized:
             n, h, w, _ = images.shape
@@ -91,8 +91,11 @@ class Delivery:
         targets = None
         if self.mix is not None or self.on_batch is not None:
             images, targets = self._batch_ops(images, labels, sample_ids, echo_index, epoch)
+        if objects is not None and not self.device.host_resident:
+            objects = objects.to(self.device.xp)  # beside the images, for DLPack
         return self.device.ready(Batch(images, labels, sample_ids, fresh, echo_index, boxes,
-                                       np.asarray(flips, bool), epoch, targets=targets))
+                                       np.asarray(flips, bool), epoch, targets=targets,
+                                       objects=objects))
 
     def _batch_ops(self, images, labels, sample_ids, echo_index, epoch):
         """MixUp/CutMix, then the user's op, on the batch where it lives.  Their draws

@@ -22,20 +22,25 @@ import weakref
 
 import numpy as np
 
-from echo_native._checks import flag, is_int
+from echo_native._checks import flag, is_int, positive_int
 from echo_native._iteration import NOT_PICKLABLE, IterationGuard, Started
 from echo_native.augment import Program, WithOps
 from echo_native.batch import Batch, Books, Fresh
+from echo_native.boxes import SourceObjects
 from echo_native.errors import DecodeError
 from echo_native.failures import FailureReport
 from echo_native.plan import ON_ERROR, Plan
 from echo_native.resume import (check_epoch, check_merged, check_state, merge_states,
                                 resumed_plan, state_at)
 from echo_native.memory import WORKER_BYTES, MemoryBudget, RingMemoryError
-from echo_native.ring import ERR_DECODE, ERR_WORKER, OK, WAIT_OK, Ring
-from echo_native.source import as_source, check_labels
+from echo_native.ring import ERR_DECODE, ERR_WORKER, MAX_OBJECTS, OK, WAIT_OK, Ring
+from echo_native.source import _source_name, as_source, check_labels
+from echo_native.targets import source_targets
 from echo_native.specs import check_batch_size, fold
 from echo_native.pool import WorkerPool, ship
+
+#: Object slots per detection sample (``max_objects``): COCO's most crowded image has 93.
+DEFAULT_MAX_OBJECTS = 128
 
 
 class WorkerError(RuntimeError):
@@ -76,6 +81,11 @@ class Loader(Started):
         This process's part of the data.
     decode : DecodeLimits, default DecodeLimits()
         Strictness and decompression-bomb limits.
+    max_objects : int, default 128
+        For a source with detection targets (:class:`CocoDetection`, or any source
+        with ``targets(i)``): the most objects one sample may have; a sample with more
+        fails (``on_error``) naming this setting.  ``batch.objects`` holds the
+        boxes after each sample's crop and flip.
 
     Shorthands: ``image_size=``, ``scale=``, ``ratio=``, ``flip_p=`` make the
     ``RandomResizedCrop``; ``strict=`` the ``DecodeLimits``; ``rank=``,
@@ -83,29 +93,41 @@ class Loader(Started):
     """
 
     def __init__(self, source, batch_size, *, augment=None, workers=None, seed=0, shuffle=True,
-                 drop_last=False, on_error="replace", shard=None, decode=None, **shorthands):
+                 drop_last=False, on_error="replace", shard=None, decode=None,
+                 max_objects=DEFAULT_MAX_OBJECTS, **shorthands):
         specs = fold("Loader", augment, decode, shard, workers, shorthands)
         transform = specs.crop
         if specs.ops:  # the workers run the ops (EchoRing splits them off for its stage)
             transform = WithOps(transform, Program(specs.ops, transform.size))
         self._setup(as_source(source, "Loader"), batch_size, specs, transform, seed, shuffle,
-                    drop_last, on_error)
+                    drop_last, on_error, max_objects)
 
     @classmethod
     def from_specs(cls, source, batch_size, specs, transform, *, seed=0, shuffle=True,
-                   drop_last=False, on_error="replace"):
+                   drop_last=False, on_error="replace", max_objects=DEFAULT_MAX_OBJECTS):
         """A loader of folded :class:`~echo_native.specs.Specs` (what :class:`EchoRing`
         makes; nothing is checked twice), its workers applying ``transform``."""
         loader = cls.__new__(cls)
-        loader._setup(source, batch_size, specs, transform, seed, shuffle, drop_last, on_error)
+        loader._setup(source, batch_size, specs, transform, seed, shuffle, drop_last, on_error,
+                      max_objects)
         return loader
 
-    def _setup(self, source, batch_size, specs, transform, seed, shuffle, drop_last, on_error):
+    def _setup(self, source, batch_size, specs, transform, seed, shuffle, drop_last, on_error,
+               max_objects=DEFAULT_MAX_OBJECTS):
         batch_size = check_batch_size(batch_size)
         n = len(source)
         if n == 0:
             raise ValueError("the source is empty")
         check_labels(source)  # here, once: a bad label would crash-loop the workers
+        # Object slots per sample in the ring: only a source with targets needs them.
+        self.max_objects = 0
+        if source_targets(source) is not None:
+            self.max_objects = positive_int("", "max_objects", max_objects, 1, MAX_OBJECTS)
+        elif getattr(specs.crop, "iou_crop", None) is not None:
+            raise ValueError(f"RandomIoUCrop crops around the boxes of each sample, but the "
+                             f"source {_source_name(source)} has none: give a source with "
+                             f"targets (CocoDetection, FileList(..., targets=True), "
+                             f"TarShards(..., targets=True), or a targets(i) method)")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if not is_int(seed) or not 0 <= seed < 2**64:
@@ -169,7 +191,7 @@ class Loader(Started):
             # Every page reserved now, after a check against the memory available:
             # a ring that does not fit fails here, before any worker starts.
             ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket,
-                               budget=self._budget())
+                               budget=self._budget(), max_objects=self.max_objects)
         except RingMemoryError as e:
             t = self.plan.transform
             per = ", ".join(f"{k}={getattr(t, k)!r}" for k in ("size", "min_side", "max_pixels")
@@ -397,11 +419,15 @@ class Loader(Started):
         fresh = self.next_fresh()
         slot, n = fresh.payload, fresh.count
         h, w = _image_shape(self.plan.transform)
+        objects = None
+        if self.max_objects:
+            objects = SourceObjects.of_slot(slot, n, copy=False).map(
+                slot.boxes[:n], slot.flip[:n].view(bool), (h, w), self.specs.sanitize)
         return Batch(images=slot.pixels[:n].reshape(n, h, w, 3), labels=slot.labels[:n],
                      sample_ids=fresh.sample_ids, fresh=fresh.ok,
-                     echo_index=np.zeros(n, dtype=np.int64), boxes=slot.boxes[:n],
+                     echo_index=np.zeros(n, dtype=np.int64), crop_boxes=slot.boxes[:n],
                      flips=slot.flip[:n].view(bool), epoch=fresh.epoch,
-                     _release=functools.partial(self.release, fresh.ticket))
+                     _release=functools.partial(self.release, fresh.ticket), objects=objects)
 
     # -- the Upstream of the echo stages ---------------------------------------------------
     # (batches_per_epoch, samples_per_epoch, sharded: attributes set by _setup)

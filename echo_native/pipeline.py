@@ -21,13 +21,14 @@ from echo_native.echo.images import ImageExamples
 from echo_native.echo.spec import SHORTHANDS as echo_shorthands
 from echo_native.echo.spec import fold_echo
 from echo_native.echo.stages import BatchEcho, ExampleEcho, PassThrough
-from echo_native.loader import Loader
+from echo_native.loader import DEFAULT_MAX_OBJECTS, Loader
 from echo_native.mix import Mix
 from echo_native.output import SHORTHANDS as output_shorthands
 from echo_native.output import fold_output
 from echo_native.resume import check_epoch
 from echo_native.source import as_source
 from echo_native.specs import check_batch_size, fold
+from echo_native.targets import source_targets
 from echo_native.transforms import CenterCrop, canvas_for
 
 
@@ -75,6 +76,10 @@ class EchoRing(Started):
         Needs a normalised ``output``.  With dtype "bfloat16" the batch is
         normalised and mixed in float32, then rounded to bfloat16 once (what
         mixing in float32 and casting gives in torch).
+    max_objects : int, default 128
+        For a source with detection targets: the most objects one sample may have
+        (the ring's object slots); ``batch.objects`` holds each batch's boxes after
+        every emission's crop and flip (see :class:`echo_native.Objects`).
     on_batch : callable, optional
         ``on_batch(images, xp, keys)``: your own op on each batch where it lives
         (after normalisation and ``mix``; a bfloat16 batch as the
@@ -100,7 +105,7 @@ class EchoRing(Started):
     def __init__(self, source, batch_size=256, *, augment=None, echo=2.0, output=None,
                  workers=None, device="cpu", seed=0, shuffle=True, drop_last=False,
                  on_error="replace", shard=None, decode=None, mix=None, on_batch=None,
-                 **shorthands):
+                 max_objects=DEFAULT_MAX_OBJECTS, **shorthands):
         source = as_source(source, "EchoRing")
         shorthands = dict(shorthands)
         echo = fold_echo("EchoRing", echo, take(shorthands, echo_shorthands))
@@ -118,6 +123,16 @@ class EchoRing(Started):
             if not output.normalized:
                 raise ValueError("Mix needs float images to mix: give output=Output(normalize="
                                  "True) (got uint8)")
+        detection = source_targets(source) is not None
+        if detection and mix is not None:
+            raise ValueError("Mix blends whole images, so a sample's boxes would no longer "
+                             "describe its pixels: leave mix=None for a source with targets")
+        if getattr(crop, "zoom_out", None) is not None and not echo.off and \
+                echo.placement == "before_augment":
+            raise ValueError("RandomZoomOut with echo before augmentation is not supported: "
+                             "use Echo(..., placement='after_augment') or 'batch', or leave "
+                             "RandomZoomOut out (RandomIoUCrop and the flip are redrawn for "
+                             "every emission)")
         if on_batch is not None and not callable(on_batch):
             raise TypeError(f"on_batch must be callable(images, xp, keys), got {on_batch!r}")
         capacity = 4 * batch_size if echo.shuffle_buffer is None else echo.shuffle_buffer
@@ -142,7 +157,8 @@ class EchoRing(Started):
         # Echo stages need every sample of the epoch; echo=1 is the Loader itself.
         self.loader = Loader.from_specs(source, batch_size, specs, transform, seed=seed,
                                         shuffle=shuffle, drop_last=drop_last and echo.off,
-                                        on_error=on_error)
+                                        on_error=on_error, max_objects=max_objects)
+        self.sanitize = specs.sanitize
         plan = self.loader.plan
         if batch_size > plan.num_samples:
             where = "the source" if plan.num_samples == plan.total_samples else \
@@ -169,7 +185,8 @@ class EchoRing(Started):
         echo = self.spec
         auto = AutoEcho(echo.max_echo) if echo.auto else None
         examples = ImageExamples(self.device, self.delivery.outputs, self.augment,
-                                 self.program, echo, self.seed, sample_bytes)
+                                 self.program, echo, self.seed, sample_bytes,
+                                 self.loader.max_objects, self.sanitize)
         kw = dict(seed=self.seed, batch_size=self.batch_size, drop_last=drop_last,
                   device=self.device, factor=None if echo.auto else echo.factor, auto=auto)
         args = (self.loader, examples, self.delivery.finish)

@@ -28,14 +28,18 @@ Segment layout (slots start page-aligned)::
             | failure records (REPORT_BYTES)
             labels i64[B] | sample ids i64[B] | status u8[B] | reason u8[B]
             flip u8[B] | boxes f32[B, 4] | image shape u16[B, 2] | source shape i32[B, 2]
-            canvas scale f32[B, 2] | (page) pixels u8[B, S]
+            canvas scale f32[B, 2] | object count u16[B] | object boxes f32[B, M, 4]
+            object labels i64[B, M] | object flags u8[B, M] | (page) pixels u8[B, S]
     slot 1  ...
 
 ``S`` is the bytes reserved per sample: H*W*3 for final crops, or a canvas
 budget when echoing before augmentation.  For a canvas, "source shape" is the
 original image size and "canvas scale" maps canvas pixels to original pixels
 (original = canvas * scale), so every echo can draw its crop in the
-original's coordinates.
+original's coordinates.  ``M`` is ``max_objects``, the object slots of a
+detection sample (0 without targets): its boxes, xyxy in the original's pixels,
+with their labels and flags (``OBJ_CROWD``, ``OBJ_DROPPED``), whatever crop
+the worker drew (boxes follow crops at the consumer: :mod:`echo_native.boxes`).
 
 Failed samples travel as binary, length-prefixed records
 (:mod:`echo_native.failures`); what a ring may take of the machine's memory,
@@ -80,6 +84,8 @@ ERR_NONE, ERR_WORKER, ERR_DECODE = _ring.ERR_NONE, _ring.ERR_WORKER, _ring.ERR_D
 
 # Per-sample status.
 OK, REPLACED, SKIPPED = _ring.STATUS_OK, _ring.STATUS_REPLACED, _ring.STATUS_SKIPPED
+# Per-object flag bits; the most objects a sample's slots may hold.
+OBJ_CROWD, OBJ_DROPPED, MAX_OBJECTS = _ring.OBJ_CROWD, _ring.OBJ_DROPPED, _ring.MAX_OBJECTS
 # Per-sample failure reasons (stats key names).
 REASON_NONE, REASON_DECODE = _ring.REASON_NONE, _ring.REASON_DECODE
 REASON_READ, REASON_LIMIT = _ring.REASON_READ, _ring.REASON_LIMIT
@@ -119,20 +125,22 @@ class Layout:
     nslots: int
     batch_size: int
     sample_bytes: int
+    max_objects: int = 0
     _c: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_c", _ring.layout(self.nslots, self.batch_size,
-                                                    self.sample_bytes))
+                                                    self.sample_bytes, self.max_objects))
 
     # Offsets in a slot of: labels i64[B], sample ids i64[B], status u8[B], failure
     # reason u8[B], flip u8[B], boxes f32[B, 4], image shape u16[B, 2], source shape
     # i32[B, 2], canvas scale f32[B, 2], pixels u8[B, S] (page-aligned); and the bytes
     # of a slot (a page multiple) and of the whole segment.
     labels, sample_ids, status, reason, flip, boxes, shapes, source_hw, canvas_scale, \
-        pixels, slot_bytes, total_bytes = map(_offset, (
-            "labels", "sample_ids", "status", "reason", "flip", "boxes", "shapes",
-            "source_hw", "canvas_scale", "pixels", "slot_bytes", "total_bytes"))
+        obj_count, obj_boxes, obj_labels, obj_flags, pixels, slot_bytes, total_bytes = map(
+            _offset, ("labels", "sample_ids", "status", "reason", "flip", "boxes", "shapes",
+                      "source_hw", "canvas_scale", "obj_count", "obj_boxes", "obj_labels",
+                      "obj_flags", "pixels", "slot_bytes", "total_bytes"))
 
     def slot(self, i):
         return HEADER_BYTES + (i % self.nslots) * self.slot_bytes
@@ -181,6 +189,14 @@ class SlotView:
         self.source_hw = np.frombuffer(b, np.int32, 2 * B, base + layout.source_hw).reshape(B, 2)
         self.canvas_scale = np.frombuffer(b, np.float32, 2 * B,
                                           base + layout.canvas_scale).reshape(B, 2)
+        M = layout.max_objects
+        self.obj_count = np.frombuffer(b, np.uint16, B, base + layout.obj_count)
+        self.obj_boxes = np.frombuffer(b, np.float32, B * M * 4,
+                                       base + layout.obj_boxes).reshape(B, M, 4)
+        self.obj_labels = np.frombuffer(b, np.int64, B * M,
+                                        base + layout.obj_labels).reshape(B, M)
+        self.obj_flags = np.frombuffer(b, np.uint8, B * M,
+                                       base + layout.obj_flags).reshape(B, M)
         self.pixels = np.frombuffer(b, np.uint8, layout.sample_bytes * B,
                                     base + layout.pixels).reshape(B, layout.sample_bytes)
         self.report_area = np.frombuffer(b, np.uint8, REPORT_BYTES, base + _S["report"])
@@ -208,8 +224,10 @@ class Ring:
     # -- life cycle ------------------------------------------------------------
     @classmethod
     def create(cls, nslots, batch_size, sample_bytes, first_ticket=0, backing=None, *,
-               budget=None):
+               budget=None, max_objects=0):
         """A new ring, every page reserved.
+
+        ``max_objects``: object slots per sample, for sources with detection targets.
 
         ``backing``: "memfd", "shm" (a named segment in /dev/shm) or "auto" (memfd
         where the kernel has it); default: ``$ECHO_NATIVE_RING_BACKING``, else "auto".
@@ -227,7 +245,7 @@ class Ring:
         elif not isinstance(budget, MemoryBudget):
             raise TypeError(f"budget must be a MemoryBudget, got {budget!r}")
         choice = _backing(backing)
-        layout = Layout(int(nslots), int(batch_size), int(sample_bytes))
+        layout = Layout(int(nslots), int(batch_size), int(sample_bytes), int(max_objects))
         seg = None
         if choice != "shm":
             available, where = _check_budget(layout, budget, "memfd")
@@ -252,7 +270,7 @@ class Ring:
                 raise
         try:
             seg.ring_init(layout.nslots, layout.batch_size, layout.sample_bytes,
-                          first_ticket, os.getpid())
+                          first_ticket, os.getpid(), layout.max_objects)
         except BaseException:
             seg.unlink()
             raise
@@ -270,7 +288,7 @@ class Ring:
         except ValueError as e:
             raise ValueError(f"shared memory {name} is not an echo_native ring this build "
                              f"can read: {e}") from None
-        return cls(seg, Layout(c["nslots"], c["batch"], c["sample_bytes"]))
+        return cls(seg, Layout(c["nslots"], c["batch"], c["sample_bytes"], c["max_objects"]))
 
     def handle(self):
         """How a child process reaches this ring: ``("fd", fd, name)`` for a memfd (the

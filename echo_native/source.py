@@ -405,6 +405,8 @@ class Samples:
     and optionally their detection ``targets`` (one :class:`~echo_native.targets.Targets`
     or dict per image, checked here)."""
 
+    has_targets = False  # also for subclasses that do not call this __init__
+
     def __init__(self, blobs, labels=None, names=None, targets=None):
         self._blobs = [bytes(b) for b in blobs]
         if labels is None:
@@ -485,6 +487,8 @@ class FileList(_Files):
     ``img/1.json``; :mod:`echo_native.targets`), read by ``targets(i)`` in the
     workers.  A missing or invalid one is that sample's failure, naming the file.
     """
+
+    has_targets = False  # set per instance by targets=
 
     def __init__(self, path_or_rows, root=None, max_file_bytes=DEFAULT_MAX_FILE_BYTES, *,
                  storage_options=None, remote=None, trust_list=False, targets=False):

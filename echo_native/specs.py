@@ -18,6 +18,7 @@ from echo_native._checks import choice, cpus, either, is_int, positive_int, seco
     take
 from echo_native.augment import split_augment
 from echo_native.decode import DecodeLimits
+from echo_native.detection import BoxCrop, SanitizeBoundingBoxes, split_geometry
 from echo_native.plan import Shard
 from echo_native.ring import MAX_WORKERS
 from echo_native.transforms import CenterCrop, RandomResizedCrop
@@ -79,11 +80,12 @@ class Workers:
 class Specs:
     """Every spec of one loader or ring, folded and checked."""
 
-    crop: object          # RandomResizedCrop or CenterCrop
+    crop: object          # RandomResizedCrop, CenterCrop or a detection BoxCrop
     ops: tuple            # per-example ops after the crop
     decode: DecodeLimits
     shard: Shard
     workers: Workers
+    sanitize: object = None  # SanitizeBoundingBoxes of a detection list, or None
 
 
 #: Shorthand -> (spec, field) for every flat keyword of the original contract.
@@ -99,7 +101,17 @@ def fold(owner, augment=None, decode=None, shard=None, workers=None, shorthands=
     :func:`echo_native.output.fold_output`).  Leftover keywords are a TypeError
     naming them."""
     shorthands = dict(shorthands or {})
-    crop, ops = split_augment(owner, augment)
+    geometry = split_geometry(owner, augment)
+    if geometry is not None:
+        crop, sanitize, rest = geometry
+        ops = split_augment(owner, [RandomResizedCrop(crop.size), *rest])[1] if rest else ()
+    else:
+        sanitize = None
+        if isinstance(augment, (list, tuple)) and len(augment) > 1 and \
+                isinstance(augment[1], SanitizeBoundingBoxes):
+            # [RandomResizedCrop(...), SanitizeBoundingBoxes(), ops...]: boxes follow the crop.
+            sanitize, augment = augment[1], [augment[0], *augment[2:]]
+        crop, ops = split_augment(owner, augment)
     given = take(shorthands, _CROP)
     either(owner, "augment=", crop, given)
     if given:
@@ -107,7 +119,7 @@ def fold(owner, augment=None, decode=None, shard=None, workers=None, shorthands=
             given["size"] = size_pair(given["size"], "image_size")
         crop = RandomResizedCrop(**given)
     crop = RandomResizedCrop() if crop is None else crop
-    if not isinstance(crop, (RandomResizedCrop, CenterCrop)):
+    if not isinstance(crop, (RandomResizedCrop, CenterCrop, BoxCrop)):
         raise TypeError(f"{owner}: augment must be an echo_native.RandomResizedCrop or "
                         f"CenterCrop, got {crop!r}")
 
@@ -128,7 +140,7 @@ def fold(owner, augment=None, decode=None, shard=None, workers=None, shorthands=
     if shorthands:
         raise TypeError(f"{owner} got unexpected keyword argument(s) "
                         f"{', '.join(sorted(shorthands))}")
-    return Specs(crop, ops, decode, shard, workers)
+    return Specs(crop, ops, decode, shard, workers, sanitize)
 
 
 def _fold_workers(owner, workers, given):

@@ -82,6 +82,8 @@ class TarShards:
 
     IMAGE_EXTS = tarindex.IMAGE_EXTS
 
+    has_targets = False  # set per instance by targets=
+
     def __init__(self, urls_or_paths, shuffle_buffer=1000, max_file_bytes=DEFAULT_MAX_FILE_BYTES,
                  *, storage_options=None, remote=None, index_cache=None, write_index=False,
                  targets=False):

@@ -21,14 +21,17 @@ import sys
 import time
 import traceback
 
+import numpy as np
 
 from echo_native.decode import Decoder
 from echo_native.errors import DecodeError, ReadLimitError
 from echo_native.plan import Plan
+from echo_native.targets import as_targets, source_targets
 from echo_native.remote import StoreUnavailableError
 from echo_native.failures import NO_SAMPLE, Failure
 from echo_native.memory import pid_alive
-from echo_native.ring import (WAIT_CLOSED, WAIT_OK, CLAIM_PENDING, ERR_DECODE, ERR_NONE, ERR_WORKER, OK, REASON_DECODE,
+from echo_native.ring import (WAIT_CLOSED, WAIT_OK, CLAIM_PENDING, ERR_DECODE, ERR_NONE,
+                              ERR_WORKER, OBJ_CROWD, OBJ_DROPPED, OK, REASON_DECODE,
                               REASON_LIMIT, REASON_NONE, REASON_READ, REPLACED, Ring)
 
 _MAX_REPLACEMENTS = 16
@@ -71,6 +74,9 @@ class _Filler:
         self.dec = Decoder(plan.decode)
         self.epochs = _EpochCache(plan, source)
         self.labels = check_labels(source)
+        self.targets = source_targets(source)   # a detection source's targets(i), or None
+        self.max_objects = ring.layout.max_objects
+        self._takes_targets = getattr(plan.transform, "takes_targets", False)
         self.current = None           # the sample being read and decoded, for error reports
         self.prefetch = getattr(source, "prefetch", None)
         self._ahead = _takes_upcoming(self.prefetch)  # also hint the batch likely next
@@ -118,13 +124,46 @@ class _Filler:
             raise _SampleFailure(REASON_READ, describe(self.source, sid),
                                  f"{type(self.source).__name__}.read({sid}) raised "
                                  f"{type(e).__name__}{': ' + text if text else ''}") from None
+        key = (self.plan.seed, epoch, sid, 0)
         try:
-            self.plan.transform.apply(self.dec, data, (self.plan.seed, epoch, sid, 0), slot, i)
+            if self.targets is None:
+                self.plan.transform.apply(self.dec, data, key, slot, i)
+            else:
+                self._apply_with_targets(sid, data, key, slot, i)
         except (DecodeError, ValueError) as e:
             raise _SampleFailure(REASON_DECODE, describe(self.source, sid), str(e)) from None
         except MemoryError as e:
             raise _SampleFailure(REASON_LIMIT, describe(self.source, sid),
                                  f"out of memory decoding it ({e})") from None
+
+    def _apply_with_targets(self, sid, data, key, slot, i):
+        """The transform, with sample ``sid``'s targets written beside its pixels (source
+        pixels: boxes follow the crop at the consumer).  Bad targets, or more objects than
+        the slots hold, fail the sample (ValueError)."""
+        try:
+            t = as_targets(self.targets(sid), f"the targets of {describe(self.source, sid)}")
+        except OSError as e:
+            raise ValueError(f"cannot read its targets: {e.strerror or e}") from None
+        n = len(t)
+        if n > self.max_objects:
+            raise _SampleFailure(REASON_LIMIT, describe(self.source, sid),
+                                 f"refused: it has {n} objects, more than max_objects="
+                                 f"{self.max_objects} (raise max_objects= of the EchoRing or "
+                                 f"Loader)")
+        if t.image_hw is not None and tuple(t.image_hw) != tuple(self.dec.size(data)):
+            h, w = self.dec.size(data)
+            raise ValueError(f"the image is {h}x{w} pixels but its targets are for "
+                             f"{t.image_hw[0]}x{t.image_hw[1]}: its boxes would land in the "
+                             f"wrong place")
+        slot.obj_count[i] = n
+        slot.obj_boxes[i, :n] = t.boxes
+        slot.obj_labels[i, :n] = t.labels
+        slot.obj_flags[i, :n] = t.iscrowd.astype(np.uint8) * OBJ_CROWD
+        if self._takes_targets:
+            dropped = self.plan.transform.apply(self.dec, data, key, slot, i, targets=t)
+            slot.obj_flags[i, :n] |= np.asarray(dropped, np.uint8) * OBJ_DROPPED
+        else:
+            self.plan.transform.apply(self.dec, data, key, slot, i)
 
     def fill(self, ticket):
         t0 = time.perf_counter()

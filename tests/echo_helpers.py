@@ -76,7 +76,7 @@ def collect(ring, epochs=1, step=None, copy_images=True):
         for b in ring:
             rec = {"ids": b.sample_ids.copy(), "labels": b.labels.copy(),
                    "fresh": b.fresh.copy(), "echo": b.echo_index.copy(),
-                   "boxes": b.boxes.copy(), "flips": np.asarray(b.flips, bool).copy(),
+                   "boxes": b.crop_boxes.copy(), "flips": np.asarray(b.flips, bool).copy(),
                    "epoch": b.epoch}
             if copy_images:
                 rec["images"] = np.array(b.images, copy=True)

@@ -40,13 +40,13 @@ def views(n=4, h=3, w=5, epoch=2, targets=True):
 
     b = Batch(images=take((n, h, w, 3), np.uint8), labels=take((n,), np.int64),
               sample_ids=take((n,), np.int64), fresh=take((n,), np.bool_),
-              echo_index=take((n,), np.int64), boxes=take((n, 4), np.float32),
+              echo_index=take((n,), np.int64), crop_boxes=take((n, 4), np.float32),
               flips=take((n,), np.bool_), epoch=epoch,
               targets=take((n, 3), np.float32) if targets else None)
     return b, buf
 
 
-FIELDS = ("images", "labels", "sample_ids", "fresh", "echo_index", "boxes", "flips")
+FIELDS = ("images", "labels", "sample_ids", "fresh", "echo_index", "crop_boxes", "flips")
 
 
 # ---- Batch -----------------------------------------------------------------------------

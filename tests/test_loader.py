@@ -66,7 +66,7 @@ def _check_epoch(L, batches, blobs, labels, epoch, size, seed, reference_cache):
             assert np.array_equal(batch.images[j], img), \
                 f"epoch {epoch} batch {b} sample {sid}: pixels differ from decode_random_crop"
             assert bool(batch.flips[j]) == bool(flip)
-            assert np.allclose(batch.boxes[j], box)
+            assert np.allclose(batch.crop_boxes[j], box)
 
 
 @pytest.mark.slow
@@ -121,7 +121,7 @@ def test_batch_arrays_are_views_of_the_ring(corpus_root):
     src = en.ImageFolder(corpus_root)
     with en.Loader(src, batch_size=8, image_size=32, workers=1, worker_mode="thread") as L:
         batch = L.next_batch()
-        for arr in (batch.images, batch.labels, batch.sample_ids, batch.boxes):
+        for arr in (batch.images, batch.labels, batch.sample_ids, batch.crop_boxes):
             assert not arr.flags.owndata
             assert arr.base is not None
         seg = L._ring.segment

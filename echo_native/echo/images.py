@@ -19,6 +19,8 @@ import numpy as np
 
 from echo_native import _kernel
 from echo_native.batch import Batch
+from echo_native.boxes import DROPPED, SourceObjects
+from echo_native.detection import BoxCrop
 
 
 class ImageStore:
@@ -26,8 +28,15 @@ class ImageStore:
     device, and what each holds (a canvas's shape, the original's size and the scale
     between them; the worker's crop box and flip for an augmented image)."""
 
-    def __init__(self, capacity, entry_bytes, device=np):
+    def __init__(self, capacity, entry_bytes, device=np, max_objects=0):
         self.capacity = c = int(capacity)
+        # A detection sample's objects, in source pixels (host memory: small, and the
+        # boxes are mapped where the batch's metadata is).
+        m = int(max_objects)
+        self.obj_boxes = np.zeros((c, m, 4), np.float32)
+        self.obj_labels = np.zeros((c, m), np.int64)
+        self.obj_flags = np.zeros((c, m), np.uint8)
+        self.obj_count = np.zeros(c, np.int64)
         self.pixels = device.empty((c, int(entry_bytes)), np.uint8)
         self.label = np.zeros(c, np.int64)
         self.shape = np.zeros((c, 2), np.int32)
@@ -48,9 +57,13 @@ class ImageExamples:
     program : the per-example ops, drawn per emission before augmentation
     echo : the :class:`~echo_native.echo.spec.Echo` spec
     sample_bytes : bytes per ring sample (a canvas budget before augmentation)
+    max_objects : object slots per sample (detection targets), or 0
+    sanitize : the SanitizeBoundingBoxes spec applied to the objects, or None
     """
 
-    def __init__(self, device, outputs, crop, program, echo, seed, sample_bytes):
+    def __init__(self, device, outputs, crop, program, echo, seed, sample_bytes,
+                 max_objects=0, sanitize=None):
+        self.max_objects, self.sanitize = int(max_objects), sanitize
         self.device, self.outputs = device, outputs
         self.crop, self.program, self.seed = crop, program, seed
         self.placement, self.redraw_flip = echo.placement, echo.flip
@@ -64,7 +77,8 @@ class ImageExamples:
     # -- the shuffle buffer's entries ---------------------------------------------------
     def allocate(self, capacity):
         if self.stored is None:
-            self.stored = ImageStore(capacity, self.sample_bytes, self.device)
+            self.stored = ImageStore(capacity, self.sample_bytes, self.device,
+                                     self.max_objects)
 
     def free(self):
         self.stored = None
@@ -79,6 +93,25 @@ class ImageExamples:
         s.scale[entries] = slot.canvas_scale[:n]
         s.box[entries] = slot.boxes[:n]
         s.flip[entries] = slot.flip[:n].view(bool)
+        if self.max_objects:
+            s.obj_boxes[entries] = slot.obj_boxes[:n]
+            s.obj_labels[entries] = slot.obj_labels[:n]
+            s.obj_flags[entries] = slot.obj_flags[:n]
+            s.obj_count[entries] = slot.obj_count[:n]
+
+    def _objects(self, source, windows, flips):
+        """The batch's :class:`~echo_native.boxes.Objects` (None without targets)."""
+        if not self.max_objects:
+            return None
+        return source.map(windows, flips, self.size, self.sanitize)
+
+    def _stored_objects(self, entries, dropped=None):
+        s = self.stored
+        flags = s.obj_flags[entries]
+        if dropped is not None:  # this emission's IoU crop, in place of the stored one's
+            flags = (flags & ~np.uint8(DROPPED)) | dropped.astype(np.uint8) * np.uint8(DROPPED)
+        return SourceObjects(s.obj_boxes[entries], s.obj_labels[entries], flags,
+                             s.obj_count[entries])
 
     def make(self, entries, sample_ids, echo_index, fresh, epochs, epoch):
         """Start making the pixels of emitted ``entries``: ``(job, parts)``, the job for
@@ -98,6 +131,17 @@ class ImageExamples:
                 mirror = redo & (new != flips)
                 flips = np.where(redo, new, flips)
             job = device.gather(s, entries, images, mirror)
+            objects = self._objects(self._stored_objects(entries), boxes, flips) \
+                if self.max_objects else None
+        elif isinstance(self.crop, BoxCrop):
+            boxes, flips, canvas_boxes, dropped = self._box_crops(entries, sample_ids,
+                                                                  echo_index, epochs)
+            codes = args = None
+            if self.program:
+                codes, args = self.program.draw(self.seed, epochs, sample_ids, echo_index)
+            job = device.reaugment(s, entries, canvas_boxes, flips, images, codes, args)
+            objects = self._objects(self._stored_objects(entries, dropped), boxes, flips) \
+                if self.max_objects else None
         else:
             # RandomResizedCrop of each emission, drawn in the original image's
             # coordinates, then mapped onto the stored canvas, in one native call.
@@ -110,16 +154,45 @@ class ImageExamples:
             if self.program:  # the batch's programs in one native call
                 codes, args = self.program.draw(self.seed, epochs, sample_ids, echo_index)
             job = device.reaugment(s, entries, canvas_boxes, flips, images, codes, args)
+            objects = self._objects(self._stored_objects(entries), boxes, flips) \
+                if self.max_objects else None
         return job, (images, s.label[entries].copy(), sample_ids, fresh, echo_index, boxes,
-                     flips, epoch)
+                     flips, epoch, objects)
+
+    def _box_crops(self, entries, sample_ids, echo_index, epochs):
+        """A detection crop of each emission (:meth:`BoxCrop.draw`, from the stored
+        boxes), in the original's pixels and mapped onto the stored canvas."""
+        s, n = self.stored, len(entries)
+        windows = np.zeros((n, 4), np.float32)
+        flips = np.zeros(n, bool)
+        dropped = np.zeros((n, s.obj_boxes.shape[1]), bool)
+        for k, e in enumerate(entries):
+            count = int(s.obj_count[e])
+            window, flips[k], drop = self.crop.draw(
+                (self.seed, epochs[k], sample_ids[k], echo_index[k]), s.source_hw[e],
+                s.obj_boxes[e, :count])
+            windows[k] = window
+            dropped[k, :count] = drop
+        # Onto the canvas: canvas pixels = original pixels / scale, kept inside it.
+        scale = s.scale[entries].astype(np.float64)
+        hw = s.shape[entries].astype(np.float64)
+        canvas = np.empty((n, 4), np.float64)
+        canvas[:, 0] = windows[:, 0] / scale[:, 0]
+        canvas[:, 1] = windows[:, 1] / scale[:, 1]
+        canvas[:, 2] = np.minimum(windows[:, 2] / scale[:, 0], hw[:, 0] - canvas[:, 0])
+        canvas[:, 3] = np.minimum(windows[:, 3] / scale[:, 1], hw[:, 1] - canvas[:, 1])
+        return windows, flips, canvas, dropped
 
     # -- whole slots -------------------------------------------------------------------
     def _views(self, fresh):
         slot, n = fresh.payload, fresh.count
+        flips = slot.flip[:n].view(bool)
+        objects = self._objects(SourceObjects.of_slot(slot, n, copy=False), slot.boxes[:n],
+                                flips) if self.max_objects else None
         return Batch(images=slot.pixels[:n].reshape(n, *self.size, 3),
                      labels=slot.labels[:n], sample_ids=fresh.sample_ids, fresh=fresh.ok,
-                     echo_index=np.zeros(n, np.int64), boxes=slot.boxes[:n],
-                     flips=slot.flip[:n].view(bool), epoch=fresh.epoch)
+                     echo_index=np.zeros(n, np.int64), crop_boxes=slot.boxes[:n],
+                     flips=flips, epoch=fresh.epoch, objects=objects)
 
     def pass_through(self, fresh):
         """``(parts, copied)``: the parts of a fresh batch as delivered, and whether its
@@ -131,9 +204,10 @@ class ImageExamples:
             images = self.device.to_device(b.images, self.outputs.next("images",
                                                                        b.images.shape))
             b = Batch(images, b.labels.copy(), b.sample_ids.copy(), b.fresh.copy(),
-                      b.echo_index, b.boxes.copy(), b.flips.copy(), b.epoch)
-        return (b.images, b.labels, b.sample_ids, b.fresh, b.echo_index, b.boxes, b.flips,
-                b.epoch), copied
+                      b.echo_index, b.crop_boxes.copy(), b.flips.copy(), b.epoch,
+                      objects=b.objects)
+        return (b.images, b.labels, b.sample_ids, b.fresh, b.echo_index, b.crop_boxes, b.flips,
+                b.epoch, b.objects), copied
 
     def keep(self, fresh):
         """A fresh batch that owns its memory (on the device), for batch echo."""
@@ -141,12 +215,12 @@ class ImageExamples:
         if self.device.host_resident:
             return b.copy()
         return Batch(self.device.to_device(b.images), b.labels.copy(), b.sample_ids.copy(),
-                     b.fresh.copy(), b.echo_index.copy(), b.boxes.copy(), b.flips.copy(),
-                     b.epoch)
+                     b.fresh.copy(), b.echo_index.copy(), b.crop_boxes.copy(), b.flips.copy(),
+                     b.epoch, objects=b.objects)
 
     def repeat(self, kept, echo, epoch):
         """The parts of one emission of a kept batch (``echo`` 0 for its first)."""
         images = self.device.copy(kept.images, self.outputs.next("images", kept.images.shape))
         return (images, kept.labels.copy(), kept.sample_ids.copy(), kept.fresh & (echo == 0),
-                np.full(len(kept), echo, np.int64), kept.boxes.copy(), kept.flips.copy(),
-                epoch)
+                np.full(len(kept), echo, np.int64), kept.crop_boxes.copy(), kept.flips.copy(),
+                epoch, None if kept.objects is None else kept.objects.copy())

@@ -33,10 +33,10 @@ cdef extern from "en_ring.h" nogil:
     uint64_t EN_RING_MAGIC
     unsigned EN_RING_VERSION, EN_RING_PAGE, EN_RING_HEADER_BYTES, EN_RING_MAX_WORKERS
     unsigned EN_RING_REPORT_BYTES, EN_RING_FAILURE_ALIGN, EN_RING_FAILURE_CLIPPED
-    unsigned EN_RING_FAILURE_DROPPED
+    unsigned EN_RING_FAILURE_DROPPED, EN_RING_MAX_OBJECTS
     uint64_t EN_RING_CLAIM_PENDING, EN_RING_NO_SAMPLE
     int EN_RING_ERR_NONE, EN_RING_ERR_WORKER, EN_RING_ERR_DECODE
-    int EN_RING_OK, EN_RING_REPLACED, EN_RING_SKIPPED
+    int EN_RING_OK, EN_RING_REPLACED, EN_RING_SKIPPED, EN_RING_OBJ_CROWD, EN_RING_OBJ_DROPPED
     int EN_RING_REASON_NONE, EN_RING_REASON_DECODE, EN_RING_REASON_READ, EN_RING_REASON_LIMIT
     int EN_RING_CHECK_OK, EN_RING_NOT_A_RING, EN_RING_BAD_VERSION, EN_RING_BAD_GEOMETRY
 
@@ -50,8 +50,10 @@ cdef extern from "en_ring.h" nogil:
         uint32_t nslots
         uint32_t batch
         uint64_t sample_bytes
+        uint32_t max_objects
         size_t labels, sample_ids, status, reason, flip
         size_t boxes, shapes, source_hw, canvas_scale
+        size_t obj_count, obj_boxes, obj_labels, obj_flags
         size_t pixels, slot_bytes, total_bytes
     ctypedef struct en_ring_field:
         const char *name
@@ -61,7 +63,7 @@ cdef extern from "en_ring.h" nogil:
     const en_ring_field en_ring_failure_fields[]
 
     int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                               en_ring_layout *out)
+                               uint32_t max_objects, en_ring_layout *out)
     int en_ring_init(void *mem, size_t size, const en_ring_layout *layout,
                      uint64_t first_ticket, uint32_t owner_pid)
     int en_ring_check(const void *mem, size_t size, en_ring_layout *out)
@@ -90,6 +92,8 @@ FAILURE_CLIPPED = EN_RING_FAILURE_CLIPPED
 FAILURE_DROPPED = EN_RING_FAILURE_DROPPED
 ERR_NONE, ERR_WORKER, ERR_DECODE = EN_RING_ERR_NONE, EN_RING_ERR_WORKER, EN_RING_ERR_DECODE
 STATUS_OK, STATUS_REPLACED, STATUS_SKIPPED = EN_RING_OK, EN_RING_REPLACED, EN_RING_SKIPPED
+OBJ_CROWD, OBJ_DROPPED = EN_RING_OBJ_CROWD, EN_RING_OBJ_DROPPED
+MAX_OBJECTS = EN_RING_MAX_OBJECTS
 REASON_NONE, REASON_DECODE = EN_RING_REASON_NONE, EN_RING_REASON_DECODE
 REASON_READ, REASON_LIMIT = EN_RING_REASON_READ, EN_RING_REASON_LIMIT
 HEADER_STRUCT_BYTES = sizeof(en_ring_header)
@@ -117,18 +121,22 @@ cdef dict _layout_dict(const en_ring_layout *l):
             "labels": l.labels, "sample_ids": l.sample_ids, "status": l.status,
             "reason": l.reason, "flip": l.flip, "boxes": l.boxes, "shapes": l.shapes,
             "source_hw": l.source_hw, "canvas_scale": l.canvas_scale, "pixels": l.pixels,
+            "max_objects": l.max_objects, "obj_count": l.obj_count, "obj_boxes": l.obj_boxes,
+            "obj_labels": l.obj_labels, "obj_flags": l.obj_flags,
             "slot_bytes": l.slot_bytes, "total_bytes": l.total_bytes}
 
 
-cdef en_ring_layout _compute(object nslots, object batch, object sample_bytes) except *:
+cdef en_ring_layout _compute(object nslots, object batch, object sample_bytes,
+                             object max_objects) except *:
     cdef en_ring_layout l
     nslots, batch, sample_bytes = int(nslots), int(batch), int(sample_bytes)
+    max_objects = int(max_objects)
     # Values no C field can hold are as impossible as those C refuses.
     if (not 0 <= nslots <= UINT32_MAX or not 0 <= batch <= UINT32_MAX
-            or not 0 <= sample_bytes <= UINT64_MAX
-            or en_ring_compute_layout(nslots, batch, sample_bytes, &l) != 0):
+            or not 0 <= sample_bytes <= UINT64_MAX or not 0 <= max_objects <= UINT32_MAX
+            or en_ring_compute_layout(nslots, batch, sample_bytes, max_objects, &l) != 0):
         raise ValueError(f"impossible ring geometry: {nslots} slots of {batch} samples of "
-                         f"{sample_bytes} bytes")
+                         f"{sample_bytes} bytes and {max_objects} objects")
     return l
 
 
@@ -142,11 +150,11 @@ def seq_filled(uint64_t ticket):
     return en_ring_seq_filled(ticket)
 
 
-def layout(nslots, batch, sample_bytes):
+def layout(nslots, batch, sample_bytes, max_objects=0):
     """Offsets (from a slot's start) of the per-sample arrays, slot_bytes and
     total_bytes, as en_ring_compute_layout places them; ValueError for a
     geometry it refuses."""
-    cdef en_ring_layout l = _compute(nslots, batch, sample_bytes)
+    cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects)
     return _layout_dict(&l)
 
 
@@ -298,9 +306,10 @@ cdef class Segment:
     def __releasebuffer__(self, Py_buffer *view):
         pass
 
-    def ring_init(self, nslots, batch, sample_bytes, uint64_t first_ticket, uint32_t owner_pid):
+    def ring_init(self, nslots, batch, sample_bytes, uint64_t first_ticket, uint32_t owner_pid,
+                  max_objects=0):
         """Write a new ring's header into this (fresh) segment; returns the layout dict."""
-        cdef en_ring_layout l = _compute(nslots, batch, sample_bytes)
+        cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects)
         if en_ring_init(self._addr, self._size, &l, first_ticket, owner_pid) != 0:
             raise ValueError(f"a {self._size}-byte segment cannot hold a "
                              f"{l.total_bytes}-byte ring")

@@ -32,7 +32,8 @@
 
 const en_ring_field en_ring_header_fields[] = {
     H(magic, 8), H(version, 4), H(owner_pid, 4), H(nslots, 4), H(batch, 4),
-    H(sample_bytes, 8), H(slot_bytes, 8), H(closed, 4), H(next_ticket, 8), H(claims, 8),
+    H(sample_bytes, 8), H(slot_bytes, 8), H(closed, 4), H(max_objects, 4), H(next_ticket, 8),
+    H(claims, 8),
     H(reading, 8), H(reading_ms, 8), END};
 
 const en_ring_field en_ring_slot_fields[] = {
@@ -59,10 +60,13 @@ static int place(size_t *at, size_t align, size_t n, size_t width, size_t *start
 }
 
 int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                           en_ring_layout *out) {
-    if (nslots == 0 || batch == 0 || sample_bytes > SIZE_MAX) return -1;
-    en_ring_layout l = {.nslots = nslots, .batch = batch, .sample_bytes = sample_bytes};
-    size_t at = sizeof(en_ring_slot), end;
+                           uint32_t max_objects, en_ring_layout *out) {
+    if (nslots == 0 || batch == 0 || sample_bytes > SIZE_MAX || max_objects > EN_RING_MAX_OBJECTS)
+        return -1;
+    en_ring_layout l = {.nslots = nslots, .batch = batch, .sample_bytes = sample_bytes,
+                        .max_objects = max_objects};
+    size_t at = sizeof(en_ring_slot), end, objects;
+    if (__builtin_mul_overflow((size_t)batch, (size_t)max_objects, &objects)) return -1;
     /* Each array on its element's natural alignment (boxes on 16, for SIMD
      * loads of a whole box), pixels on a page so that they can be pinned or
      * mapped for a device on their own. */
@@ -70,7 +74,9 @@ int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_byte
         place(&at, 1, batch, 1, &l.status) || place(&at, 1, batch, 1, &l.reason) ||
         place(&at, 1, batch, 1, &l.flip) || place(&at, 16, batch, 16, &l.boxes) ||
         place(&at, 2, batch, 4, &l.shapes) || place(&at, 8, batch, 8, &l.source_hw) ||
-        place(&at, 8, batch, 8, &l.canvas_scale) ||
+        place(&at, 8, batch, 8, &l.canvas_scale) || place(&at, 2, batch, 2, &l.obj_count) ||
+        place(&at, 16, objects, 16, &l.obj_boxes) || place(&at, 8, objects, 8, &l.obj_labels) ||
+        place(&at, 1, objects, 1, &l.obj_flags) ||
         place(&at, EN_RING_PAGE, batch, (size_t)sample_bytes, &l.pixels) ||
         place(&at, EN_RING_PAGE, 0, 0, &end))
         return -1;
@@ -93,6 +99,7 @@ int en_ring_init(void *mem, size_t size, const en_ring_layout *layout, uint64_t 
     h->nslots = layout->nslots;
     h->batch = layout->batch;
     h->sample_bytes = layout->sample_bytes;
+    h->max_objects = layout->max_objects;
     h->slot_bytes = layout->slot_bytes;
     __atomic_store_n(&h->closed, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&h->next_ticket, first_ticket, __ATOMIC_RELAXED);
@@ -114,7 +121,7 @@ int en_ring_check(const void *mem, size_t size, en_ring_layout *out) {
         return EN_RING_NOT_A_RING;
     if (h->version != EN_RING_VERSION) return EN_RING_BAD_VERSION;
     en_ring_layout l;
-    if (en_ring_compute_layout(h->nslots, h->batch, h->sample_bytes, &l) != 0 ||
+    if (en_ring_compute_layout(h->nslots, h->batch, h->sample_bytes, h->max_objects, &l) != 0 ||
         l.slot_bytes != h->slot_bytes || l.total_bytes > size)
         return EN_RING_BAD_GEOMETRY;
     *out = l;

@@ -23,7 +23,10 @@
  *     per-sample arrays at the en_ring_layout offsets: labels i64[B],
  *     sample ids i64[B], status u8[B], reason u8[B], flip u8[B],
  *     boxes f32[B][4], shapes u16[B][2], source shape i32[B][2],
- *     canvas scale f32[B][2], then (page-aligned) pixels u8[B][S]
+ *     canvas scale f32[B][2], the objects of detection samples (M =
+ *     max_objects per sample, 0 without targets): object count u16[B],
+ *     object boxes f32[B][M][4], object labels i64[B][M], object flags
+ *     u8[B][M]; then (page-aligned) pixels u8[B][S]
  *
  * All fields are native-endian: a segment never leaves the machine.
  * Pure C, no Python.h.
@@ -42,7 +45,7 @@ extern "C" {
 #define EN_RING_MAGIC UINT64_C(0x31474E4952484345) /* "ECHRING1" as little-endian bytes */
 /* Bumped whenever a byte moves, so that a process built from other sources
  * refuses a segment instead of misreading it. */
-#define EN_RING_VERSION 4u
+#define EN_RING_VERSION 5u
 #define EN_RING_PAGE 4096u
 #define EN_RING_HEADER_BYTES EN_RING_PAGE
 /* Claim words in the header; worker indexes run 0 .. EN_RING_MAX_WORKERS-1. */
@@ -53,11 +56,16 @@ extern "C" {
 /* Claim word value while a worker is between taking a ticket and recording
  * it (0 means "holds nothing", t + 1 means "holds ticket t"). */
 #define EN_RING_CLAIM_PENDING UINT64_MAX
+/* Object slots per sample at most (the count is a u16). */
+#define EN_RING_MAX_OBJECTS 65535u
 
 /* en_ring_slot.error */
 enum { EN_RING_ERR_NONE = 0, EN_RING_ERR_WORKER = 1, EN_RING_ERR_DECODE = 2 };
 /* per-sample status[] */
 enum { EN_RING_OK = 0, EN_RING_REPLACED = 1, EN_RING_SKIPPED = 2 };
+/* per-object obj_flags[] bits: a crowd region (COCO's iscrowd); a box its crop
+ * dropped (RandomIoUCrop: its centre fell outside the crop). */
+enum { EN_RING_OBJ_CROWD = 1, EN_RING_OBJ_DROPPED = 2 };
 /* per-sample reason[] and en_ring_failure.reason */
 enum { EN_RING_REASON_NONE = 0, EN_RING_REASON_DECODE = 1, EN_RING_REASON_READ = 2,
        EN_RING_REASON_LIMIT = 3 };
@@ -72,7 +80,7 @@ typedef struct en_ring_header {
     uint64_t sample_bytes; /* pixel bytes reserved per sample */
     uint64_t slot_bytes;
     uint32_t closed;       /* futex word: non-zero once the consumer closes */
-    uint32_t reserved0;
+    uint32_t max_objects;  /* object slots per sample (detection targets), or 0 */
     uint64_t next_ticket;  /* fetch-add counter */
     uint64_t reserved1;
     /* claims[w]: what worker w holds (0, t + 1, or EN_RING_CLAIM_PENDING), so
@@ -156,17 +164,20 @@ typedef struct en_ring_layout {
     uint32_t nslots;
     uint32_t batch;
     uint64_t sample_bytes;
+    uint32_t max_objects;
     size_t labels, sample_ids, status, reason, flip;
     size_t boxes, shapes, source_hw, canvas_scale;
+    size_t obj_count, obj_boxes, obj_labels, obj_flags;
     size_t pixels;         /* page-aligned */
     size_t slot_bytes;     /* a page multiple */
     size_t total_bytes;    /* header page + every slot */
 } en_ring_layout;
 
 /* Fill *out for a geometry; 0 on success, -1 (out untouched) for one that
- * cannot exist: no slots, an empty batch, or sizes that overflow. */
+ * cannot exist: no slots, an empty batch, more than EN_RING_MAX_OBJECTS
+ * objects per sample, or sizes that overflow. */
 int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                           en_ring_layout *out);
+                           uint32_t max_objects, en_ring_layout *out);
 
 /* Write the header of a new, zero-filled segment of at least
  * layout->total_bytes and free slot t % nslots for ticket t, for the nslots

@@ -1,0 +1,186 @@
+"""Where an image's boxes land: a batch's source boxes through its crops and flips.
+
+Every geometry this pipeline applies to an image is one *window* of the
+source image, ``(top, left, height, width)`` in source pixels (it may reach
+outside the image: zoom-out), an optional horizontal flip, and a resize of the
+window to the output size.  Boxes follow it with torchvision v2's arithmetic,
+step by step as ``transforms.v2.functional`` applies it to ``BoundingBoxes``
+(float32 throughout):
+
+1. crop: ``boxes - (left, top, left, top)``, clamped to the window;
+2. boxes that a ``RandomIoUCrop`` marked (centre outside the crop) become
+   ``(0, 0, 0, 0)``, as torchvision zeroes them for ``SanitizeBoundingBoxes``;
+3. flip: ``x1, x2 = w - x2, w - x1``;
+4. resize: times ``(W / w, H / h, W / w, H / h)``.
+
+:func:`map_boxes` does it for a whole batch at once, on padded arrays;
+:func:`sanitize` is ``SanitizeBoundingBoxes``'s test of which boxes are kept.
+Both are NumPy, so they run wherever the batch's metadata is (the consumer),
+for fresh examples and for every echo alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["map_boxes", "sanitize", "pack", "SourceObjects", "Objects"]
+
+#: Per-object flag bits, as the ring's obj_flags carry them (src/ring/en_ring.h).
+CROWD, DROPPED = 1, 2
+
+
+def map_boxes(boxes, windows, flips, size, dropped=None):
+    """Source boxes ``(B, M, 4)`` xyxy through each row's window, flip and resize.
+
+    Parameters
+    ----------
+    boxes : (B, M, 4) float32, xyxy in source pixels (padding rows are ignored
+        by the caller: they map like any box)
+    windows : (B, 4), each row's ``(top, left, height, width)`` in source pixels
+    flips : (B,) bool
+    size : (H, W) of the output
+    dropped : (B, M) bool or None, boxes whose centre fell outside an IoU crop
+
+    Returns (B, M, 4) float32, xyxy in output pixels.
+    """
+    boxes = np.asarray(boxes, np.float32)
+    windows = np.asarray(windows, np.float64)
+    out_h, out_w = (int(v) for v in size)
+    top, left = windows[:, 0, None], windows[:, 1, None]
+    height, width = windows[:, 2, None], windows[:, 3, None]
+    shift = np.stack([left, top, left, top], axis=-1).astype(np.float32)  # (B, 1, 4)
+    b = boxes - shift
+    # Clamped to the window as float32, like torchvision's clamp_bounding_boxes.
+    np.clip(b[..., 0::2], 0, width[..., None].astype(np.float32), out=b[..., 0::2])
+    np.clip(b[..., 1::2], 0, height[..., None].astype(np.float32), out=b[..., 1::2])
+    if dropped is not None:
+        b[np.asarray(dropped, bool)] = 0.0
+    flips = np.asarray(flips, bool)
+    if flips.any():
+        w = width[flips].astype(np.float32)                       # (F, 1)
+        x1, x2 = b[flips, :, 0], b[flips, :, 2]
+        b[flips, :, 0], b[flips, :, 2] = w - x2, w - x1
+    # The ratios are Python floats in torchvision, multiplied in the boxes' float32.
+    ratios = np.empty((len(b), 1, 4), np.float32)
+    ratios[:, 0, 0::2] = (out_w / width).astype(np.float32)
+    ratios[:, 0, 1::2] = (out_h / height).astype(np.float32)
+    return b * ratios
+
+
+def sanitize(boxes, valid, size, min_size=1.0, min_area=1.0):
+    """Which boxes ``SanitizeBoundingBoxes(min_size, min_area)`` keeps: ``valid`` and
+    at least ``min_size`` wide and high, at least ``min_area`` in area, with every
+    coordinate in the ``size = (H, W)`` image."""
+    b = np.asarray(boxes, np.float32)
+    h, w = (float(v) for v in size)
+    ws, hs = b[..., 2] - b[..., 0], b[..., 3] - b[..., 1]
+    keep = np.asarray(valid, bool) & (ws >= min_size) & (hs >= min_size)
+    keep &= ws * hs >= min_area
+    keep &= (b >= 0).all(axis=-1)
+    keep &= (b[..., 0] <= w) & (b[..., 2] <= w) & (b[..., 1] <= h) & (b[..., 3] <= h)
+    return keep
+
+
+def pack(keep, *arrays, width=None):
+    """The kept entries of each row moved to its front, in order, padded to ``width``
+    (default: the largest number kept in a row): ``(valid, *packed)``.
+
+    ``keep`` is (B, M) bool; each array is (B, M, ...).  Padding entries are zero."""
+    keep = np.asarray(keep, bool)
+    counts = keep.sum(axis=1)
+    m = int(counts.max(initial=0)) if width is None else int(width)
+    if m < counts.max(initial=0):
+        raise ValueError(f"a batch row keeps {int(counts.max())} boxes, more than the "
+                         f"{m} its padded arrays hold")
+    rows, cols = np.nonzero(keep)
+    # Position of each kept entry within its row: its rank among that row's kept ones.
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slots = np.arange(len(rows)) - np.repeat(starts, counts)
+    valid = np.zeros((len(keep), m), bool)
+    valid[rows, slots] = True
+    packed = []
+    for a in arrays:
+        a = np.asarray(a)
+        out = np.zeros((len(keep), m) + a.shape[2:], a.dtype)
+        out[rows, slots] = a[rows, cols]
+        packed.append(out)
+    return (valid, *packed)
+
+
+@dataclass
+class SourceObjects:
+    """The objects of some rows as their source gave them: padded ``boxes`` (n, M, 4)
+    xyxy in source pixels, ``labels`` (n, M), ``flags`` (n, M) (:data:`CROWD`,
+    :data:`DROPPED`) and ``counts`` (n,).  Host arrays, owned (copied out of a slot)."""
+
+    boxes: np.ndarray
+    labels: np.ndarray
+    flags: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def of_slot(cls, slot, n, copy=True):
+        """Rows ``:n`` of a ring slot's object arrays (copied unless ``copy=False``)."""
+        take = (lambda a: a[:n].copy()) if copy else (lambda a: a[:n])
+        return cls(take(slot.obj_boxes), take(slot.obj_labels), take(slot.obj_flags),
+                   take(slot.obj_count).astype(np.int64))
+
+    def map(self, windows, flips, size, sanitize_spec=None, width=None):
+        """The :class:`Objects` of these rows after each row's window, flip and resize
+        to ``size``, kept as ``sanitize_spec`` (a SanitizeBoundingBoxes or None) says,
+        packed to the front of each row, padded to ``width`` (default the most a row
+        keeps)."""
+        m = self.boxes.shape[1]
+        valid = np.arange(m) < self.counts[:, None]
+        dropped = (self.flags & DROPPED).astype(bool)
+        boxes = map_boxes(self.boxes, windows, flips, size, dropped)
+        keep = valid
+        if sanitize_spec is not None:
+            keep = sanitize(boxes, valid, size, sanitize_spec.min_size, sanitize_spec.min_area)
+        crowd = (self.flags & CROWD).astype(bool)
+        valid, boxes, labels, crowd = pack(keep, boxes, self.labels, crowd, width=width)
+        return Objects(boxes, labels, valid, crowd)
+
+
+@dataclass
+class Objects:
+    """A batch's objects: ``boxes`` (B, M, 4) float32, xyxy in output pixels;
+    ``labels`` (B, M) int64; ``valid`` (B, M) bool; ``iscrowd`` (B, M) bool.  Each
+    row's valid objects come first; ``M`` is the most any row holds (or
+    ``max_boxes``).  The arrays export DLPack, on the batch's device."""
+
+    boxes: np.ndarray
+    labels: np.ndarray
+    valid: np.ndarray
+    iscrowd: np.ndarray
+
+    @property
+    def counts(self):
+        """Valid objects per row."""
+        return self.valid.sum(axis=1)
+
+    def copy(self):
+        return Objects(self.boxes.copy(), self.labels.copy(), self.valid.copy(),
+                       self.iscrowd.copy())
+
+    def to(self, xp):
+        """The same objects as arrays of the array module ``xp`` (e.g. CuPy)."""
+        return Objects(*(xp.asarray(a) for a in (self.boxes, self.labels, self.valid,
+                                                 self.iscrowd)))
+
+    def to_torchvision(self):
+        """One ``{"boxes": (n, 4) float32, "labels": (n,) int64}`` dict of torch tensors
+        per image, on the batch's device: what torchvision's detection models take as
+        ``targets``."""
+        import torch
+
+        boxes, labels = torch.from_dlpack(self.boxes), torch.from_dlpack(self.labels)
+        counts = [int(c) for c in np.asarray(_host(self.counts))]
+        return [{"boxes": boxes[i, :n], "labels": labels[i, :n]}
+                for i, n in enumerate(counts)]
+
+
+def _host(a):
+    get = getattr(a, "get", None)  # a CuPy array
+    return get() if callable(get) else a
