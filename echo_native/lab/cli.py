@@ -18,7 +18,8 @@ verdict ends it.
 
 ``echo-native-lab make-dataset fashion-mnist|imagenet-like OUT`` writes a JPEG
 ImageFolder; ``echo-native-lab demo`` runs the echo training demo
-(:mod:`echo_native.lab.demo`).  Errors a user can hit print one line and exit 2.
+(:mod:`echo_native.lab.demo`); ``echo-native-lab lm-demo`` the language-model echo
+demo around ``EchoLoader`` (:mod:`echo_native.lab.lm_demo`).  Errors a user can hit print one line and exit 2.
 
 The library's own command, ``echo-native profile``, is :mod:`echo_native.cli`;
 this module borrows its small helpers (the lab imports the library, never the
@@ -697,6 +698,82 @@ def _print_sweep(args, report):
     return 0
 
 
+# -- lm-demo --------------------------------------------------------------------------
+# --quick: seconds, not minutes (a smoke run: tiny model and corpus, one seed).
+LM_QUICK = dict(seeds=1, corpus_bytes=200_000, batch_size=8, seq_len=16, embed=16, hidden=32,
+                max_fresh_tokens=6_000, eval_every=1_000, target=4.0, calibrate_s=0.3,
+                eval_windows=64)
+
+
+def cmd_lm_demo(args):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UsageError("the LM demo trains a PyTorch model: pip install torch") from None
+    from echo_native.lab.lm_demo import LMConfig, run_lm_demo
+
+    given = {k: getattr(args, k) for k in ("seeds", "corpus_bytes", "batch_size", "seq_len",
+                                           "embed", "hidden", "max_fresh_tokens",
+                                           "eval_every", "target", "eval_windows")}
+    values = {**(LM_QUICK if args.quick else {}),
+              **{k: v for k, v in given.items() if v is not None}}
+    if any(e != "auto" and e < 1 for e in args.echo):
+        raise UsageError(f"--echo needs numbers >= 1 or 'auto', got {args.echo}")
+    bad = [p for p in args.placements if p not in ("batch", "after_augment")]
+    if bad:
+        raise UsageError(f"--placements: {bad[0]!r} is not batch or after_augment (the "
+                         f"tokenizer's rows have no augmentation to echo before)")
+    for name, lo in (("seeds", 1), ("corpus_bytes", 1), ("batch_size", 1), ("seq_len", 1),
+                     ("embed", 1), ("hidden", 1), ("max_fresh_tokens", 1),
+                     ("eval_every", 1), ("eval_windows", 1)):
+        if name in values and values[name] < lo:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {lo}, got {values[name]}")
+    for name in ("R", "lr"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
+    if "target" in values and values["target"] <= 0:
+        raise UsageError(f"--target is a held-out loss in nats per token (> 0), got "
+                         f"{values['target']}")
+    if args.workers < 0 or args.threads < 1 or (args.rounds is not None and args.rounds < 1):
+        raise UsageError("--workers must be >= 0, --threads and --rounds >= 1")
+    if args.max_echo < 1:
+        raise UsageError(f"--max-echo must be >= 1, got {args.max_echo}")
+    if args.stdlib is not None and not os.path.isdir(args.stdlib):
+        raise UsageError(f"--stdlib {args.stdlib}: no such folder")
+    cfg = LMConfig(echo=tuple(args.echo), placements=tuple(args.placements),
+                   first_seed=args.first_seed, R=args.R, lr=args.lr, max_echo=args.max_echo,
+                   workers=args.workers, threads=args.threads, rounds=args.rounds,
+                   stdlib=args.stdlib, out_json=args.out, **values)
+    log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"LM echo demo: {len(_lm_settings(cfg))} settings x {cfg.seeds} seeds, target "
+          f"held-out loss {cfg.target:g}, upstream calibrated to R = {cfg.R:g}",
+          file=sys.stderr)
+    try:
+        report = run_lm_demo(cfg, log=log)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    c = report["corpus"]
+    in_run = f", in the e=1 runs {report['in_run_R']:.2f}" if report["in_run_R"] else ""
+    print(f"\nPython standard library sources ({c['files']} files read from {c['root']}, "
+          f"{c['train_bytes']:,} bytes of training text, every 10th file held out: "
+          f"{c['held_out_rows']} rows); byte-level vocabulary; GRU {cfg.hidden} "
+          f"(PyTorch, CPU, {cfg.threads} thread), batch {cfg.batch_size} x {cfg.seq_len} "
+          f"tokens; train step {report['step_ms']:.1f} ms, tokenizer {report['rounds']} "
+          f"hash rounds per token, {report['upstream_ms']:.1f} ms per batch: measured "
+          f"R = {report['measured_R']:.2f}{in_run}; {cfg.seeds} seeds, mean (min-max)\n")
+    print(report["table"])
+    if cfg.out_json:
+        print(f"\nJSON: {cfg.out_json}")
+    print(f"total {report['total_s']:.0f} s")
+    return 0
+
+
+def _lm_settings(cfg):
+    from echo_native.lab.lm_demo import settings
+
+    return settings(cfg)
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="echo-native-lab",
@@ -790,6 +867,48 @@ def build_parser():
     d.add_argument("--json", default="echo_native_demo.json")
     d.add_argument("--chart", default="echo_native_demo.png")
     d.set_defaults(func=cmd_demo)
+
+    lm = sub.add_parser("lm-demo", help="echo for a language model: EchoLoader around a slow "
+                                        "tokenizer of the Python standard library's sources, "
+                                        "a small GRU, fresh tokens and wall time to a target "
+                                        "loss per echo setting")
+    lm.add_argument("--echo", type=echo_list, default=[1, 2, 4, "auto"],
+                    help="comma-separated echo factors (numbers or 'auto')")
+    lm.add_argument("--placements", type=lambda s: s.split(","),
+                    default=["batch", "after_augment"],
+                    help="batch, after_augment (example echo) or both")
+    lm.add_argument("--seeds", type=int, default=None, help="default 3")
+    lm.add_argument("--first-seed", type=int, default=0)
+    lm.add_argument("--R", type=float, default=3.0,
+                    help="tokenizer time / training step time per batch (calibrated)")
+    lm.add_argument("--target", type=float, default=None,
+                    help="held-out loss to reach, nats per token (default 1.6)")
+    lm.add_argument("--max-fresh-tokens", type=int, default=None,
+                    help="budget of fresh tokens per run (default 600,000)")
+    lm.add_argument("--eval-every", type=int, default=None,
+                    help="evaluate every N fresh tokens (default: 8 batches)")
+    lm.add_argument("--corpus-bytes", type=int, default=None,
+                    help="training text read from the standard library (default 4,000,000)")
+    lm.add_argument("--eval-windows", type=int, default=None,
+                    help="held-out rows (default 512)")
+    lm.add_argument("--batch-size", type=int, default=None, help="default 32")
+    lm.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 32)")
+    lm.add_argument("--embed", type=int, default=None, help="default 64")
+    lm.add_argument("--hidden", type=int, default=None, help="GRU width (default 128)")
+    lm.add_argument("--lr", type=float, default=3e-3)
+    lm.add_argument("--max-echo", type=float, default=4.0, help="echo='auto''s cap")
+    lm.add_argument("--workers", type=int, default=1,
+                    help="tokenizer processes (0: in the training process)")
+    lm.add_argument("--threads", type=int, default=1, help="torch threads")
+    lm.add_argument("--rounds", type=int, default=None,
+                    help="hash rounds per token (default: calibrated to --R)")
+    lm.add_argument("--stdlib", default=None,
+                    help="folder of .py sources (default: this Python's standard library)")
+    lm.add_argument("--quick", action="store_true",
+                    help="a smoke run in seconds: one seed, tiny model and corpus, loss 4.0")
+    lm.add_argument("--quiet", action="store_true")
+    lm.add_argument("--out", default=None, help="write the report as JSON here")
+    lm.set_defaults(func=cmd_lm_demo)
     return p
 
 
