@@ -18,8 +18,8 @@ import pytest
 
 from echo_native import shards
 from echo_native.coco import CocoDetection
-from echo_native.tarshards import TarShards
 from echo_native.targets import source_targets
+from echo_native.tarshards import TarShards
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -373,3 +373,17 @@ def test_the_boxes_and_categories_match_pycocotools(coco):
             [ref.loadCats(a["category_id"])[0]["name"] for a in anns]
         assert t.iscrowd.tolist() == [bool(a.get("iscrowd", 0)) for a in anns]
         assert src.describe(i).endswith(info["file_name"])
+
+
+def test_an_id_or_file_name_with_a_newline_cannot_break_the_message(coco, tmp_path):
+    """An annotation id holding a newline, in a file whose name holds one: the error is
+    still one line, the id and the name shown escaped."""
+    root, _, doc = coco
+    doc["annotations"][0]["id"] = "7\nERROR forged"
+    doc["annotations"][0]["bbox"] = [0, 0, -1, 1]
+    ann = tmp_path / "odd\nname.json"
+    ann.write_text(json.dumps(doc))
+    with pytest.raises(ValueError) as e:
+        CocoDetection(root, ann)
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith(repr(str(ann)) + ": annotation id '7\\nERROR forged': ")

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from echo_native import shards, tarindex
 from echo_native.source import FileList, Samples
-from echo_native.tarshards import TarShards
 from echo_native.targets import (MAX_JSON_BYTES, Targets, as_targets, source_targets,
                                  targets_from_json, targets_to_json)
+from echo_native.tarshards import TarShards
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -512,7 +512,7 @@ def test_write_shards_scales_targets_with_a_reencoded_image(listed, tmp_path):
 def test_targets_that_do_not_fit_the_image_leave_the_sample_out(listed, tmp_path):
     """write_shards checks targets against the decoded image: made for another size, or
     invalid, the sample is reported with its path and left out like a bad image."""
-    root, want = listed
+    root, _ = listed
     (root / "im.1.json").write_bytes(targets_to_json(Targets([[0, 0, 1, 1]], [1],
                                                              image_hw=(41, 48))))
     (root / "im.2.json").write_bytes(b'{"boxes": [[0, 0, 60, 1]], "labels": [1]}')
