@@ -46,6 +46,14 @@ class Batch:
     def __len__(self):
         return len(self.labels)
 
+    def to_torchvision(self):
+        """The detection targets as torchvision's detection models take them: one
+        ``{"boxes", "labels"}`` dict of torch tensors per image (see
+        :meth:`echo_native.Objects.to_torchvision`)."""
+        if self.objects is None:
+            raise ValueError("this batch has no objects: its source has no detection targets")
+        return self.objects.to_torchvision()
+
     @property
     def boxes(self):
         """The former name of :attr:`crop_boxes` (the crop windows, not detection

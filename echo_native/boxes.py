@@ -20,6 +20,7 @@ for fresh examples and for every echo alike.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,9 +173,10 @@ class Objects:
     def to_torchvision(self):
         """One ``{"boxes": (n, 4) float32, "labels": (n,) int64}`` dict of torch tensors
         per image, on the batch's device: what torchvision's detection models take as
-        ``targets``."""
-        import torch
-
+        ``targets``.  (The library never imports torch itself: the caller has.)"""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            raise ImportError("to_torchvision() makes torch tensors: import torch first")
         boxes, labels = torch.from_dlpack(self.boxes), torch.from_dlpack(self.labels)
         counts = [int(c) for c in np.asarray(_host(self.counts))]
         return [{"boxes": boxes[i, :n], "labels": labels[i, :n]}

@@ -239,7 +239,7 @@ def test_to_torchvision_gives_each_image_its_boxes_and_labels():
     torch = pytest.importorskip("torch")
     batches, _ = _run(Rectangles(), SSD, 1, batches=1)
     b = batches[0]
-    targets = b.objects.to_torchvision()
+    targets = b.to_torchvision()
     assert len(targets) == len(b)
     for i, t in enumerate(targets):
         n = int(b.objects.counts[i])
