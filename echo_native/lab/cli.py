@@ -700,9 +700,9 @@ def _print_sweep(args, report):
 
 # -- lm-demo --------------------------------------------------------------------------
 # --quick: seconds, not minutes (a smoke run: tiny model and corpus, one seed).
-LM_QUICK = dict(seeds=1, corpus_bytes=200_000, batch_size=8, seq_len=16, embed=16, hidden=32,
-                max_fresh_tokens=6_000, eval_every=1_000, target=4.0, calibrate_s=0.3,
-                eval_windows=64)
+LM_QUICK = {"seeds": 1, "corpus_bytes": 200_000, "batch_size": 8, "seq_len": 16, "embed": 16,
+            "hidden": 32, "max_fresh_tokens": 6_000, "eval_every": 1_000, "target": 4.0,
+            "calibrate_s": 0.3, "eval_windows": 64}
 
 
 def cmd_lm_demo(args):

@@ -20,6 +20,7 @@ Run it with ``echo-native-lab lm-demo`` (see ``echo-native-lab lm-demo --help``)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
@@ -34,9 +35,21 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-__all__ = ["LMConfig", "Corpus", "load_corpus", "tokenize", "SlowTokens", "CharGRU",
-           "measure_step", "calibrate", "train_one", "run_lm_demo", "summarize",
-           "markdown_table", "VOCAB"]
+__all__ = [
+    "VOCAB",
+    "CharGRU",
+    "Corpus",
+    "LMConfig",
+    "SlowTokens",
+    "calibrate",
+    "load_corpus",
+    "markdown_table",
+    "measure_step",
+    "run_lm_demo",
+    "summarize",
+    "tokenize",
+    "train_one",
+]
 
 # The byte vocabulary: 0 is never produced, 1 stands for any byte outside CHARS.
 CHARS = bytes([9, 10]) + bytes(range(32, 127))
@@ -114,7 +127,8 @@ def source_files(root):
 
 def load_corpus(limit_bytes, root=None):
     """The standard library's sources in path order until ``limit_bytes`` of training
-    text are read; every tenth file (the 10th, 20th, ...) is the held-out text."""
+    text (and at least one held-out file) are read; every tenth file (the 10th, 20th,
+    ...) is the held-out text."""
     root = root or sysconfig.get_paths()["stdlib"]
     files = source_files(root)
     if not files:
@@ -129,7 +143,7 @@ def load_corpus(limit_bytes, root=None):
         else:
             train.append(data)
             size += len(data)
-        if size >= limit_bytes:
+        if size >= limit_bytes and n_held:
             break
     train_b = b"".join(train)[:limit_bytes]
     return Corpus(str(root), train_b, b"".join(held), k + 1, n_held)
@@ -241,6 +255,18 @@ class CharGRU(nn.Module):
         return self.out(y)
 
 
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's intra-op threads set to ``n`` for a block (a step of this small model is
+    slower on more threads than one core, and far slower on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def make_model(seed, cfg):
     torch.manual_seed(seed)
     return CharGRU(VOCAB, cfg.embed, cfg.hidden)
@@ -276,6 +302,11 @@ def held_out(corpus, cfg):
 
 def measure_step(cfg, steps=20, warmup=5):
     """Seconds per training step of the model on a random batch."""
+    with torch_threads(cfg.threads):
+        return _measure_step(cfg, steps, warmup)
+
+
+def _measure_step(cfg, steps, warmup):
     model = make_model(0, cfg)
     opt = torch.optim.Adam(model.parameters(), cfg.lr)
     x = torch.randint(2, VOCAB, (cfg.batch_size, cfg.row_tokens))
@@ -354,6 +385,11 @@ def echo_spec(echo, placement, cfg):
 def train_one(corpus, held, cfg, echo, placement, seed, rounds, log=None):
     """One training run until the held-out loss reaches ``cfg.target`` or the budget of
     fresh tokens is spent; returns a dict (``*_to_target`` are None when not reached)."""
+    with torch_threads(cfg.threads):
+        return _train_one(corpus, held, cfg, echo, placement, seed, rounds, log)
+
+
+def _train_one(corpus, held, cfg, echo, placement, seed, rounds, log):
     import echo_native as en
 
     ctx = _context()
@@ -414,7 +450,8 @@ def train_one(corpus, held, cfg, echo, placement, seed, rounds, log=None):
             "final_loss": curve[-1][3] if curve else None,
             "fresh_tokens": fresh, "delivered_tokens": delivered,
             "upstream_tokens": int(made.value), "steps": steps, "wall_s": wall,
-            "epochs": epoch, "effective_echo": delivered / fresh if fresh else 0.0,
+            "epochs": epoch,   # epochs begun (the last one may have been cut short)
+            "effective_echo": delivered / fresh if fresh else 0.0,
             "final_echo": st.get("echo_factor"), "estimated_R": st.get("estimated_R"),
             "curve": curve}
 
@@ -437,7 +474,6 @@ def run_lm_demo(cfg: LMConfig, log=None):
     report dict (also written to ``cfg.out_json`` when set)."""
     log = log or (lambda s: None)
     t_all = time.perf_counter()
-    torch.set_num_threads(cfg.threads)
     corpus = load_corpus(cfg.corpus_bytes, cfg.stdlib)
     held = held_out(corpus, cfg)
     step_s = cfg.step_s if cfg.step_s is not None else measure_step(cfg)
