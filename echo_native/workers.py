@@ -140,8 +140,12 @@ class _Filler:
         """The transform, with sample ``sid``'s targets written beside its pixels (source
         pixels: boxes follow the crop at the consumer).  Bad targets, or more objects than
         the slots hold, fail the sample (ValueError)."""
+        h, w = self.dec.size(data)
         try:
-            t = as_targets(self.targets(sid), f"the targets of {describe(self.source, sid)}")
+            # Checked against the decoded image: boxes up to 1 px past it are clipped,
+            # targets made for another size fail the sample instead of landing wrong.
+            t = as_targets(self.targets(sid), f"the targets of {describe(self.source, sid)}",
+                           image_hw=(h, w))
         except OSError as e:
             raise ValueError(f"cannot read its targets: {e.strerror or e}") from None
         n = len(t)
@@ -150,11 +154,6 @@ class _Filler:
                                  f"refused: it has {n} objects, more than max_objects="
                                  f"{self.max_objects} (raise max_objects= of the EchoRing or "
                                  f"Loader)")
-        if t.image_hw is not None and tuple(t.image_hw) != tuple(self.dec.size(data)):
-            h, w = self.dec.size(data)
-            raise ValueError(f"the image is {h}x{w} pixels but its targets are for "
-                             f"{t.image_hw[0]}x{t.image_hw[1]}: its boxes would land in the "
-                             f"wrong place")
         slot.obj_count[i] = n
         slot.obj_boxes[i, :n] = t.boxes
         slot.obj_labels[i, :n] = t.labels
