@@ -764,7 +764,10 @@ def cmd_lm_demo(args):
     print(report["table"])
     if cfg.out_json:
         print(f"\nJSON: {cfg.out_json}")
-    print(f"total {report['total_s']:.0f} s")
+    other = report["other_cores_avg"]
+    print(f"total {report['total_s']:.0f} s" +
+          (f"; other processes used {other:.2f} cores on average meanwhile"
+           if other is not None else ""))
     return 0
 
 

@@ -320,7 +320,7 @@ def _measure_step(cfg, steps, warmup):
 
 
 # -- calibration --------------------------------------------------------------------------
-def _token_cost(raw, rounds, reps=3):
+def token_cost(raw, rounds, reps=3):
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -353,7 +353,7 @@ def calibrate(corpus, cfg, step_s, log=None):
     log = log or (lambda s: None)
     want = cfg.R * step_s * max(1, cfg.workers)        # per batch, in one worker
     sample = corpus.train[:64 * cfg.row_tokens]
-    lo, hi = _token_cost(sample, 1), _token_cost(sample, 201)
+    lo, hi = token_cost(sample, 1), token_cost(sample, 201)
     per_round = max((hi - lo) / 200, 1e-9)
     base = max(lo - per_round, 0.0)
     rounds = max(1, round((want / cfg.batch_tokens - base) / per_round))
@@ -473,7 +473,7 @@ def run_lm_demo(cfg: LMConfig, log=None):
     """Every setting for every seed (settings interleaved within a seed); returns the
     report dict (also written to ``cfg.out_json`` when set)."""
     log = log or (lambda s: None)
-    t_all = time.perf_counter()
+    t_all, busy0 = time.perf_counter(), _busy_s()
     corpus = load_corpus(cfg.corpus_bytes, cfg.stdlib)
     held = held_out(corpus, cfg)
     step_s = cfg.step_s if cfg.step_s is not None else measure_step(cfg)
@@ -493,6 +493,10 @@ def run_lm_demo(cfg: LMConfig, log=None):
                  if r["reached"] else f"not reached (final loss {r['final_loss']:.3f})"))
     rows = summarize(runs)
     e1 = [r["estimated_R"] for r in runs if r["echo"] == 1 and r["estimated_R"] is not None]
+    wall, busy1 = time.perf_counter() - t_all, _busy_s()
+    # Other processes' CPU during the run, in cores: wall times are only as good as this.
+    other = (max(0.0, (busy1[0] - busy0[0]) - (busy1[1] - busy0[1])) / wall
+             if busy0 and busy1 else None)
     report = {
         "config": {k: v for k, v in vars(cfg).items()},
         "corpus": {"root": corpus.root, "files": corpus.files, "held_out_files":
@@ -501,13 +505,29 @@ def run_lm_demo(cfg: LMConfig, log=None):
         "step_ms": step_s * 1000, "rounds": rounds, "upstream_ms": t_up * 1000,
         "measured_R": t_up / step_s,
         "in_run_R": float(np.median(e1)) if e1 else None,
-        "total_s": time.perf_counter() - t_all, "rows": rows, "runs": runs,
+        "total_s": wall, "other_cores_avg": other, "rows": rows, "runs": runs,
     }
     report["table"] = markdown_table(rows, cfg.target)
     if cfg.out_json:
         with open(cfg.out_json, "w") as f:
             json.dump(report, f, indent=2, default=str)
     return report
+
+
+def _busy_s():
+    """CPU seconds the machine has been busy (Linux /proc/stat), and this process's with
+    its reaped children's (the loaders' workers, reaped at the end of each run)."""
+    import resource
+
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    own = sum(getattr(resource.getrusage(who), k) for who in
+              (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for k in ("ru_utime", "ru_stime"))
+    return (sum(fields[:8]) - fields[3] - fields[4]) / tick, own
 
 
 def _spread(values):
