@@ -127,12 +127,6 @@ class EchoRing(Started):
         if detection and mix is not None:
             raise ValueError("Mix blends whole images, so a sample's boxes would no longer "
                              "describe its pixels: leave mix=None for a source with targets")
-        if getattr(crop, "zoom_out", None) is not None and not echo.off and \
-                echo.placement == "before_augment":
-            raise ValueError("RandomZoomOut with echo before augmentation is not supported: "
-                             "use Echo(..., placement='after_augment') or 'batch', or leave "
-                             "RandomZoomOut out (RandomIoUCrop and the flip are redrawn for "
-                             "every emission)")
         if on_batch is not None and not callable(on_batch):
             raise TypeError(f"on_batch must be callable(images, xp, keys), got {on_batch!r}")
         capacity = 4 * batch_size if echo.shuffle_buffer is None else echo.shuffle_buffer
@@ -144,6 +138,13 @@ class EchoRing(Started):
         self.image_size, self.placement, self.echo = crop.size, echo.placement, echo.factor
         self.batch_size, self.shuffle_buffer = batch_size, capacity
         self.device = resolve(device)
+        if getattr(crop, "zoom_out", None) is not None and not echo.off and \
+                echo.placement == "before_augment" and not self.device.host_resident:
+            raise ValueError(f"RandomZoomOut with echo before augmentation runs on the host "
+                             f"only (not on {self.device.name}): use Echo(..., "
+                             f"placement='after_augment') or 'batch' there, or leave "
+                             f"RandomZoomOut out (RandomIoUCrop and the flip are redrawn "
+                             f"for every emission)")
         # The ops run per emission where the echo stage makes the pixels, else in the
         # workers, once per fresh sample.
         self.program = Program(specs.ops, crop.size, output.mean, output.std)

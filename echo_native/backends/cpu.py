@@ -150,6 +150,42 @@ class CpuDevice(ArrayDevice):
     def crop_resize(self, buffer, entries, boxes, flips, out):
         return self.reaugment(buffer, entries, boxes, flips, out)
 
+    def place(self, buffer, entries, boxes, rects, flips, fill, out, rows, codes=None,
+              args=None):
+        """After the jobs queued so far: rows ``rows`` of ``out`` become ``fill`` with
+        box i of canvas ``entries[i]`` resized into output rectangle ``rects[i]`` =
+        (y0, y1, x0, x1) (flipped where ``flips[i]``), then row i's program (a zoom-out
+        windows past the image, whose outside is fill)."""
+        if codes is not None:
+            _kernel.check_ops(codes, args, (len(rows), *out.shape[1:]))
+            codes, args = codes.copy(), args.copy()
+        return self._queue(self._place, self._last, buffer, np.asarray(entries, np.int64),
+                           np.asarray(boxes, np.float64), np.asarray(rects, np.int64),
+                           np.asarray(flips, bool), np.asarray(fill, np.uint8), out,
+                           np.asarray(rows, np.int64), codes, args)
+
+    def _place(self, after, buffer, entries, boxes, rects, flips, fill, out, rows, codes,
+               args):
+        if after is not None:
+            after.result()  # queued before us on this one thread: finished; re-raise a failure
+        kernel = self._resizer()
+        for i, (e, r) in enumerate(zip(entries, rows)):
+            h, w = (int(v) for v in buffer.shape[e])
+            canvas = buffer.pixels[e, :h * w * 3].reshape(h, w, 3)
+            y0, y1, x0, x1 = (int(v) for v in rects[i])
+            out[r] = fill
+            if y1 <= y0 or x1 <= x0:  # the window misses the image: all fill
+                continue
+            kernel.resize(canvas, tuple(boxes[i]), (y1 - y0, x1 - x0), bool(flips[i]),
+                          out[r, y0:y1, x0:x1])
+            if codes is not None:
+                _kernel.apply_ops(out[r:r + 1], codes[i:i + 1], args[i:i + 1])
+
+    def _resizer(self):
+        if getattr(self, "_kernel_decoder", None) is None:
+            self._kernel_decoder = _kernel.Decoder()
+        return self._kernel_decoder
+
     def augment(self, images, codes, args, after=None):
         """Queue the per-image programs after the batch's crop (the job ``after``; by
         default the last job queued), so they run on its pixels once it has written

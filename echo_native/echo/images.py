@@ -20,7 +20,7 @@ import numpy as np
 from echo_native import _kernel
 from echo_native.batch import Batch
 from echo_native.boxes import DROPPED, SourceObjects
-from echo_native.detection import BoxCrop
+from echo_native.detection import BoxCrop, inner_rect
 
 
 class ImageStore:
@@ -134,12 +134,18 @@ class ImageExamples:
             objects = self._objects(self._stored_objects(entries), boxes, flips) \
                 if self.max_objects else None
         elif isinstance(self.crop, BoxCrop):
-            boxes, flips, canvas_boxes, dropped = self._box_crops(entries, sample_ids,
-                                                                  echo_index, epochs)
+            boxes, flips, canvas_boxes, dropped, placed = self._box_crops(
+                entries, sample_ids, echo_index, epochs)
             codes = args = None
             if self.program:
                 codes, args = self.program.draw(self.seed, epochs, sample_ids, echo_index)
             job = device.reaugment(s, entries, canvas_boxes, flips, images, codes, args)
+            if placed is not None:  # zoom-outs: the image inside, fill around it
+                rows, inner, rects = placed
+                job = device.place(s, entries[rows], inner, rects, flips[rows],
+                                   self.crop.zoom_out.fill, images, rows,
+                                   None if codes is None else codes[rows],
+                                   None if args is None else args[rows])
             objects = self._objects(self._stored_objects(entries, dropped), boxes, flips) \
                 if self.max_objects else None
         else:
@@ -161,7 +167,9 @@ class ImageExamples:
 
     def _box_crops(self, entries, sample_ids, echo_index, epochs):
         """A detection crop of each emission (:meth:`BoxCrop.draw`, from the stored
-        boxes), in the original's pixels and mapped onto the stored canvas."""
+        boxes), in the original's pixels and mapped onto the stored canvas; and for the
+        windows a zoom-out takes past the image, ``(rows, canvas boxes, output
+        rectangles)`` of the part on the image (else None)."""
         s, n = self.stored, len(entries)
         windows = np.zeros((n, 4), np.float32)
         flips = np.zeros(n, bool)
@@ -173,15 +181,34 @@ class ImageExamples:
                 s.obj_boxes[e, :count])
             windows[k] = window
             dropped[k, :count] = drop
+        sources = windows.astype(np.float64)
+        hw = s.source_hw[entries].astype(np.float64)
+        outside = (sources[:, 0] < 0) | (sources[:, 1] < 0) | \
+            (sources[:, 0] + sources[:, 2] > hw[:, 0]) | (sources[:, 1] + sources[:, 3] > hw[:, 1])
+        placed = None
+        if outside.any():
+            rows, inner, rects = [], [], []
+            for k in np.flatnonzero(outside):
+                part = inner_rect(hw[k], windows[k], self.size, flips[k])
+                if part is None:  # the window misses the image: all fill
+                    part = ((0, 0, 0, 0), (0.0, 0.0, 1.0, 1.0))
+                rects.append(part[0])
+                inner.append(part[1])
+                rows.append(k)
+            sources[outside] = inner
+            rows = np.asarray(rows, np.int64)
+            placed = (rows, None, np.asarray(rects, np.int64))
         # Onto the canvas: canvas pixels = original pixels / scale, kept inside it.
         scale = s.scale[entries].astype(np.float64)
-        hw = s.shape[entries].astype(np.float64)
+        chw = s.shape[entries].astype(np.float64)
         canvas = np.empty((n, 4), np.float64)
-        canvas[:, 0] = windows[:, 0] / scale[:, 0]
-        canvas[:, 1] = windows[:, 1] / scale[:, 1]
-        canvas[:, 2] = np.minimum(windows[:, 2] / scale[:, 0], hw[:, 0] - canvas[:, 0])
-        canvas[:, 3] = np.minimum(windows[:, 3] / scale[:, 1], hw[:, 1] - canvas[:, 1])
-        return windows, flips, canvas, dropped
+        canvas[:, 0] = sources[:, 0] / scale[:, 0]
+        canvas[:, 1] = sources[:, 1] / scale[:, 1]
+        canvas[:, 2] = np.minimum(sources[:, 2] / scale[:, 0], chw[:, 0] - canvas[:, 0])
+        canvas[:, 3] = np.minimum(sources[:, 3] / scale[:, 1], chw[:, 1] - canvas[:, 1])
+        if placed is not None:
+            placed = (placed[0], canvas[placed[0]], placed[2])
+        return windows, flips, canvas, dropped, placed
 
     # -- whole slots -------------------------------------------------------------------
     def _views(self, fresh):
