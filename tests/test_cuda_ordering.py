@@ -801,3 +801,30 @@ def test_the_stand_in_destroys_and_reuses_stream_handles():
         gpu.cupy.cuda.runtime.streamSynchronize(handle)
     assert any("after the stream was destroyed" in v for v in gpu.violations)
     assert gpu.stream().ptr == handle
+
+
+@pytest.mark.parametrize("placement", ["e1", "before", "after", "batch"])
+def test_detection_objects_on_the_stand_in_are_device_arrays_equal_to_the_cpus(gpu,
+                                                                              placement):
+    """A source with targets on CudaDevice: batch.objects are arrays of the device's
+    module (beside the images, for DLPack), equal to the CPU backend's objects."""
+    import test_detection as td
+
+    src = td.Rectangles(12, seed=2)
+    augment = [en.RandomIoUCrop(), en.RandomHorizontalFlip(), en.Resize((24, 24)),
+               en.SanitizeBoundingBoxes()]
+    kw = dict(PLACEMENTS[placement], augment=augment, batch_size=4, workers=1, seed=5,
+              worker_mode="thread")
+    with en.EchoRing(src, device="cpu", **kw) as ring:
+        ref = [(b.sample_ids.copy(), b.objects.copy()) for b in ring]
+    got = []
+    with en.EchoRing(src, device=_device(gpu), **kw) as ring:
+        for b in ring:
+            assert isinstance(b.objects.boxes, gpu.cupy.ndarray)
+            got.append((b.sample_ids.copy(), b.objects.boxes.get(), b.objects.valid.get()))
+    assert gpu.violations == []
+    assert len(got) == len(ref)
+    for (ri, ro), (gi, gb, gv) in zip(ref, got):
+        np.testing.assert_array_equal(ri, gi)
+        np.testing.assert_array_equal(ro.boxes, gb)
+        np.testing.assert_array_equal(ro.valid, gv)
