@@ -456,7 +456,7 @@ def test_make_dataset_out_is_a_file(tmp_path, capsys):
 
 def test_parser_has_the_lab_commands():
     sub = cli.build_parser()._subparsers._group_actions[0].choices
-    assert set(sub) == {"bench", "make-dataset", "demo"}
+    assert set(sub) == {"bench", "make-dataset", "demo", "lm-demo"}
 
 
 def test_only_the_lab_cli_imports_a_cli():
