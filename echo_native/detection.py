@@ -221,6 +221,10 @@ def _iou_crop(spec, rng, h, w, boxes):
     """torchvision v2's RandomIoUCrop parameters on an ``h`` x ``w`` canvas whose boxes
     are ``boxes`` (canvas pixels, float32): ``(top, left, height, width, within)`` or
     None to leave the image."""
+    if not len(boxes):
+        # No box can have its centre in a crop: torchvision draws options until "leave"
+        # comes up, so the image is left as it is, whatever the draws.
+        return None
     cx = np.float32(0.5) * (boxes[:, 0] + boxes[:, 2])
     cy = np.float32(0.5) * (boxes[:, 1] + boxes[:, 3])
     options = spec.sampler_options
