@@ -227,6 +227,7 @@ def _iou_crop(spec, rng, h, w, boxes):
         return None
     cx = np.float32(0.5) * (boxes[:, 0] + boxes[:, 2])
     cy = np.float32(0.5) * (boxes[:, 1] + boxes[:, 3])
+    areas = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
     options = spec.sampler_options
     for _ in range(_ROUNDS):
         min_iou = options[int(rng.integers(len(options)))]
@@ -246,21 +247,20 @@ def _iou_crop(spec, rng, h, w, boxes):
             within = (left < cx) & (cx < right) & (top < cy) & (cy < bottom)
             if not within.any():
                 continue
-            if _iou(boxes[within], (left, top, right, bottom)).max() < min_iou:
+            if _iou(boxes[within], areas[within], (left, top, right, bottom)).max() < min_iou:
                 continue
             return top, left, new_h, new_w, within
     return None
 
 
-def _iou(boxes, crop):
-    """IoU of each xyxy box with one crop, in float32 as torchvision's ``box_iou``."""
-    c = np.asarray(crop, np.float32)
-    area_b = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
-    area_c = (c[2] - c[0]) * (c[3] - c[1])
-    iw = np.clip(np.minimum(boxes[:, 2], c[2]) - np.maximum(boxes[:, 0], c[0]), 0, None)
-    ih = np.clip(np.minimum(boxes[:, 3], c[3]) - np.maximum(boxes[:, 1], c[1]), 0, None)
+def _iou(boxes, areas, crop):
+    """IoU of each xyxy box (of ``areas``) with one crop, in float32 as torchvision's
+    ``box_iou``."""
+    x1, y1, x2, y2 = (np.float32(v) for v in crop)
+    iw = np.maximum(np.minimum(boxes[:, 2], x2) - np.maximum(boxes[:, 0], x1), 0)
+    ih = np.maximum(np.minimum(boxes[:, 3], y2) - np.maximum(boxes[:, 1], y1), 0)
     inter = iw * ih
-    return inter / (area_b + area_c - inter)
+    return inter / (areas + (x2 - x1) * (y2 - y1) - inter)
 
 
 def inner_rect(image_hw, window, size, flip):
