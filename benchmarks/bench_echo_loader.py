@@ -26,8 +26,8 @@ over the rounds, and ratios are paired by round (median, min-max).  Results go t
 ``benchmarks/results/echo_loader.json``.
 
 Environment: ECHO_NATIVE_EL_ROUNDS (timed epochs per peer, default 7),
-ECHO_NATIVE_EL_N (overhead: items, default 4096), ECHO_NATIVE_EL_LM_N (loader-bound:
-windows, default 1024), ECHO_NATIVE_EL_R (loader-bound: upstream / step, default 3).
+ECHO_NATIVE_EL_N (overhead: items, default 16384), ECHO_NATIVE_EL_LM_N (loader-bound:
+windows, default 2048), ECHO_NATIVE_EL_R (loader-bound: upstream / step, default 3).
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ from echo_native.lab import lm_demo
 
 RESULTS = Path(__file__).resolve().parent / "results" / "echo_loader.json"
 ROUNDS = env_int("ECHO_NATIVE_EL_ROUNDS", 7)
-N = env_int("ECHO_NATIVE_EL_N", 4096)
-LM_N = env_int("ECHO_NATIVE_EL_LM_N", 1024)
+N = env_int("ECHO_NATIVE_EL_N", 16384)
+LM_N = env_int("ECHO_NATIVE_EL_LM_N", 2048)
 R_TARGET = float(env_int("ECHO_NATIVE_EL_R", 3))
 BATCH, LM_BATCH, SEQ = 64, 32, 32
 
@@ -97,21 +97,28 @@ def _rows(batch):
     return len(batch["y"] if "y" in batch else batch["id"])
 
 
-def interleaved_rates(peers, rounds, consume=None):
+def interleaved_rates(peers, rounds, consume=None, cpu=None):
     """{name: [delivered examples/s per round]}: one epoch of every peer per round, the
-    order rotated each round, after one untimed epoch of each."""
+    order rotated each round, after one untimed epoch of each.  ``cpu``, a dict, gets
+    each peer's CPU milliseconds per batch in this process (the workers are others):
+    the wrapper's own cost, free of the wall clock's noise."""
     names = list(peers)
+    cpu = {} if cpu is None else cpu
 
     def epoch(name, k):
         it = peers[name]
         if isinstance(it, en.EchoLoader):
             it.set_epoch(k)
-        t0, n = time.perf_counter(), 0
+        t0, c0, n, batches = time.perf_counter(), time.process_time(), 0, 0
         for b in it:
             if consume is not None:
                 consume(b)
             n += _rows(b)
-        return n / (time.perf_counter() - t0)
+            batches += 1
+        wall = time.perf_counter() - t0
+        if k:
+            cpu.setdefault(name, []).append(1000 * (time.process_time() - c0) / batches)
+        return n / wall
 
     for name in names:
         epoch(name, 0)
@@ -165,14 +172,22 @@ def test_overhead(benchmark):
     """A DataLoader with 2 workers alone and wrapped in EchoLoader(echo=1), null consumer."""
     alone = _loader(Records(N), BATCH, 2)
     wrapped = en.EchoLoader(_loader(Records(N), BATCH, 2), echo=1)
-    mark = load_mark()
+    mark, cpu = load_mark(), {}
     try:
-        rates = interleaved_rates({"loader": alone, "echo1": wrapped}, ROUNDS)
+        rates = interleaved_rates({"loader": alone, "echo1": wrapped}, ROUNDS, cpu=cpu)
     finally:
         wrapped.close()
+    ms = {k: float(np.median(v)) for k, v in cpu.items()}
+    # The wrapper's CPU per batch as a share of the loader's time per batch: what it
+    # takes from the cores the workers need, without the wall clock's noise.
+    share = (ms["echo1"] - ms["loader"]) / (1000 * BATCH / float(np.median(rates["loader"])))
     out = _report(f"overhead: {N} dict items, batch {BATCH}, 2 workers, null consumer",
                   rates, [("echo1", "loader")], {"items": N, "batch": BATCH, "workers": 2,
+                                                 "main_cpu_ms_per_batch": ms,
+                                                 "echo1_cpu_share": share,
                                                  "load": load_since(mark)})
+    print(f"  main-process CPU per batch: loader {ms['loader']:.3f} ms, echo1 "
+          f"{ms['echo1']:.3f} ms: {share:.1%} of the loader's time per batch")
     _results["overhead"] = out
     benchmark.extra_info.update(out)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

@@ -88,7 +88,7 @@ class LMConfig:
     threads: int = 1                   # torch threads of the training process
     rounds: int | None = None          # hash rounds per token; calibrated when None
     step_s: float | None = None        # measured when None
-    calibrate_s: float = 2.0           # seconds of upstream measured per calibration try
+    calibrate_s: float = 1.0           # seconds of upstream measured per calibration try
     stdlib: str | None = None          # the sources' folder (default: this Python's)
     out_json: str | None = None
 
