@@ -243,26 +243,26 @@ class CocoDetection:
             raise self._bad("annotation id", aids[k], f"iscrowd is {crowd[k]!r}, not 0 or 1")
         box = self._bbox_array(bboxes, aids)
         # Which image, which category: unknown ids named.
-        where = np.searchsorted(image_ids, img)
-        found = where < len(image_ids)
-        found[found] = image_ids[where[found]] == img[found]
-        if not found.all():
-            k = int(np.flatnonzero(~found)[0])
-            raise self._bad("annotation id", aids[k], f"image_id {int(img[k])} is not in "
-                                                      f"'images'")
-        cpos = np.searchsorted(cat_ids, cat)
-        known = cpos < len(cat_ids)
-        known[known] = cat_ids[cpos[known]] == cat[known]
-        if not known.all():
-            k = int(np.flatnonzero(~known)[0])
-            raise self._bad("annotation id", aids[k], f"category_id {int(cat[k])} is not in "
-                                                      f"'categories'")
+        where = self._positions(image_ids, img, aids, "image_id", "images")
+        cpos = self._positions(cat_ids, cat, aids, "category_id", "categories")
         lut = np.zeros(len(cat_ids), np.int64)
         for j, c in enumerate(cat_ids.tolist()):
             lut[j] = self.category_to_label[c]
         labels = lut[cpos].astype(np.int32)  # labels are below 2**31 (checked)
         xyxy = self._checked_boxes(box, hw[where], aids, img)
         return where.astype(np.int64), xyxy, labels, flags.astype(bool)
+
+    def _positions(self, known, ids, aids, field, table):
+        """Where each of ``ids`` is in the sorted ``known`` ids; the first unknown one is
+        named with its annotation id."""
+        pos = np.searchsorted(known, ids)
+        found = pos < len(known)
+        found[found] = known[pos[found]] == ids[found]
+        if not found.all():
+            k = int(np.flatnonzero(~found)[0])
+            raise self._bad("annotation id", aids[k], f"{field} {int(ids[k])} is not in "
+                                                      f"'{table}'")
+        return pos
 
     def _ints(self, values, aids, what, allow_bool=False):
         """``values`` (one per annotation) as int64; else the first that is not an

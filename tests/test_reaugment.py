@@ -506,3 +506,19 @@ def test_the_echo_stage_reports_its_own_time_per_emission():
     batches = epoch_of(stage)
     assert len(auto.measured_echo) == len(batches)
     assert all(0 < s < 0.25 for s in auto.measured_echo)  # no device time, only the call's
+
+
+@pytest.mark.parametrize("gather", ["gather_rows", "pool"])
+def test_a_gather_that_does_not_fit_is_refused_before_any_copy(gather):
+    """Both gathers (one call, the thread pool) refuse rows too short for the output, a
+    mirror mask of another length and an entry outside the rows, naming them."""
+    pool = _kernel.Reaugmenter(2)
+    run = _kernel.gather_rows if gather == "gather_rows" else pool.gather
+    pixels = np.zeros((4, 2 * 3 * 3), np.uint8)
+    with pytest.raises(ValueError, match="do not fit out"):
+        run(pixels, np.array([0], np.int64), np.zeros((1, 3, 3, 3), np.uint8))
+    with pytest.raises(ValueError, match="need 1 mirror flags"):
+        run(pixels, np.array([0], np.int64), np.zeros((1, 2, 3, 3), np.uint8),
+            np.zeros(2, np.uint8))
+    with pytest.raises(IndexError, match="entry 4 is outside the 4 rows"):
+        run(pixels, np.array([4], np.int64), np.zeros((1, 2, 3, 3), np.uint8))

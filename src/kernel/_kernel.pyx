@@ -559,22 +559,31 @@ def random_resized_crops(uint64_t seed, const int64_t[::1] epochs not None,
             cb[i, 3] = min(<double>(<float>b.width / sx), cw - left)
     return boxes, flips, canvas_boxes
 
+cdef int _check_gather(const uint8_t[:, ::1] pixels, const int64_t[::1] entries,
+                       uint8_t[:, :, :, ::1] o, const uint8_t[::1] mirror) except -1:
+    """ValueError / IndexError unless every entry is a row of ``pixels`` holding an
+    image of ``o``'s (h, w, 3) and the mirror flags (if any) match the entries."""
+    cdef Py_ssize_t n = entries.shape[0], i, rows = pixels.shape[0]
+    if o.shape[0] < n or o.shape[3] != 3 or pixels.shape[1] < o.shape[1] * o.shape[2] * 3:
+        raise ValueError(f"{n} entries of {pixels.shape[1]} bytes do not fit out "
+                         f"{(o.shape[0], o.shape[1], o.shape[2], o.shape[3])} (n, h, w, 3)")
+    if mirror is not None and mirror.shape[0] != n:
+        raise ValueError(f"{n} entries need {n} mirror flags, got {mirror.shape[0]}")
+    for i in range(n):
+        if entries[i] < 0 or entries[i] >= rows:
+            raise IndexError(f"entry {entries[i]} is outside the {rows} rows of pixels")
+    return 0
+
+
 def gather_rows(const uint8_t[:, ::1] pixels not None, const int64_t[::1] entries not None,
                 out not None, const uint8_t[::1] mirror=None):
     """``out[i] = pixels[entries[i]]`` as an (h, w, 3) image, mirrored left to right where
     ``mirror[i]``: a batch of stored examples gathered in one call with the GIL released
     (after-augmentation echo, made on a host thread while the consumer trains)."""
     cdef uint8_t[:, :, :, ::1] o = out
-    cdef Py_ssize_t n = entries.shape[0], i, y, x, rows = pixels.shape[0]
+    _check_gather(pixels, entries, o, mirror)
+    cdef Py_ssize_t n = entries.shape[0], i, y, x
     cdef Py_ssize_t h = o.shape[1], w = o.shape[2], row = w * 3, size = h * row
-    if o.shape[0] < n or o.shape[3] != 3 or pixels.shape[1] < size:
-        raise ValueError(f"{n} entries of {pixels.shape[1]} bytes do not fit out "
-                         f"{tuple(out.shape)} (n, h, w, 3)")
-    if mirror is not None and mirror.shape[0] != n:
-        raise ValueError(f"{n} entries need {n} mirror flags, got {mirror.shape[0]}")
-    for i in range(n):
-        if entries[i] < 0 or entries[i] >= rows:
-            raise IndexError(f"entry {entries[i]} is outside the {rows} rows of pixels")
     cdef const uint8_t *src
     cdef uint8_t *dst
     with nogil:
@@ -897,16 +906,9 @@ cdef class Reaugmenter:
                out not None, const uint8_t[::1] mirror=None):
         """:func:`gather_rows` with the batch's rows shared out among the threads."""
         cdef uint8_t[:, :, :, ::1] o = out
-        cdef Py_ssize_t n = entries.shape[0], i, rows = pixels.shape[0]
+        _check_gather(pixels, entries, o, mirror)
+        cdef Py_ssize_t n = entries.shape[0]
         cdef Py_ssize_t h = o.shape[1], w = o.shape[2]
-        if o.shape[0] < n or o.shape[3] != 3 or pixels.shape[1] < h * w * 3:
-            raise ValueError(f"{n} entries of {pixels.shape[1]} bytes do not fit out "
-                             f"{tuple(out.shape)} (n, h, w, 3)")
-        if mirror is not None and mirror.shape[0] != n:
-            raise ValueError(f"{n} entries need {n} mirror flags, got {mirror.shape[0]}")
-        for i in range(n):
-            if entries[i] < 0 or entries[i] >= rows:
-                raise IndexError(f"entry {entries[i]} is outside the {rows} rows of pixels")
         if n == 0:
             return out
         cdef const uint8_t *mp = NULL
