@@ -74,6 +74,11 @@ def philox4x64(ctr: Sequence[int], key: Sequence[int]) -> tuple[int, int, int, i
 def flat_buffer(out: object) -> np.ndarray: ...
 
 OP_ARGS: int
+# Ops that read their image's per-channel histogram; ops that are a table per channel.
+OPS_COUNTING: frozenset[Any]
+OPS_TABLES: frozenset[Any]
+
+def cuda_source() -> str: ...
 
 def op_names() -> tuple[str, ...]: ...
 def gather_rows(pixels: npt.NDArray[np.uint8], entries: npt.NDArray[np.int64],
