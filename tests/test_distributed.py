@@ -383,7 +383,8 @@ def test_resume_at_epoch_start_repeats_the_batches(samples, placement):
     assert all(np.array_equal(g[2], w[2]) for g, w in zip(got, whole))
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", [  # one placement in the quick run, all in -m slow
+    p if i == 0 else pytest.param(p, marks=pytest.mark.slow) for i, p in enumerate(PLACEMENTS)])
 def test_resume_twice_and_save_right_after_load(samples, placement):
     """A state saved after a restore (with or without more batches) still resumes exactly."""
     for stops in ([2, 2], [1, 1, 1], [3, 0, 1]):

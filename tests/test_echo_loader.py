@@ -393,6 +393,7 @@ def test_auto_echo_probes_lower_while_the_loader_keeps_up():
     assert auto._fed == 0
 
 
+@pytest.mark.slow  # torch's workers take seconds to stop after each epoch
 def test_iterating_again_is_the_next_epoch_and_the_workers_stop_at_each_end():
     """Without set_epoch, each iteration is the next epoch (each example twice in each);
     the wrapped DataLoader's iterator is run to its end with the epoch's last batch, so

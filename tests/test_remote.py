@@ -458,6 +458,7 @@ def test_s3_each_sample_once_per_epoch(bucket_shards, s3_server, cache, mode):
         assert sorted(fresh) == list(range(N)) and Counter(ids) == Counter(range(N))
 
 
+@pytest.mark.slow  # seconds of injected back-off
 def test_injected_503s_are_retried(s3_server, bucket_shards, cache):
     """Every 4th GET answered 503: retried with backoff; nothing lost, duplicated or failed."""
     proxy = FaultProxy(s3_server.port)
@@ -477,6 +478,7 @@ def test_injected_503s_are_retried(s3_server, bucket_shards, cache):
         proxy.close()
 
 
+@pytest.mark.slow  # waits out a server restart
 def test_server_restart_mid_epoch(s3_env, local_shards, tmp_path):
     """The server goes down (every connection dropped) mid-epoch and comes back: the run
     waits it out and delivers every sample exactly once, with no failures."""

@@ -121,6 +121,7 @@ def test_ipython_session(folder, tmp_path):
     assert _result(out) == (N, 0, True)
 
 
+@pytest.mark.slow  # starts a Jupyter kernel
 @pytest.mark.timeout(300)
 def test_jupyter_notebook(folder, tmp_path):
     """A notebook executed for real by nbclient on an ipykernel: a source class defined in

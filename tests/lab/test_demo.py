@@ -60,6 +60,7 @@ def tiny(tmp_path_factory):
     return _photo_tree(root), "photos"
 
 
+@pytest.mark.slow  # four trainings: the slow run (-m slow) has it
 def test_demo_end_to_end(tiny, tmp_path, capsys):
     data, kind = tiny
     js, png = tmp_path / "demo.json", tmp_path / "demo.png"
