@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from benchenv import env_int, load_mark, load_since
+from benchenv import Repeat, env_int, load_mark, load_since
 
 import echo_native as en
 
@@ -207,19 +207,6 @@ class AlbuCoco(torch.utils.data.Dataset):
         return torch.from_numpy(out["image"]).permute(2, 0, 1), target
 
 
-class _Repeat(torch.utils.data.Dataset):
-    """``times`` passes of a dataset as one, so one DataLoader iterator never ends."""
-
-    def __init__(self, ds, times):
-        self.ds, self.times = ds, times
-
-    def __len__(self):
-        return len(self.ds) * self.times
-
-    def __getitem__(self, index):
-        return self.ds[index % len(self.ds)]
-
-
 # ---- streams: next() returns the batch's image count ----------------------------------------
 class RingStream:
     """An EchoRing read epoch after epoch; the consumer takes the images and the targets
@@ -282,7 +269,7 @@ class TorchStream:
 
     def __init__(self, ds, workers):
         g = torch.Generator().manual_seed(SEED)
-        self.ds = _Counted(_Repeat(ds, 100_000))
+        self.ds = _Counted(Repeat(ds, 100_000))
         self.dl = torch.utils.data.DataLoader(
             self.ds, batch_size=BATCH, shuffle=True, generator=g,
             num_workers=workers, drop_last=True, collate_fn=collate_detection,

@@ -90,7 +90,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from benchenv import env_int, load_mark, load_since
+from benchenv import Repeat, env_int, load_mark, load_since
 from echo_native.lab import peers
 
 torch = pytest.importorskip("torch")
@@ -199,19 +199,6 @@ class TorchvisionStyleFolder(torch.utils.data.Dataset):
         return torch.from_numpy(np.array(img, copy=True)).permute(2, 0, 1), self.labels[index]
 
 
-class _Repeat(torch.utils.data.Dataset):
-    """``times`` passes of a dataset as one, so one iterator streams many epochs."""
-
-    def __init__(self, ds, times):
-        self.ds, self.times = ds, times
-
-    def __len__(self):
-        return len(self.ds) * self.times
-
-    def __getitem__(self, index):
-        return self.ds[index % len(self.ds)]
-
-
 class _Constant(torch.utils.data.Dataset):
     """A ready 3x224x224 uint8 tensor per sample: isolates collate + IPC."""
 
@@ -264,7 +251,7 @@ class TorchStream:
 
     def __init__(self, src, workers, batch_size):
         ds = TorchvisionStyleFolder([src.path(i) for i in range(len(src))], src.labels)
-        self.dl = _torch_loader(_Repeat(ds, 10_000), batch_size, workers)
+        self.dl = _torch_loader(Repeat(ds, 10_000), batch_size, workers)
         self.it = iter(self.dl)
         self.ahead = 2 * workers           # prefetch_factor x workers
         self.last_used = time.monotonic()

@@ -80,3 +80,18 @@ def load_since(mark):
     return {"wall_s": wall, "other_cpu_s": other,
             "other_cores_avg": other / wall if wall else 0.0,
             "cores": len(os.sched_getaffinity(0))}
+
+
+class Repeat:
+    """``times`` passes of a map-style dataset as one (a torch ``DataLoader`` takes any
+    object with ``len`` and indexing), so one loader iterator streams many epochs
+    without restarting its workers between them."""
+
+    def __init__(self, ds, times):
+        self.ds, self.times = ds, times
+
+    def __len__(self):
+        return len(self.ds) * self.times
+
+    def __getitem__(self, index):
+        return self.ds[index % len(self.ds)]
