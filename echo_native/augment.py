@@ -42,7 +42,7 @@ from echo_native._checks import number
 from echo_native.transforms import CenterCrop, RandomResizedCrop
 
 __all__ = ["ColorJitter", "RandomGrayscale", "TrivialAugmentWide", "RandomErasing", "Program",
-           "WithOps", "split_augment"]
+           "WithOps", "check_ops", "split_augment"]
 
 ARGS = _kernel.OP_ARGS  # arguments per program step (src/kernel/en_opcodes.h)
 SPEC = 13  # numbers per op for the native draws: its kind and 12 parameters
@@ -232,11 +232,17 @@ def split_augment(owner, augment):
     if ops and not isinstance(crop, RandomResizedCrop):
         raise ValueError(f"{owner}: per-example ops follow a RandomResizedCrop (training); "
                          f"got {crop!r} first")
+    return crop, check_ops(owner, ops)
+
+
+def check_ops(owner, ops, where="augment[1:]"):
+    """``ops`` as a tuple, each a per-example op (TypeError naming the first that is not)."""
+    ops = tuple(ops)
     for o in ops:
         if not isinstance(o, OPS):
             names = ", ".join(c.__name__ for c in OPS)
-            raise TypeError(f"{owner}: augment[1:] must be per-example ops ({names}), got {o!r}")
-    return crop, ops
+            raise TypeError(f"{owner}: {where} must be per-example ops ({names}), got {o!r}")
+    return ops
 
 
 class Program:

@@ -205,7 +205,10 @@ class BoxCrop(_FixedSize):
     def apply(self, dec, data, key, slot, i, targets=None):
         """Draw the geometry from ``targets``' boxes, decode the window into position
         ``i`` of the slot, record it; returns which boxes the IoU crop dropped."""
-        ih, iw = dec.size(data)
+        if targets is not None and targets.image_hw is not None:
+            ih, iw = targets.image_hw  # checked against this image's header by the worker
+        else:
+            ih, iw = dec.size(data)
         boxes = np.zeros((0, 4), np.float32) if targets is None else targets.boxes
         window, flip, dropped = self.draw(key, (ih, iw), boxes)
         decode_window(dec, data, (ih, iw), window, flip, self._pixels(slot, i),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from echo_native._checks import choice, cpus, either, is_int, positive_int, seconds, size_pair, \
     take
-from echo_native.augment import split_augment
+from echo_native.augment import check_ops, split_augment
 from echo_native.decode import DecodeLimits
 from echo_native.detection import BoxCrop, SanitizeBoundingBoxes, split_geometry
 from echo_native.plan import Shard
@@ -104,7 +104,7 @@ def fold(owner, augment=None, decode=None, shard=None, workers=None, shorthands=
     geometry = split_geometry(owner, augment)
     if geometry is not None:
         crop, sanitize, rest = geometry
-        ops = split_augment(owner, [RandomResizedCrop(crop.size), *rest])[1] if rest else ()
+        ops = check_ops(owner, rest, "the steps after the detection geometry")
     else:
         sanitize = None
         if isinstance(augment, (list, tuple)) and len(augment) > 1 and \

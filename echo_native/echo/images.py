@@ -185,19 +185,13 @@ class ImageExamples:
         hw = s.source_hw[entries].astype(np.float64)
         outside = (sources[:, 0] < 0) | (sources[:, 1] < 0) | \
             (sources[:, 0] + sources[:, 2] > hw[:, 0]) | (sources[:, 1] + sources[:, 3] > hw[:, 1])
-        placed = None
-        if outside.any():
-            rows, inner, rects = [], [], []
-            for k in np.flatnonzero(outside):
-                part = inner_rect(hw[k], windows[k], self.size, flips[k])
-                if part is None:  # the window misses the image: all fill
-                    part = ((0, 0, 0, 0), (0.0, 0.0, 1.0, 1.0))
-                rects.append(part[0])
-                inner.append(part[1])
-                rows.append(k)
-            sources[outside] = inner
-            rows = np.asarray(rows, np.int64)
-            placed = (rows, None, np.asarray(rects, np.int64))
+        rows = np.flatnonzero(outside)
+        rects = np.zeros((len(rows), 4), np.int64)
+        for j, k in enumerate(rows):
+            part = inner_rect(hw[k], windows[k], self.size, flips[k])
+            if part is None:  # the window misses the image: all fill (a nominal box)
+                part = ((0, 0, 0, 0), (0.0, 0.0, 1.0, 1.0))
+            rects[j], sources[k] = part
         # Onto the canvas: canvas pixels = original pixels / scale, kept inside it.
         scale = s.scale[entries].astype(np.float64)
         chw = s.shape[entries].astype(np.float64)
@@ -206,8 +200,7 @@ class ImageExamples:
         canvas[:, 1] = sources[:, 1] / scale[:, 1]
         canvas[:, 2] = np.minimum(sources[:, 2] / scale[:, 0], chw[:, 0] - canvas[:, 0])
         canvas[:, 3] = np.minimum(sources[:, 3] / scale[:, 1], chw[:, 1] - canvas[:, 1])
-        if placed is not None:
-            placed = (placed[0], canvas[placed[0]], placed[2])
+        placed = (rows, canvas[rows], rects) if len(rows) else None
         return windows, flips, canvas, dropped, placed
 
     # -- whole slots -------------------------------------------------------------------
