@@ -114,7 +114,13 @@ class CompileException(Exception):
 # -- NVRTC, as CuPy runs it ---------------------------------------------------------------
 def nvrtc_library():
     """libnvrtc from NVIDIA's wheels (cuda_nvrtc/lib for 12, cu13/lib for 13) or the
-    system; None where there is none."""
+    system, the first that really compiles a kernel; None where none does.
+
+    NVRTC loads ``libnvrtc-builtins`` by name at its first compile, and a wheel's
+    ``lib`` folder is not on the loader's path: the builtins beside each candidate are
+    loaded first (global symbols, so NVRTC's own ``dlopen`` finds them), and a
+    candidate whose compile still fails (a CUDA 13 NVRTC beside a 12 one, a driver-less
+    stub) gives way to the next."""
     candidates = []
     try:
         import nvidia  # namespace package of NVIDIA's wheels
@@ -129,10 +135,25 @@ def nvrtc_library():
     for c in candidates:
         if "builtins" in c or ".alt." in c:
             continue
+        folder = os.path.dirname(c)
+        for builtins in sorted(glob.glob(os.path.join(folder, "libnvrtc-builtins.so*"))):
+            if ".alt." in builtins:
+                continue
+            try:
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                pass
         try:
-            return ctypes.CDLL(c)
+            lib = ctypes.CDLL(c)
         except OSError:
             continue
+        try:
+            ptx, _ = nvrtc_compile(lib, 'extern "C" __global__ void probe(int *x) { *x = 1; }',
+                                   ["-arch=compute_75"], name="probe.cu")
+        except (RuntimeError, OSError, AttributeError):
+            continue
+        if ptx:
+            return lib
     return None
 
 
