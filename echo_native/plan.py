@@ -133,8 +133,10 @@ class Plan:
             return np.arange(self.total_samples, dtype=np.int64)
         if source is not None and hasattr(source, "epoch_order"):
             return np.asarray(source.epoch_order(self.seed, epoch), dtype=np.int64)
-        gen = np.random.Generator(np.random.Philox(key=[self.seed, 0x6F72646572],
-                                                   counter=[epoch, 0, 0, 0]))
+        # The key as uint64 explicitly: numpy reads [2**63, tag] as float64, which made
+        # the seeds past 2**63 share orders; below 2**63 the bits are the same as ever.
+        key = np.array([int(self.seed), 0x6F72646572], np.uint64)
+        gen = np.random.Generator(np.random.Philox(key=key, counter=[epoch, 0, 0, 0]))
         return gen.permutation(self.total_samples).astype(np.int64)
 
     def epoch_order(self, epoch, source=None):

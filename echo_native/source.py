@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import math
+import operator
 import os
 import stat
 import threading
@@ -461,6 +462,39 @@ def _check_remote_entry(path, scheme, where, list_name):
                      f"FileList(..., trust_list=True) to read such entries as given")
 
 
+def _row_label(path, label, where):
+    """A FileList row's label as an int: text is parsed as an integer; a float only with
+    an integral value (pandas gives a label column with gaps as floats); a bool is not a
+    label.  ``int()`` alone would truncate 1.5 and take True for class 1 without a word."""
+    shown = repr(label)[:60]
+    value = None
+    if isinstance(label, (bool, np.bool_)):
+        why = "a bool, not an integer"
+    elif isinstance(label, (float, np.floating)):
+        f = float(label)
+        if math.isfinite(f) and f == int(f):
+            value = int(f)
+        why = "not an integer (float labels must have integral values: a class index is " \
+              "never truncated)"
+    elif isinstance(label, str):
+        try:
+            value = int(label)
+        except ValueError:
+            pass
+        why = "not an integer"
+    else:
+        try:
+            value = operator.index(label)  # int, numpy integers: exact
+        except TypeError:
+            pass
+        why = "not an integer"
+    if value is None:
+        raise ValueError(f"{where}: label {shown} of {path!r} is {why}")
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{where}: label {shown} of {path!r} does not fit a 64-bit integer")
+    return value
+
+
 class FileList(_Files):
     """Samples listed in a text/CSV file (or given as rows) of ``path,label``.
 
@@ -555,17 +589,7 @@ class FileList(_Files):
         if not rows:
             where = str(path_or_rows) if isinstance(path_or_rows, (str, os.PathLike)) else "rows"
             raise ValueError(f"FileList {where!r} has no samples")
-        labels = []
-        for path, label, where in rows:
-            try:
-                value = int(label)
-            except (TypeError, ValueError):
-                raise ValueError(f"{where}: label {label!r} of {path!r} is not an integer") \
-                    from None
-            if not -2**63 <= value < 2**63:
-                raise ValueError(f"{where}: label {label!r} of {path!r} does not fit a 64-bit "
-                                 f"integer")
-            labels.append(value)
+        labels = [_row_label(path, label, where) for path, label, where in rows]
         self._paths = _PackedPaths([p for p, _, _ in rows])
         self.labels = np.asarray(labels, dtype=np.int64)
 
