@@ -9,6 +9,7 @@ Python object per annotation would make that cost seconds for COCO's 860,000.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from itertools import chain, repeat
@@ -17,14 +18,20 @@ from pathlib import Path
 
 import numpy as np
 
+from echo_native.errors import ReadLimitError
 from echo_native.source import (DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes, _PackedPaths,
-                                read_file)
+                                open_file, read_file, read_open)
 from echo_native.targets import TOLERANCE_PX, _trusted
 
-__all__ = ["DEFAULT_MAX_ANNOTATION_BYTES", "CocoDetection"]
+__all__ = ["DEFAULT_MAX_ANNOTATION_BYTES", "MAX_CATEGORY_ID", "CocoDetection"]
 
 #: Largest annotation file read: COCO 2017's train instances are 448 MB; LVIS's about 1 GB.
 DEFAULT_MAX_ANNOTATION_BYTES = 4 * 2**30
+
+#: Largest category id ``contiguous_labels=False`` takes as a label: the labels index
+#: ``categories`` (and a model's ``num_classes`` outputs), so one id of 2**31 - 1 in a
+#: file under 1 kB would be a 16 GiB table.  COCO's ids end at 90, LVIS's at 1203.
+MAX_CATEGORY_ID = 2**20
 
 
 def _fast_ints(values):
@@ -62,7 +69,8 @@ class CocoDetection:
     (``"__background__"`` at 0), ``num_classes`` what a model's ``num_classes``
     takes.  ``contiguous_labels=False`` keeps the category ids themselves as
     labels (torchvision's COCO-pretrained detectors predict those: 91 classes with
-    gaps, named ``"N/A"`` in ``categories``).
+    gaps, named ``"N/A"`` in ``categories``); ids from 1 to ``MAX_CATEGORY_ID``
+    (2**20) only, as ``categories`` holds one entry per label up to the largest.
 
     ``keep_empty=False`` drops the images that have no annotation (torchvision's
     detection training reference drops them; it also drops images whose every
@@ -75,22 +83,32 @@ class CocoDetection:
     1 px (boxes within 1 px, from COCO's rounding, are clipped to the image), an
     unknown image or category id, duplicate image or category ids, and a
     ``file_name`` that leaves ``images_root`` (absolute, or through ``..``).
+
+    ``read(i)`` refuses (``ReadLimitError``, a sample failure) a file that a
+    symbolic link inside ``images_root`` leads out of it (``out.jpg -> /etc/x``,
+    ``up -> ..``), naming the file and where it leads; ``trust_links=True`` reads
+    such links as given (a data set held as links into a cache).  A root that is
+    itself a link is where the images are.
     """
 
     has_targets = True
 
     def __init__(self, images_root, annotation_json, *, keep_empty=True,
                  contiguous_labels=True, max_file_bytes=DEFAULT_MAX_FILE_BYTES,
-                 max_annotation_bytes=DEFAULT_MAX_ANNOTATION_BYTES):
+                 max_annotation_bytes=DEFAULT_MAX_ANNOTATION_BYTES, trust_links=False):
         self.max_file_bytes = _check_max_file_bytes("CocoDetection", max_file_bytes)
         limit = _check_max_file_bytes("CocoDetection", max_annotation_bytes)
         self.root = Path(images_root)
+        self.trust_links = bool(trust_links)
         self.annotation_json = str(annotation_json)
         name = self.annotation_json
         name = name if name.isprintable() else repr(name)  # for messages: one line each
         if not self.root.is_dir():
             raise FileNotFoundError(f"CocoDetection: images_root {str(self.root)!r} is not a "
                                     f"directory")
+        # Where the images really are (the root may itself be a link): what read() opens
+        # must be under it, whatever links inside the root say.
+        self._real_root = os.path.realpath(self.root)
         if not os.path.exists(self.annotation_json):
             raise FileNotFoundError(f"CocoDetection: annotation file "
                                     f"{self.annotation_json!r} does not exist")
@@ -207,17 +225,23 @@ class CocoDetection:
             ids.append(c["id"])
             names.append(str(c.get("name", c["id"])))
         if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
+            seen = set()  # the first id seen twice, in one pass (list.count per id is quadratic)
+            dup = next(i for i in ids if i in seen or seen.add(i))
             raise self._bad("category id", dup, "listed twice in 'categories'")
         ordered = sorted(zip(ids, names))
         if contiguous:
             self.category_to_label = {cid: j + 1 for j, (cid, _) in enumerate(ordered)}
         else:
-            bad = [cid for cid, _ in ordered if not 1 <= cid < 2**31]
+            bad = [cid for cid, _ in ordered if not 1 <= cid]
             if bad:
                 raise self._bad("category id", bad[0], "is not a label (with "
                                 "contiguous_labels=False, category ids are the labels, "
                                 "1 or more: 0 is the background)")
+            if ordered and ordered[-1][0] > MAX_CATEGORY_ID:
+                raise self._bad("category id", ordered[-1][0], f"is over {MAX_CATEGORY_ID:,}, "
+                                f"the largest label contiguous_labels=False takes (the labels "
+                                f"index a table of num_classes entries); leave "
+                                f"contiguous_labels=True to number the categories 1, 2, ...")
             self.category_to_label = {cid: cid for cid, _ in ordered}
         self.label_to_category = {lab: cid for cid, lab in self.category_to_label.items()}
         self.num_classes = max(self.label_to_category, default=0) + 1
@@ -343,7 +367,36 @@ class CocoDetection:
         return self.path(i)
 
     def read(self, i) -> bytes:
-        return read_file(self.path(i), self.max_file_bytes)
+        path = self.path(i)
+        if self.trust_links:
+            return read_file(path, self.max_file_bytes)
+        fd = open_file(path)
+        try:
+            self._check_inside(fd, i)
+            return read_open(fd, self.max_file_bytes)
+        finally:
+            os.close(fd)
+
+    def _check_inside(self, fd, i):
+        """Refuse an opened file that is not under images_root: ``file_name`` was checked
+        lexically at construction, but a link inside the root (``out.jpg -> /etc/x``,
+        ``up -> ..``) leads anywhere.  What was opened is asked of /proc, so a link
+        swapped after a check cannot slip through; realpath where there is no /proc."""
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            real = os.path.realpath(self.path(i))
+        root = self._real_root
+        if real.startswith(root.rstrip(os.sep) + os.sep):
+            return
+        name = self._paths[i]
+
+        def shown(text):
+            return text if text.isprintable() else repr(text)
+        raise ReadLimitError(errno.EACCES, f"file_name {shown(name)} resolves to "
+                                           f"{shown(real)}, outside images_root {shown(root)} "
+                                           f"(through a symbolic link); pass CocoDetection(..., "
+                                           f"trust_links=True) to read links out of the root")
 
     def targets(self, i):
         """Image ``i``'s boxes (x1, y1, x2, y2 pixels), labels and iscrowd flags."""

@@ -183,28 +183,40 @@ def read_file(path, max_file_bytes=DEFAULT_MAX_FILE_BYTES) -> bytes:
     file would take its size in memory.  Raises :class:`ReadLimitError` (an
     ``OSError``) for those, ``OSError`` for the rest.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = open_file(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ReadLimitError(errno.EINVAL, f"not a regular file ({_file_kind(st.st_mode)})")
-        if st.st_size > max_file_bytes:
-            raise ReadLimitError(errno.EFBIG, f"{st.st_size} bytes, over the limit "
-                                              f"max_file_bytes={max_file_bytes}")
-        # The file may grow between fstat and read: never take more than the limit.
-        chunks, left = [], max_file_bytes + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:
-            raise ReadLimitError(errno.EFBIG, f"grew past the limit "
-                                              f"max_file_bytes={max_file_bytes} while read")
-        return b"".join(chunks)
+        return read_open(fd, max_file_bytes)
     finally:
         os.close(fd)
+
+
+def open_file(path):
+    """``path`` opened for :func:`read_open`: read-only, without blocking (a FIFO must not
+    hang the open), not inherited by child processes."""
+    return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def read_open(fd, max_file_bytes=DEFAULT_MAX_FILE_BYTES) -> bytes:
+    """The bytes of the open file ``fd`` (from :func:`open_file`), refused as
+    :func:`read_file` refuses; ``fd`` stays open."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ReadLimitError(errno.EINVAL, f"not a regular file ({_file_kind(st.st_mode)})")
+    if st.st_size > max_file_bytes:
+        raise ReadLimitError(errno.EFBIG, f"{st.st_size} bytes, over the limit "
+                                          f"max_file_bytes={max_file_bytes}")
+    # The file may grow between fstat and read: never take more than the limit.
+    chunks, left = [], max_file_bytes + 1
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    if left <= 0:
+        raise ReadLimitError(errno.EFBIG, f"grew past the limit "
+                                          f"max_file_bytes={max_file_bytes} while read")
+    return b"".join(chunks)
 
 
 def _file_kind(mode):
