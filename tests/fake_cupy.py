@@ -370,13 +370,27 @@ class _Lease:
                                     "data": (chunk.lo, False), "version": 3}
 
 
+class OutOfMemoryError(MemoryError):
+    """``cupy.cuda.memory.OutOfMemoryError`` (a MemoryError, as CuPy's)."""
+
+
 class Pool:
-    """CuPy's memory pool in miniature: one arena per (device, stream handle), best fit."""
+    """CuPy's memory pool in miniature: one arena per (device, stream handle), best fit.
+    Each device holds ``capacity`` bytes (a number only: the memory itself is NumPy's,
+    taken as used), so that running out is what CuPy says it is."""
 
     ROUND = 512
 
-    def __init__(self):
+    def __init__(self, capacity=4 << 30):
         self.chunks = []
+        self.capacity = capacity
+
+    def used(self, device):
+        return sum(c.raw.nbytes for c in self.chunks if c.device == device and not c.free)
+
+    def held(self, device):
+        """Bytes the pool holds on ``device``, free chunks included (CuPy's total_bytes)."""
+        return sum(c.raw.nbytes for c in self.chunks if c.device == device)
 
     def malloc(self, nbytes, device, handle):
         size = max(self.ROUND, -(-int(nbytes) // self.ROUND) * self.ROUND)
@@ -386,6 +400,9 @@ class Pool:
             chunk = min(fits, key=lambda c: c.raw.nbytes)
             chunk.free = False
         else:
+            if self.held(device) + size > self.capacity:
+                raise OutOfMemoryError(f"Out of memory allocating {size:,} bytes (allocated "
+                                       f"so far: {self.held(device):,} bytes).")
             chunk = _Chunk(np.zeros(size, np.uint8), device, arena)
             self.chunks.append(chunk)
         lease = _Lease(chunk, nbytes)
@@ -847,6 +864,11 @@ def _modules(gpu):
 
         compute_capability = property(lambda self: COMPUTE_CAPABILITY)
 
+        @property
+        def mem_info(self):
+            """(free, total) bytes of the device."""
+            return gpu.pool.capacity - gpu.pool.held(self.id), gpu.pool.capacity
+
         def __enter__(self):
             self._outer.append(gpu.current_device)
             gpu.current_device = self.id
@@ -1109,6 +1131,44 @@ def _modules(gpu):
             if rc != 0:
                 raise CUDARuntimeError(INVALID_VALUE, f"launch grid {grid} block {block}")
 
+    class RawKernel:
+        """A test's own kernel (a ``clock64`` spin that slows a stream): compiled by NVRTC
+        as CuPy compiles it, at the first launch.  The stand-in runs no time, so a launch
+        is one operation on its stream that touches no memory; a kernel that takes a
+        pointer is refused (its accesses could not be logged)."""
+
+        def __init__(self, code, name, options=(), **kw):
+            self.code, self.name, self.options = code, name, tuple(options)
+            self._params = None
+
+        def __call__(self, grid, block, args, shared_mem=0, stream=None):
+            if self._params is None:
+                if gpu.nvrtc is None:
+                    raise RuntimeError("CuPy failed to load libnvrtc")
+                headers = gpu.cuda_headers if os.path.isdir(gpu.cuda_headers or "") else None
+                _nvrtc_build(gpu.nvrtc, self.code, cupy_options(self.options, headers=headers))
+                signatures = kernel_signatures(self.code)
+                if self.name not in signatures:
+                    raise RuntimeError(f"CUDA_ERROR_NOT_FOUND: named symbol not found "
+                                       f"({self.name})")
+                self._params = signatures[self.name]
+            if any(p.pointer for p in self._params):
+                raise NotImplementedError("the stand-in runs a RawKernel only if it takes "
+                                          "no pointer")
+            check_dims("grid", grid), check_dims("block", block)
+            if not isinstance(args, (tuple, list)) or len(args) != len(self._params):
+                raise TypeError(f"kernel {self.name} takes {len(self._params)} arguments")
+            fn = _Function(None, self.name, self._params)
+            for i, (p, a) in enumerate(zip(self._params, args)):
+                fn._argument(i, p, a)
+            state = gpu.current_state() if stream is None else stream.state
+            if state.device != gpu.current_device:
+                gpu.violations.append(f"{self.name} launched on {state} with device "
+                                      f"{gpu.current_device} current")
+                raise CUDARuntimeError(INVALID_HANDLE, "launch on another device's stream")
+            gpu.launches.append((self.name, grid, block, gpu.current_device))
+            state.tick()
+
     # -- array functions -----------------------------------------------------------------
     def empty(shape, dtype=np.float64, order="C"):
         return gpu.allocate(shape, dtype)
@@ -1203,16 +1263,34 @@ def _modules(gpu):
         dtype = np.dtype({0: "i", 1: "u", 2: "f"}.get(code, "V") + str(bits // 8))
         return view_of(capsule, data, shape, dtype, [s * dtype.itemsize for s in strides])
 
+    class MemoryPool:
+        """``cupy.get_default_memory_pool()``: the current device's bytes in use."""
+
+        def used_bytes(self):
+            return gpu.pool.used(gpu.current_device)
+
+        def total_bytes(self):
+            return gpu.pool.held(gpu.current_device)
+
+    def assemble_cupy_compiler_options(options):
+        headers = gpu.cuda_headers if os.path.isdir(gpu.cuda_headers or "") else None
+        return cupy_options(options, headers=headers)
+
     cuda = types.SimpleNamespace(
+        memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
         Device=Device, Stream=Stream, ExternalStream=ExternalStream, Event=Event,
         get_current_stream=get_current_stream, runtime=runtime,
         is_available=lambda: True)
     cupy = types.ModuleType("cupy")
     cupy.__dict__.update(
-        ndarray=ndarray, cuda=cuda, RawModule=RawModule, empty=empty, zeros=zeros,
+        ndarray=ndarray, cuda=cuda, RawModule=RawModule, RawKernel=RawKernel, empty=empty,
+        zeros=zeros,
         asarray=asarray, array=array, ascontiguousarray=ascontiguousarray, take=take,
         asnumpy=asnumpy, arange=arange, full=full, from_dlpack=from_dlpack,
-        is_available=lambda: True, uint8=np.uint8, uint16=np.uint16, uint32=np.uint32,
+        is_available=lambda: True, get_default_memory_pool=MemoryPool,
+        _core=types.SimpleNamespace(core=types.SimpleNamespace(
+            assemble_cupy_compiler_options=assemble_cupy_compiler_options)),
+        uint8=np.uint8, uint16=np.uint16, uint32=np.uint32,
         int32=np.int32, int64=np.int64, float16=np.float16, float32=np.float32,
         float64=np.float64, bool_=np.bool_, __version__="0+fake", _fake_gpu=gpu)
 
