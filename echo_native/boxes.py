@@ -11,7 +11,11 @@ step by step as ``transforms.v2.functional`` applies it to ``BoundingBoxes``
 2. boxes that a ``RandomIoUCrop`` marked (centre outside the crop) become
    ``(0, 0, 0, 0)``, as torchvision zeroes them for ``SanitizeBoundingBoxes``;
 3. flip: ``x1, x2 = w - x2, w - x1``;
-4. resize: times ``(W / w, H / h, W / w, H / h)``.
+4. resize: times ``(W / w, H / h, W / w, H / h)``, then clamped to the output canvas
+   ``[0, W] x [0, H]``: torchvision does not clamp here, and a float32 rounding past
+   the canvas's edge makes its ``SanitizeBoundingBoxes`` drop a visible object
+   (docs/detection-semantics.md, "Deliberate differences").  Boxes never leave the
+   canvas after any step.
 
 :func:`map_boxes` does it for a whole batch at once, on padded arrays;
 :func:`sanitize` is ``SanitizeBoundingBoxes``'s test of which boxes are kept.
@@ -43,7 +47,7 @@ def map_boxes(boxes, windows, flips, size, dropped=None):
     size : (H, W) of the output
     dropped : (B, M) bool or None, boxes whose centre fell outside an IoU crop
 
-    Returns (B, M, 4) float32, xyxy in output pixels.
+    Returns (B, M, 4) float32, xyxy in output pixels, inside ``[0, W] x [0, H]``.
     """
     boxes = np.asarray(boxes, np.float32)
     windows = np.asarray(windows, np.float64)
@@ -66,7 +70,14 @@ def map_boxes(boxes, windows, flips, size, dropped=None):
     ratios = np.empty((len(b), 1, 4), np.float32)
     ratios[:, 0, 0::2] = (out_w / width).astype(np.float32)
     ratios[:, 0, 1::2] = (out_h / height).astype(np.float32)
-    return b * ratios
+    b *= ratios
+    # torchvision stops here, and its float32 ratio can put a box that ends on the
+    # window's edge past the canvas (75 * float32(160 / 75) = 160.0000153), which
+    # SanitizeBoundingBoxes then drops although the object is fully visible.  Clamped,
+    # a box never leaves the canvas; only coordinates past it change.
+    np.clip(b[..., 0::2], 0, np.float32(out_w), out=b[..., 0::2])
+    np.clip(b[..., 1::2], 0, np.float32(out_h), out=b[..., 1::2])
+    return b
 
 
 def sanitize(boxes, valid, size, min_size=1.0, min_area=1.0):
