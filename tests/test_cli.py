@@ -126,7 +126,9 @@ def test_profile_input_bound_is_capped(folder, tmp_path, capsys, bounded_trial):
     # fewer deliveries than fresh examples
     assert TRIAL_BATCHES < trial["delivered"] <= 8 * TRIAL_BATCHES
     assert 0 < trial["fresh"] <= trial["delivered"]
-    assert {t["reason"] for t in trial["trace"]} <= {"stall", "rates"}
+    # Without loss feedback there is no "loss" or "probe"; "capacity" is there whenever
+    # the echo stage's own rate caps e, which depends on how loaded the machine is.
+    assert {t["reason"] for t in trial["trace"]} <= {"stall", "rates", "capacity"}
     assert f"echo='auto' for 1.5 s: e = {trial['echo']:.2f} after {trial['batches']} " \
            f"batches" in out and f"{len(trial['trace'])} changes of e" in out
     if trial["trace"]:

@@ -338,6 +338,25 @@ def _nvrtc():
     return lib
 
 
+def test_nvrtc_found_beside_cuda13_wheels():
+    """Where a CUDA build of torch brought NVIDIA's CUDA 13 wheels (nvidia/cu13/lib, whose
+    builtins library is not on the loader's path) beside the test extra's CUDA 12 NVRTC,
+    the NVRTC found is one that compiles: each candidate's builtins are loaded from its
+    own folder, and a candidate that still cannot compile gives way to the next."""
+    import glob
+
+    nvidia = pytest.importorskip("nvidia", reason="no NVIDIA wheels in this environment")
+    cu13 = [p for d in nvidia.__path__
+            for p in glob.glob(os.path.join(d, "**", "libnvrtc.so.13*"), recursive=True)]
+    if not cu13:
+        pytest.skip("no CUDA 13 NVRTC wheel here (CI's CUDA venv has one)")
+    lib = fake_cupy.nvrtc_library()
+    assert lib is not None
+    ptx, log = _compile(lib, 'extern "C" __global__ void k(float *x) { x[0] = 1.0f; }',
+                        ["-arch=compute_90"])
+    assert ptx and ".entry k(" in ptx, log
+
+
 def _compile(lib, source, options):
     return fake_cupy.nvrtc_compile(lib, source, options)
 
