@@ -48,8 +48,10 @@ class Batch:
 
     def to_torchvision(self):
         """The detection targets as torchvision's detection models take them: one
-        ``{"boxes", "labels"}`` dict of torch tensors per image (see
-        :meth:`echo_native.Objects.to_torchvision`)."""
+        ``{"boxes", "labels"}`` dict of torch tensors per image, the boxes
+        ``tv_tensors.BoundingBoxes`` (XYXY, on the images' canvas) where torchvision
+        imports, plain tensors where it does not; torch is imported here, when first
+        needed (see :meth:`echo_native.Objects.to_torchvision`)."""
         if self.objects is None:
             raise ValueError("this batch has no objects: its source has no detection targets")
         return self.objects.to_torchvision()

@@ -24,7 +24,6 @@ for fresh examples and for every echo alike.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,7 +151,7 @@ class SourceObjects:
             keep = sanitize(boxes, valid, size, sanitize_spec.min_size, sanitize_spec.min_area)
         crowd = (self.flags & CROWD).astype(bool)
         valid, boxes, labels, crowd = pack(keep, boxes, self.labels, crowd, width=width)
-        return Objects(boxes, labels, valid, crowd)
+        return Objects(boxes, labels, valid, crowd, canvas_size=tuple(int(v) for v in size))
 
 
 @dataclass
@@ -160,12 +159,14 @@ class Objects:
     """A batch's objects: ``boxes`` (B, M, 4) float32, xyxy in output pixels;
     ``labels`` (B, M) int64; ``valid`` (B, M) bool; ``iscrowd`` (B, M) bool.  Each
     row's valid objects come first; ``M`` is the most any row holds (or
-    ``max_boxes``).  The arrays export DLPack, on the batch's device."""
+    ``max_boxes``).  ``canvas_size`` is the images' ``(height, width)`` the boxes lie
+    on (None when unknown).  The arrays export DLPack, on the batch's device."""
 
     boxes: np.ndarray
     labels: np.ndarray
     valid: np.ndarray
     iscrowd: np.ndarray
+    canvas_size: tuple = None
 
     @property
     def counts(self):
@@ -174,24 +175,56 @@ class Objects:
 
     def copy(self):
         return Objects(self.boxes.copy(), self.labels.copy(), self.valid.copy(),
-                       self.iscrowd.copy())
+                       self.iscrowd.copy(), self.canvas_size)
 
     def to(self, xp):
         """The same objects as arrays of the array module ``xp`` (e.g. CuPy)."""
         return Objects(*(xp.asarray(a) for a in (self.boxes, self.labels, self.valid,
-                                                 self.iscrowd)))
+                                                 self.iscrowd)), self.canvas_size)
 
     def to_torchvision(self):
         """One ``{"boxes": (n, 4) float32, "labels": (n,) int64}`` dict of torch tensors
-        per image, on the batch's device: what torchvision's detection models take as
-        ``targets``.  (The library never imports torch itself: the caller has.)"""
-        torch = sys.modules.get("torch")
-        if torch is None:
-            raise ImportError("to_torchvision() makes torch tensors: import torch first")
+        per image, on the batch's device, sharing its memory: what torchvision's
+        detection models take as ``targets``.
+
+        Where torchvision imports, the boxes are ``tv_tensors.BoundingBoxes`` (format
+        XYXY, ``canvas_size`` the images' (height, width)), so that a ``transforms.v2``
+        step applied afterwards moves them with the image; where it does not (not
+        installed, or its compiled ops failing to load), plain tensors.  torch and
+        torchvision are imported here, on the first call, not by ``import echo_native``.
+        """
+        try:
+            import torch
+        except ImportError as e:
+            raise ImportError(f"to_torchvision() makes torch tensors, and torch does not "
+                              f"import here ({e}): install torch, or read the NumPy arrays "
+                              f"of batch.objects") from e
         boxes, labels = torch.from_dlpack(self.boxes), torch.from_dlpack(self.labels)
         counts = [int(c) for c in np.asarray(_host(self.counts))]
-        return [{"boxes": boxes[i, :n], "labels": labels[i, :n]}
-                for i, n in enumerate(counts)]
+        tv = _tv_tensors() if self.canvas_size is not None else None
+        if tv is None:
+            return [{"boxes": boxes[i, :n], "labels": labels[i, :n]}
+                    for i, n in enumerate(counts)]
+        canvas = tuple(int(v) for v in self.canvas_size)
+        return [{"boxes": tv.BoundingBoxes(boxes[i, :n], format="XYXY", canvas_size=canvas),
+                 "labels": labels[i, :n]} for i, n in enumerate(counts)]
+
+
+#: torchvision's tv_tensors module once imported, False once it failed to (not asked again:
+#: a failing import costs its time on every batch otherwise), None before the first ask.
+_TV_TENSORS = None
+
+
+def _tv_tensors():
+    """torchvision.tv_tensors, or None where torchvision does not import."""
+    global _TV_TENSORS
+    if _TV_TENSORS is None:
+        try:
+            from torchvision import tv_tensors
+        except Exception:  # noqa: BLE001 - torchvision without its ops raises RuntimeError
+            tv_tensors = False
+        _TV_TENSORS = tv_tensors
+    return _TV_TENSORS or None
 
 
 def _host(a):

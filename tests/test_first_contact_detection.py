@@ -1,0 +1,189 @@
+"""Detection as a first-time user meets it: ``batch.to_torchvision()`` without having
+imported torch, its boxes as torchvision's ``BoundingBoxes`` where torchvision loads, and
+a source whose samples all fail (a wrong ``images_root``, unreadable files) ending in
+one clear error, never in an empty batch or a silent empty epoch.
+
+The torch and torchvision checks run in fresh interpreters: whether the library imports
+torch itself can only be seen in a process that has not imported it, and a stand-in
+``torchvision`` package on ``PYTHONPATH`` (one that loads, one that fails as torchvision
+without its compiled ops does) pins both paths wherever the real one cannot load.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import echo_native as en
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def _jpeg(h, w, value=128):
+    buf = io.BytesIO()
+    Image.fromarray(np.full((h, w, 3), value, np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+# -- to_torchvision: torch imported lazily, tv_tensors where torchvision loads ------------
+
+#: Runs in a fresh interpreter: a detection batch from in-memory samples, then
+#: ``to_torchvision()`` with torch not imported beforehand; prints what came back as JSON.
+PROBE = textwrap.dedent('''
+    import io, json, sys
+    import numpy as np
+    from PIL import Image
+    import echo_native as en
+
+    def jpeg(h, w):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((h, w, 3), 128, np.uint8)).save(buf, "JPEG")
+        return buf.getvalue()
+
+    blobs = [jpeg(40, 48), jpeg(32, 56), jpeg(48, 40), jpeg(40, 40)]
+    targets = [{"boxes": [[4, 4, 20, 30], [30, 10, 48, 40]], "labels": [1, 2]},
+               {"boxes": [[0, 0, 56, 32]], "labels": [3]},
+               {"boxes": [], "labels": []},
+               {"boxes": [[10, 10, 30, 30]], "labels": [4]}]
+    src = en.Samples(blobs, targets=targets)
+    assert "torch" not in sys.modules, "echo_native imported torch"
+    with en.Loader(src, 4, augment=[en.RandomHorizontalFlip(), en.Resize((24, 32))],
+                   workers=1, worker_mode="thread", shuffle=False) as loader:
+        batch = next(iter(loader))
+        assert "torch" not in sys.modules, "the loader imported torch"
+        out = batch.to_torchvision()
+        import torch
+        rows = []
+        for i, t in enumerate(out):
+            b = t["boxes"]
+            n = int(batch.objects.counts[i])
+            rows.append({"type": type(b).__module__ + "." + type(b).__name__,
+                         "format": str(getattr(b, "format", None)),
+                         "canvas_size": [int(v) for v in getattr(b, "canvas_size", ())],
+                         "is_tensor": isinstance(b, torch.Tensor),
+                         "dtype": str(b.dtype), "shape": list(b.shape),
+                         "labels": t["labels"].tolist(),
+                         "equal": bool(np.array_equal(b.as_subclass(torch.Tensor).numpy(),
+                                                      batch.objects.boxes[i, :n])),
+                         "shared": b.data_ptr() == torch.from_dlpack(
+                             batch.objects.boxes).data_ptr() + i * batch.objects.boxes.strides[0]
+                         if n else True})
+    print("RESULT " + json.dumps(rows))
+''')
+
+#: A torchvision stand-in whose tv_tensors.BoundingBoxes records its format and canvas
+#: size, as the real one does (a torch.Tensor subclass sharing the data).
+FAKE_TV = {
+    "__init__.py": "",
+    "tv_tensors.py": textwrap.dedent('''
+        import torch
+
+        class BoundingBoxFormat:
+            XYXY = "BoundingBoxFormat.XYXY"
+
+        class BoundingBoxes(torch.Tensor):
+            def __new__(cls, data, *, format, canvas_size):
+                assert format in ("XYXY", BoundingBoxFormat.XYXY), format
+                t = torch.as_tensor(data).as_subclass(cls)
+                t.format = BoundingBoxFormat.XYXY
+                t.canvas_size = tuple(canvas_size)
+                return t
+    '''),
+}
+
+#: torchvision without its compiled ops (a CPU torch beside a CUDA torchvision): its
+#: import fails with a RuntimeError, not an ImportError.
+BROKEN_TV = {"__init__.py": 'raise RuntimeError("operator torchvision::nms does not exist")\n'}
+
+
+def _probe(tmp_path, package=None):
+    """Run PROBE in a fresh interpreter, ``package`` (files) as ``torchvision`` on its
+    path: the rows it printed."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    paths = [str(REPO)]
+    if package is not None:
+        root = tmp_path / "stand_in"
+        (root / "torchvision").mkdir(parents=True)
+        for name, text in package.items():
+            (root / "torchvision" / name).write_text(text)
+        paths.insert(0, str(root))
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(v for v in proc.stdout.splitlines() if v.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def _torchvision_loads():
+    """Whether the real torchvision imports here (asked of a fresh interpreter: a failed
+    import can leave half a package behind in this one)."""
+    proc = subprocess.run([sys.executable, "-c", "import torchvision.tv_tensors"],
+                          capture_output=True, timeout=120)
+    return proc.returncode == 0
+
+
+def _check_rows(rows, boxes_type):
+    assert [r["labels"] for r in rows] == [[1, 2], [3], [], [4]]
+    for r in rows:
+        assert r["type"] == boxes_type and r["is_tensor"], r
+        assert r["dtype"] == "torch.float32" and r["shape"][1:] == [4], r
+        assert r["equal"] and r["shared"], r
+
+
+def test_to_torchvision_imports_torch_itself(tmp_path):
+    """A caller that never imported torch gets its tensors (torch is imported when
+    to_torchvision() needs it); without torchvision installed, plain tensors."""
+    rows = _probe(tmp_path, {"__init__.py": 'raise ImportError("No module named torchvision")\n'})
+    _check_rows(rows, "torch.Tensor")
+
+
+def test_to_torchvision_gives_bounding_boxes_where_torchvision_loads(tmp_path):
+    """With a torchvision that loads, each image's boxes are tv_tensors.BoundingBoxes in
+    XYXY on the batch's (height, width) canvas, sharing the batch's memory."""
+    rows = _probe(tmp_path, FAKE_TV)
+    _check_rows(rows, "torchvision.tv_tensors.BoundingBoxes")
+    assert all(r["format"] == "BoundingBoxFormat.XYXY" and r["canvas_size"] == [24, 32]
+               for r in rows), rows
+
+
+def test_to_torchvision_gives_plain_tensors_where_torchvision_fails_to_load(tmp_path):
+    """torchvision installed but failing at import (its ops not loading: a RuntimeError):
+    plain tensors, as documented, never that error."""
+    rows = _probe(tmp_path, BROKEN_TV)
+    _check_rows(rows, "torch.Tensor")
+
+
+def test_a_torchvision_v2_transform_moves_the_boxes_with_the_image(tmp_path):
+    """The real torchvision, where it loads: a v2 flip after to_torchvision() mirrors the
+    boxes with the image (plain tensors would stay where they were)."""
+    if not _torchvision_loads():
+        pytest.skip("torchvision does not import here; tests/torchvision_ref's venv has it")
+    rows = _probe(tmp_path)
+    _check_rows(rows, "torchvision.tv_tensors._bounding_boxes.BoundingBoxes")
+    code = textwrap.dedent('''
+        import numpy as np, torch
+        from torchvision.transforms import v2
+        import echo_native as en
+        from echo_native.boxes import Objects
+        o = Objects(np.float32([[[2, 4, 10, 20]]]), np.int64([[1]]), np.array([[True]]),
+                    np.array([[False]]), canvas_size=(24, 32))
+        t = o.to_torchvision()[0]
+        image = torch.zeros(3, 24, 32, dtype=torch.uint8)
+        _, boxes = v2.RandomHorizontalFlip(p=1.0)(image, t["boxes"])
+        assert boxes.tolist() == [[22.0, 4.0, 30.0, 20.0]], boxes.tolist()
+    ''')
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
