@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import time
 
 import numpy as np
@@ -179,16 +180,29 @@ def _nothing():
 
 
 def _rows(batch):
-    from echo_native.echo.pytree import flatten, leaf_kinds
+    from echo_native.echo.pytree import batch_size
 
-    leaves, treedef = flatten(batch)
-    for leaf, kind in zip(leaves, leaf_kinds(treedef)):
-        if kind == "array" and getattr(leaf, "ndim", len(leaf.shape)):
-            return int(leaf.shape[0])
-        if kind == "list":
-            return len(leaf)
-    raise ValueError(f"EchoLoader: a batch must hold an array (or a list) with one row per "
-                     f"example, got {type(batch).__name__}")
+    n = batch_size(batch)
+    if n is None:
+        raise ValueError(f"EchoLoader: a batch must hold an array (or a list) with one row per "
+                         f"example, got {type(batch).__name__}")
+    return n
+
+
+def _refuse_non_loader(iterable):
+    """What is not a loader of batches, refused by name before the first batch: a path (its
+    characters would be taken for batches) or a Hugging Face dataset (its examples would)."""
+    if isinstance(iterable, (str, bytes, os.PathLike)):
+        raise TypeError(f"EchoLoader wraps a loader of batches (a torch DataLoader, a "
+                        f"generator of batches), got the path {os.fsdecode(iterable)!r}: for "
+                        f"a folder or file list of images use en.EchoRing(path)")
+    cls = type(iterable)
+    if cls.__module__.split(".")[0] == "datasets" and cls.__name__ in (
+            "Dataset", "IterableDataset", "DatasetDict", "IterableDatasetDict"):
+        raise TypeError(f"EchoLoader wraps a loader of batches, got a Hugging Face "
+                        f"{cls.__name__}, which yields one example at a time: pass "
+                        f"DataLoader(ds, batch_size=...) (every epoch), or "
+                        f"ds.iter(batch_size=...) (one epoch)")
 
 
 def _dataset_len(iterable):
@@ -210,11 +224,15 @@ class EchoLoader(Started):
     Parameters
     ----------
     iterable : any iterable of batches (a torch ``DataLoader``, a Hugging Face
-        dataset's iterator, a generator function's result is one epoch only)
-        Batches are NumPy arrays, torch tensors (CPU or CUDA), JAX or CuPy arrays, or
-        dicts, lists, tuples, namedtuples or dataclasses of them; every array holds
-        one row per example (the batch dimension first); a list of per-example
-        values (strings, ids) follows its examples.
+        dataset's ``ds.iter(batch_size=...)``; a generator function's result is one
+        epoch only).  Not a path (use :class:`EchoRing` for a folder of images) and
+        not a dataset of single examples: both are refused here.
+        Batches are NumPy arrays, torch tensors (CPU or CUDA), JAX or CuPy arrays,
+        ``pyarrow`` tables, or dicts, lists, tuples, namedtuples or dataclasses of
+        them; every array holds one row per example (the batch dimension first); a
+        list whose length is the batch size holds one value per example (a string, a
+        list of token ids, a ragged array) and follows its example whole (the rule:
+        :mod:`echo_native.echo.pytree`).
     echo : float >= 1, "auto", or Echo, default 2.0
         As :class:`EchoRing`'s.  A number uses ``placement="before_augment"`` with
         ``augment`` and ``"after_augment"`` without; ``Echo(e, placement="batch")``
@@ -248,6 +266,7 @@ class EchoLoader(Started):
         if not hasattr(iterable, "__iter__"):
             raise TypeError(f"EchoLoader wraps an iterable of batches, got "
                             f"{type(iterable).__name__}")
+        _refuse_non_loader(iterable)
         if augment is not None and not callable(augment):
             raise TypeError(f"augment must be callable(batch, keys), got {augment!r}")
         if not is_int(seed) or not 0 <= seed < 2**64:

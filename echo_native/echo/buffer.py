@@ -2,8 +2,7 @@
 
 - :class:`ExampleBuffer`: each fresh example is stored once with the number of
   emissions it has left; a batch picks distinct examples at random, so repeats
-  of one example never share a batch while the buffer holds at least a batch
-  of distinct examples, and land a random distance apart.
+  of one example never share a batch and land a random distance apart.
 - :class:`BatchWindow`: batch echoing, whole batches repeated in a shuffled
   window (the paper's weakest variant, kept for comparison).
 """
@@ -63,29 +62,34 @@ class ExampleBuffer:
         self._free.extend(int(e) for e in entries)
         self._settle()
 
-    def choose(self, n, rng):
-        """``n`` entries to emit: distinct while enough are active, with repeats only in
-        the last batches of an epoch, when fewer than ``n`` distinct examples remain.
+    def choose(self, n, rng, closing=False):
+        """Up to ``n`` distinct entries to emit (fewer only when fewer are active).
 
         Entries emitted in the previous batch sit this one out while the others
         suffice, so an example never lands in two adjacent batches while the
-        buffer holds two batches' worth of active examples."""
+        buffer holds two batches' worth of active examples.
+
+        ``closing``: no fresh example joins before the epoch ends.  The emissions
+        left then need ``rounds`` = max(ceil(pending / n), most left to one entry)
+        batches of distinct examples; an entry that owes one to each of them goes
+        in now, so that every batch but the epoch's last is full whenever the
+        pending emissions allow it (``rounds`` is ceil(pending / n)), and none
+        ever holds an example twice."""
         active = self.active()
+        k = min(n, len(active))
+        forced = active[:0]
+        if closing and k:
+            left = self.remaining[active]
+            rounds = max(-(-int(left.sum()) // n), int(left.max()))
+            forced = active[left >= rounds]
+            active = active[left < rounds]
+            k -= len(forced)
         rested = active[~self.last[active]]
-        if len(rested) >= n:
-            return rng.choice(rested, size=n, replace=False)
-        if len(active) >= n:
-            return rng.choice(active, size=n, replace=False)
-        picks = list(active)
-        left = self.remaining[active].copy() - 1
-        while len(picks) < n:
-            avail = active[left > 0]
-            if len(avail) == 0:
-                break
-            take = rng.choice(avail, size=min(n - len(picks), len(avail)), replace=False)
-            picks.extend(take)
-            left[np.searchsorted(active, take)] -= 1
-        return np.asarray(picks, dtype=np.int64)
+        pool = rested if len(rested) >= k else active
+        picks = rng.choice(pool, size=k, replace=False) if k else pool[:0]
+        if len(forced):
+            return rng.permutation(np.concatenate([forced, picks]))
+        return picks
 
     def recount(self, entries, totals):
         """Entries owe ``totals`` emissions in all now (auto echo moved e): what is
@@ -102,7 +106,6 @@ class ExampleBuffer:
         echo = np.empty(len(entries), np.int64)
         self.last[:] = False
         self.last[entries] = True
-        # A loop, not fancy indexing: an entry may appear twice in a tail batch.
         for i, e in enumerate(entries):
             echo[i] = self.next_echo[e]
             self.next_echo[e] += 1

@@ -1,17 +1,46 @@
 """How an echo stage stores and emits a user's batches: nested containers of arrays.
 
 :class:`~echo_native.EchoLoader` wraps any loader, so a batch is whatever it
-yields: a NumPy array, a torch tensor (CPU or CUDA), a JAX or CuPy array, or a
-nest of them in dicts, lists, tuples, namedtuples and dataclasses (a pytree).
-Every array leaf holds one row per example (the batch dimension first); a list
-of per-example values (strings, ids) follows its examples too.  The examples
-stay where they are: each array leaf's shuffle-buffer entries are one array on
-the leaf's own device, stored into and gathered from with that framework's own
-indexing, never through the host.
+yields: a NumPy array, a torch tensor (CPU or CUDA), a JAX or CuPy array, a
+``pyarrow.Table``, or a nest of them in dicts, lists, tuples, namedtuples and
+dataclasses (a pytree).  The examples stay where they are: each array leaf's
+shuffle-buffer entries are one array on the leaf's own device, stored into and
+gathered from with that framework's own indexing, never through the host.
+
+What is one example's: the rule
+-------------------------------
+A batch of n examples is read in two steps.
+
+1. **n**, from the strongest evidence in the batch (:func:`batch_size`), looking
+   through dicts, dataclasses and namedtuples (the containers whose entries have
+   names, so each entry is a field of every example):
+
+   a. a plain list or tuple whose items are all scalars, strings, bytes or None
+      (an id or label column, a list of texts): its length;
+   b. an array (or a ``pyarrow.Table``): its leading dimension (its row count);
+   c. arrays that are items of a plain list or tuple and share one leading
+      dimension (a ``DataLoader``'s collated ``[x, y]``): that dimension;
+   d. the length of the first plain list or tuple.
+
+2. With n known, every plain list or tuple of length n holds **one value per
+   example**, whatever each value is (a list of token ids, a string, a ragged
+   array, a dict), unless every item is an array with n rows or a dict,
+   dataclass or namedtuple: that is a collated structure (``[x, y]`` with n = 2).
+   A list or tuple of another length is structure (its items are fields).  A
+   per-example value is stored whole and follows its example: Hugging Face's
+   ``{"ids": [[0, 1, 2], [100, 101, 102], ...]}`` is n rows of tokens, never 3
+   columns.  After the first batch, a batch is read as the first one was (a
+   short last batch of 2 is not taken for an ``[x, y]``).
+
+Every array holds one row per example; a value that is neither an array nor
+per-example (a constant string) must stay the same from batch to batch.  A
+per-example list comes back as the same kind (a list stays a list, a tuple a
+tuple), its values whole; a table comes back as a table of the same schema.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 
 import numpy as np
@@ -20,49 +49,147 @@ from echo_native.echo.buffer import buffer_bytes
 
 
 # ---- the structure of a batch ----------------------------------------------------------
-class Leaf:
-    """Where a leaf sits in the structure; ``kind`` is "array", "list" or "const"."""
-
-    __slots__ = ("path", "kind", "value")
-
-    def __init__(self, path, kind, value=None):
-        self.path, self.kind, self.value = path, kind, value
-
-
 def _is_array(x):
     return hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "__getitem__") and \
         not isinstance(x, (str, bytes))
+
+
+def _is_table(x):
+    return type(x).__module__.split(".")[0] == "pyarrow" and \
+        type(x).__name__ in ("Table", "RecordBatch")
 
 
 def _is_namedtuple(x):
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def flatten(batch, path="batch"):
-    """``(leaves, treedef)``: the arrays and per-example lists of ``batch`` in a fixed
-    order, and what :func:`unflatten` needs to rebuild its structure."""
+def _is_dataclass(x):
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _is_seq(x):
+    """A plain list or tuple (a namedtuple's entries have names: it is a record)."""
+    return isinstance(x, (list, tuple)) and not _is_namedtuple(x)
+
+
+def _is_record(x):
+    return isinstance(x, dict) or _is_dataclass(x) or _is_namedtuple(x)
+
+
+def _is_scalar(x):
+    return x is None or isinstance(x, (str, bytes, bool, int, float, complex, np.generic))
+
+
+def _rows(x):
+    """The leading dimension of an array or a table (None for a 0-d array)."""
+    if _is_table(x):
+        return x.num_rows
+    return int(x.shape[0]) if len(x.shape) else None
+
+
+def _named(x):
+    """``x`` and everything reached from it through names (dict keys, fields)."""
+    out = [x]
+    if isinstance(x, dict):
+        values = x.values()
+    elif _is_dataclass(x):
+        values = [getattr(x, f.name) for f in dataclasses.fields(x)]
+    elif _is_namedtuple(x):
+        values = x
+    else:
+        return out
+    for v in values:
+        out.extend(_named(v))
+    return out
+
+
+def batch_size(batch):
+    """The number of examples in ``batch``, from the strongest evidence it holds (the
+    rule in this module's docstring); None when it holds no list, array or table."""
+    named = _named(batch)
+    for x in named:   # a column of scalars or strings: nothing else it can be
+        if _is_seq(x) and x and all(_is_scalar(v) for v in x):
+            return len(x)
+    for x in named:
+        if _is_table(x) or (_is_array(x) and len(x.shape)):
+            return _rows(x)
+    for x in named:   # a collated [x, y]: arrays as its items (or in their records)
+        if _is_seq(x):
+            dims = {_rows(a) for item in x for a in _named(item)
+                    if _is_table(a) or (_is_array(a) and len(a.shape))}
+            if len(dims) == 1:
+                return dims.pop()
+    for x in named:
+        if _is_seq(x):
+            return len(x)
+    return None
+
+
+def _collated(seq, n):
+    """A list or tuple of n items that is structure, not one value per example: each item
+    an array with n rows, or a record (a collated ``[x, y]`` with n = 2)."""
+    return all((_is_array(v) and len(v.shape) and v.shape[0] == n) or _is_table(v) or
+               _is_record(v) for v in seq)
+
+
+def flatten(batch, n=None, like=None, path="batch"):
+    """``(leaves, treedef)``: the arrays, tables and per-example lists of ``batch`` (of
+    ``n`` examples, :func:`batch_size` by default) in a fixed order, and what
+    :func:`unflatten` needs to rebuild its structure.  ``like``, the treedef of an
+    earlier batch, says which lists hold one value per example where the batch alone
+    cannot (a short last batch)."""
+    if n is None:
+        n = batch_size(batch)
+    return _flatten(batch, n, like, path)
+
+
+def _flatten(batch, n, like, path):
+    like_kind = like[0] if like is not None else None
+    if like_kind == "list" and _is_array(batch) and len(batch.shape):
+        # A ragged column whose rows happened to share a length this time came stacked.
+        batch = like[2](batch[i] for i in range(batch.shape[0]))
+    if _is_table(batch):
+        return [batch], ("table", path, type(batch))
     if _is_array(batch):
         return [batch], ("leaf", path)
     if isinstance(batch, dict):
         keys = list(batch)
-        parts = [flatten(batch[k], f"{path}[{k!r}]") for k in keys]
+        subs = _children(like, "dict", keys)
+        parts = [_flatten(batch[k], n, c, f"{path}[{k!r}]") for k, c in zip(keys, subs)]
         return [x for p in parts for x in p[0]], ("dict", type(batch), keys,
                                                    [p[1] for p in parts])
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+    if _is_dataclass(batch):
         names = [f.name for f in dataclasses.fields(batch)]
-        parts = [flatten(getattr(batch, n), f"{path}.{n}") for n in names]
+        subs = _children(like, "dataclass", names)
+        parts = [_flatten(getattr(batch, k), n, c, f"{path}.{k}") for k, c in zip(names, subs)]
         return [x for p in parts for x in p[0]], ("dataclass", type(batch), names,
                                                    [p[1] for p in parts])
-    if isinstance(batch, (list, tuple)) and batch and \
-            all(not _is_array(x) and not isinstance(x, (list, tuple, dict)) and
-                not dataclasses.is_dataclass(x) for x in batch) and not _is_namedtuple(batch):
-        return [list(batch)], ("list", path, type(batch))   # one value per example
+    if _is_seq(batch):
+        if like_kind == "list":
+            per_example = True
+        elif like_kind == "seq":
+            per_example = False
+        else:
+            per_example = len(batch) == n and not _collated(batch, n)
+        if per_example:
+            return [list(batch)], ("list", path, type(batch))
     if isinstance(batch, (list, tuple)):
-        parts = [flatten(x, f"{path}[{i}]") for i, x in enumerate(batch)]
         kind = "namedtuple" if _is_namedtuple(batch) else "seq"
+        subs = _children(like, kind, len(batch))
+        parts = [_flatten(x, n, c, f"{path}[{i}]") for i, (x, c) in enumerate(zip(batch, subs))]
         return [x for p in parts for x in p[0]], (kind, type(batch), None,
                                                    [p[1] for p in parts])
     return [batch], ("const", path)
+
+
+def _children(like, kind, names):
+    """The treedefs an earlier batch had at this node's children (None where it had
+    another structure here: the comparison of the treedefs then names the change)."""
+    size = names if isinstance(names, int) else len(names)
+    if like is None or like[0] != kind or len(like[3]) != size or \
+            (not isinstance(names, int) and like[2] != names):
+        return [None] * size
+    return like[3]
 
 
 def unflatten(treedef, leaves):
@@ -71,7 +198,7 @@ def unflatten(treedef, leaves):
 
     def build(node):
         kind = node[0]
-        if kind == "leaf" or kind == "const":
+        if kind in ("leaf", "const", "table"):
             return next(it)
         if kind == "list":
             return node[2](next(it))
@@ -91,14 +218,14 @@ def unflatten(treedef, leaves):
 def leaf_paths(treedef):
     """The paths of the leaves, in :func:`flatten`'s order (for messages)."""
     kind = treedef[0]
-    if kind in ("leaf", "const", "list"):
+    if kind in ("leaf", "const", "list", "table"):
         return [treedef[1]]
     return [p for child in treedef[3] for p in leaf_paths(child)]
 
 
 def leaf_kinds(treedef):
     kind = treedef[0]
-    if kind in ("leaf", "const", "list"):
+    if kind in ("leaf", "const", "list", "table"):
         return ["array" if kind == "leaf" else kind]
     return [k for child in treedef[3] for k in leaf_kinds(child)]
 
@@ -261,11 +388,11 @@ class PytreeExamples:
         self.nbytes = 0
 
     def _structure(self, fresh):
-        leaves, treedef = flatten(fresh.payload)
+        leaves, treedef = flatten(fresh.payload, fresh.count, like=self.treedef)
         n = fresh.count
         for leaf, kind, path in zip(leaves, leaf_kinds(treedef), leaf_paths(treedef)):
-            rows = len(leaf) if kind == "list" else (leaf.shape[0] if kind == "array" and
-                                                     leaf.ndim else None)
+            rows = len(leaf) if kind == "list" else (_rows(leaf) if kind in ("array", "table")
+                                                     else None)
             if kind != "const" and rows != n:
                 raise ValueError(f"EchoLoader: {path} has {rows} rows where the batch has "
                                  f"{n} examples: every array in a batch must hold one row per "
@@ -273,8 +400,9 @@ class PytreeExamples:
         if self.treedef is None:
             self.treedef = treedef
         elif treedef != self.treedef:
-            raise ValueError("EchoLoader: the batches change structure (their keys, fields or "
-                             "nesting differ): batches of one loader must share one")
+            raise ValueError(f"EchoLoader: the batches change structure "
+                             f"({_difference(self.treedef, treedef)}): batches of one loader "
+                             f"must share one")
         return leaves
 
     def _ops(self, leaves):
@@ -299,7 +427,7 @@ class PytreeExamples:
         for x, o, kind in zip(leaves, ops, leaf_kinds(self.treedef)):
             if kind == "array":
                 self.buffers.append(o.empty(self.capacity, x))
-            elif kind == "list":
+            elif kind in ("list", "table"):
                 self.buffers.append([None] * self.capacity)
             else:
                 self.buffers.append(x)
@@ -312,6 +440,8 @@ class PytreeExamples:
         for i, (leaf, kind) in enumerate(zip(leaves, leaf_kinds(self.treedef))):
             buf = self.buffers[i]
             if kind == "array":
+                if isinstance(leaf, np.ndarray) and isinstance(buf, np.ndarray):
+                    leaf, buf = _host_fit(leaf, buf)
                 if tuple(leaf.shape[1:]) != tuple(buf.shape[1:]) or \
                         str(leaf.dtype) != str(buf.dtype):
                     raise ValueError(
@@ -323,6 +453,15 @@ class PytreeExamples:
             elif kind == "list":
                 for e, value in zip(np.asarray(entries).tolist(), leaf):
                     buf[e] = value
+            elif kind == "table":
+                first = next((t for t in buf if t is not None), None)
+                if first is not None and not first[0].schema.equals(leaf.schema):
+                    raise ValueError(f"EchoLoader: {paths[i]} changed its schema from "
+                                     f"{first[0].schema} to {leaf.schema}: the tables of one "
+                                     f"loader must share one")
+                # The rows stay in the batch's own table: an entry is (table, row).
+                for row, e in enumerate(np.asarray(entries).tolist()):
+                    buf[e] = (leaf, row)
             elif not _same(leaf, buf):
                 raise ValueError(f"EchoLoader: {paths[i]} is {leaf!r} in one batch and {buf!r} "
                                  f"in another: a value that is not per example must stay the "
@@ -334,7 +473,9 @@ class PytreeExamples:
             if kind == "array":
                 leaves.append(ops.gather(buf, entries))
             elif kind == "list":
-                leaves.append([buf[e] for e in np.asarray(entries).tolist()])
+                leaves.append([_own(buf[e]) for e in np.asarray(entries).tolist()])
+            elif kind == "table":
+                leaves.append(_take_rows([buf[e] for e in np.asarray(entries).tolist()]))
             else:
                 leaves.append(buf)
         return unflatten(self.treedef, leaves)
@@ -372,6 +513,82 @@ class PytreeExamples:
         batch = self._augmented(unflatten(self.treedef, leaves), kept.sample_ids, echo_index,
                                 epoch)
         return Emitted(batch, kept.sample_ids, echo_index, kept.fresh & (echo == 0), epoch)
+
+
+def _difference(old, new, path="batch"):
+    """Where two treedefs part (for the message of a batch that changed structure)."""
+    what = {"leaf": "an array", "list": "a list of one value per example",
+            "const": "a constant", "table": "a table"}
+    if old[0] != new[0]:
+        return (f"{path} was {what.get(old[0], 'a ' + old[0])} and is "
+                f"{what.get(new[0], 'a ' + new[0])} now")
+    if old[0] in what:
+        return f"{path} changed type"
+    if old[1] is not new[1] or old[2] != new[2] or len(old[3]) != len(new[3]):
+        return f"{path} changed its keys, fields or length"
+    for i, (o, n) in enumerate(zip(old[3], new[3])):
+        if o != n:
+            if old[0] == "dict":
+                sub = f"{path}[{old[2][i]!r}]"
+            elif old[0] == "dataclass":
+                sub = f"{path}.{old[2][i]}"
+            else:
+                sub = f"{path}[{i}]"
+            return _difference(o, n, sub)
+    return "the nesting differs"
+
+
+def _host_fit(leaf, buf):
+    """A host column whose dtype follows its contents (Hugging Face's numpy format), fitted
+    to the buffer: longer strings widen the buffer; a ragged column (an object array of
+    rows) may come stacked when a batch's rows happen to share one length."""
+    if buf.dtype == object and buf.ndim == 1 and (leaf.dtype != object or leaf.ndim != 1) \
+            and leaf.ndim >= 1:
+        rows = np.empty(leaf.shape[0], object)
+        for j in range(leaf.shape[0]):   # not rows[:] = ...: numpy would broadcast them
+            rows[j] = leaf[j]
+        return rows, buf
+    if leaf.dtype.kind in "US" and buf.dtype.kind == leaf.dtype.kind and \
+            leaf.shape[1:] == buf.shape[1:] and leaf.dtype != buf.dtype:
+        if leaf.dtype.itemsize > buf.dtype.itemsize:
+            return leaf, buf.astype(leaf.dtype)
+        return leaf.astype(buf.dtype), buf
+    return leaf, buf
+
+
+def _own(value):
+    """A per-example value for one emission: a consumer that changes it in place (appends
+    a token) must not change the repeats still to come."""
+    if _is_scalar(value) or isinstance(value, tuple) and all(_is_scalar(v) for v in value):
+        return value
+    if isinstance(value, list) and all(_is_scalar(v) for v in value):
+        return list(value)
+    if _is_array(value) and hasattr(value, "clone"):
+        return value.clone()
+    if _is_array(value) and hasattr(value, "copy"):
+        return value.copy()
+    return copy.deepcopy(value)
+
+
+def _take_rows(refs):
+    """The rows ``refs`` ((table, row) pairs) as one table of their schema, in order."""
+    import pyarrow as pa
+
+    tables, offsets, at = [], {}, 0
+    for table, _ in refs:
+        if id(table) not in offsets:
+            offsets[id(table)] = at
+            tables.append(table)
+            at += table.num_rows
+    if isinstance(tables[0], pa.RecordBatch):
+        whole = pa.Table.from_batches(tables)
+    else:
+        whole = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    out = whole.take(pa.array([offsets[id(t)] + r for t, r in refs], pa.int64()))
+    if isinstance(tables[0], pa.RecordBatch):
+        return out.combine_chunks().to_batches()[0] if out.num_rows else \
+            pa.RecordBatch.from_pylist([], schema=tables[0].schema)
+    return out
 
 
 def _same(a, b):

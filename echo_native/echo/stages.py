@@ -372,20 +372,21 @@ class ExampleEcho(Stage):
                     self.wait_for_device()  # _fill may reuse the entries it reads
                 moved, ended = self._fill(draws, fresh_left)
                 fresh_left = 0 if ended else fresh_left - moved
-                pending = buf.pending
-                want = min(B, pending)
+                # Distinct examples only: an example's repeats never share a batch, so
+                # the epoch's last batches may be short rather than hold one twice.
+                want = min(B, len(buf))
                 if want < B and fresh_left > 0:
                     continue  # _fill blocks for more fresh data
-                if pending == 0 or (want < B and self.drop_last):
+                if want == 0 or (want < B and self.drop_last):
                     while made:
                         batch = self._hand_over(made[0])
                         yield batch
                         made.popleft()
-                    if pending:
+                    if want:
                         buf.clear()  # drop_last: the short last batch is not emitted
                     self.end_epoch()
                     return
-                made.append(self._emit(buf.choose(want, rng), epoch))
+                made.append(self._emit(buf.choose(B, rng, closing=fresh_left == 0), epoch))
                 if auto is not None and auto.value != echo_now:
                     echo_now = auto.value
                     live = buf.active()
