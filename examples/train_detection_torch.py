@@ -12,8 +12,10 @@ What it shows:
     normalises them itself) and ``batch.objects.to_torchvision()``, one
     ``{"boxes", "labels"}`` dict per image, boxes xyxy in output pixels.
 
-Run it (needs torchvision whose compiled ops load: PyPI's default torch +
-torchvision pair does). With no arguments it makes a small COCO-format folder
+Run it in a venv where torchvision's compiled ops load: PyPI's default torch +
+torchvision pair (``python -m venv tv-venv && tv-venv/bin/pip install -e .
+'torch==2.14.1' 'torchvision==0.29.1'``), not the README's CPU torch 2.13.0, next to
+which torchvision does not load (the script then says so in one line). With no arguments it makes a small COCO-format folder
 out of the built-in corpus, 2-4 boxes per image at random places with random
 labels: the boxes frame nothing, so the loss falls only as far as the model
 learns the boxes' statistics; it exercises the pipeline and the model.
@@ -34,7 +36,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torchvision.models.detection import ssdlite320_mobilenet_v3_large
+
+try:
+    from torchvision.models.detection import ssdlite320_mobilenet_v3_large
+except (ImportError, RuntimeError, OSError) as e:
+    # PyPI's torchvision links libtorch_cuda: its compiled ops do not load next to a CPU
+    # build of torch (the README's venv has torch 2.13.0+cpu).  One line, not a traceback.
+    raise SystemExit(
+        f"train_detection_torch.py needs torchvision, which does not load here ({e}); run it "
+        f"in a venv with PyPI's default torch + torchvision pair: python -m venv tv-venv && "
+        f"tv-venv/bin/pip install -e . 'torch==2.14.1' 'torchvision==0.29.1' && "
+        f"tv-venv/bin/python examples/train_detection_torch.py --steps 20") from None
 
 import echo_native as en
 from echo_native.lab import corpus

@@ -114,6 +114,23 @@ def test_example_is_a_plain_script_with_help(script, tmp_path):
     assert out.startswith("usage:") and "--steps" in out and "--echo" in out
 
 
+def test_detection_example_without_torchvision_says_where_it_runs(tmp_path):
+    """Where torchvision does not load (the README's venv: not installed, or PyPI's build
+    beside a CPU torch), the detection example ends in one line naming the venv recipe
+    that runs it, not a traceback."""
+    try:
+        from torchvision.models.detection import ssdlite320_mobilenet_v3_large  # noqa: F401
+    except (ImportError, RuntimeError, OSError):
+        pass
+    else:
+        pytest.skip("torchvision loads here: tests/torchvision_ref runs the example")
+    rc, out = example("train_detection_torch.py", "--steps", "1", cwd=tmp_path)
+    assert rc == 1, out
+    assert "Traceback" not in out, out
+    assert "needs torchvision" in out and "'torchvision==0.29.1'" in out, out
+    assert len(out.strip().splitlines()) == 1, out
+
+
 # ---- PyTorch -------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("echo,placement", [("2", "before_augment"),

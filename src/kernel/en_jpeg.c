@@ -151,7 +151,8 @@ static const char *data_loss(j_decompress_ptr ci, const struct jpeg_error_mgr *e
                "what corrupt entropy-coded data leaves behind (garbled blocks)";
     }
     case JWRN_JPEG_EOF:
-        return "the file ends before the image data does: missing rows are filled with grey";
+        return "the file ends before the image data does (decoding on, as strict=False does, "
+               "would fill the missing rows with grey)";
     case JWRN_HIT_MARKER:
         return "a scan ends before the image is complete: missing blocks are filled in";
     case JWRN_HUFF_BAD_CODE:
