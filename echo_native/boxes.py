@@ -106,7 +106,8 @@ def pack(keep, *arrays, width=None):
                          f"{m} its padded arrays hold")
     rows, cols = np.nonzero(keep)
     # Position of each kept entry within its row: its rank among that row's kept ones.
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    # (Starts as cumsum - counts: right for a batch of no rows too, every sample failed.)
+    starts = np.cumsum(counts) - counts
     slots = np.arange(len(rows)) - np.repeat(starts, counts)
     valid = np.zeros((len(keep), m), bool)
     valid[rows, slots] = True

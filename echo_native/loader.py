@@ -28,7 +28,7 @@ from echo_native.augment import Program, WithOps
 from echo_native.batch import Batch, Books, Fresh
 from echo_native.boxes import SourceObjects
 from echo_native.errors import DecodeError
-from echo_native.failures import FailureReport
+from echo_native.failures import REASONS, FailureReport
 from echo_native.plan import ON_ERROR, Plan
 from echo_native.resume import (check_epoch, check_merged, check_state, merge_states,
                                 resumed_plan, state_at)
@@ -168,6 +168,9 @@ class Loader(Started):
         self._watchers = []        # (opened(ring), closing()) of stages that map the ring
         self._stats = Books()
         self._failures = FailureReport(self.plan.on_error)
+        # This epoch's reads, for the error of an epoch that delivers nothing: [epoch,
+        # samples asked, samples delivered, failures by reason, first failure or None].
+        self._tally = [None, 0, 0, {}, None]
         # Memory the stages after the loader will take besides the ring, checked with it
         # at start: [(what, bytes, setting to lower)] (an echo buffer, see EchoRing).
         self.memory_extra = ()
@@ -285,6 +288,7 @@ class Loader(Started):
         if running:
             self._stop()
         self._ticket = ticket
+        self._tally = [None, 0, 0, {}, None]  # an epoch read again is counted afresh
         if plan is not self.plan:
             self.plan, self._history = plan, history
             self._work = plan if plan is self._base else plan.for_workers()
@@ -411,8 +415,33 @@ class Loader(Started):
 
     def _epoch_batches(self):
         self.start()
+        epoch, delivered = self.epoch, 0
         for _ in range(self.left_in_epoch):
-            yield self.next_batch()
+            batch = self.next_batch()
+            # A batch whose every sample failed (skipped, or no stand-in decoded) holds
+            # nothing to train on, and a 0-length batch breaks a training step.
+            if len(batch):
+                delivered += 1
+                yield batch
+        if not delivered:
+            self.check_delivered(epoch, "Loader")
+
+    def check_delivered(self, epoch, owner="Loader"):
+        """Raise :class:`DecodeError` when every sample read in ``epoch`` failed, naming
+        how many, the first failure (its file and reason) and the source: called by an
+        iteration that delivered no batch, where that is the cause."""
+        tally_epoch, asked, delivered, failures, first = self._tally
+        if tally_epoch != epoch or delivered or not failures:
+            return
+        by = ", ".join(f"{reason} {n}" for reason, n in sorted(failures.items()))
+        where = ""
+        if first is not None:
+            path = first.path if first.path and first.path.isprintable() else repr(first.path)
+            where = f"; the first: {path}: {' '.join(first.message.split())}"
+        raise DecodeError(
+            f"{owner}: every one of the {asked} samples read in epoch {epoch} failed, so "
+            f"the epoch has no batch to deliver (failures by reason: {by}){where}. Check "
+            f"that the source points at its images: {_source_name(self.source)}")
 
     def next_batch(self) -> Batch:
         """The next batch in ticket order (releasing the previous one's slot)."""
@@ -475,6 +504,7 @@ class Loader(Started):
             self._release_held()
             detail = "\n".join(r.message for r in records) or "(no traceback)"
             raise WorkerError(f"a worker failed while filling batch {ticket}:\n{detail}")
+        self._count(ticket, count, failures, records)
         if failures:
             self._failures.sample_failures(records, failures)
         if error == ERR_DECODE:
@@ -492,6 +522,23 @@ class Loader(Started):
         self._stats.fresh += int(np.count_nonzero(fresh.ok))
         self._stats.warned += ring.warned(ticket)
         return fresh
+
+    def _count(self, ticket, count, failures, records):
+        """Book a batch's reads into its epoch's tally (a new epoch starts a new one)."""
+        epoch = ticket // len(self)
+        if self._tally[0] != epoch:
+            self._tally = [epoch, 0, 0, {}, None]
+        tally = self._tally
+        tally[1] += self.plan.ticket_size(ticket)
+        tally[2] += count
+        by = tally[3]
+        for r in records:
+            reason = REASONS.get(r.reason, "other")
+            by[reason] = by.get(reason, 0) + 1
+        if failures > len(records):  # more than the slot's report area could name
+            by["unreported"] = by.get("unreported", 0) + failures - len(records)
+        if tally[4] is None and records:
+            tally[4] = records[0]
 
     def release(self, ticket):
         """Give the slot of ``ticket`` back to the workers if the consumer still holds it."""

@@ -253,7 +253,15 @@ class EchoRing(Started):
 
     def _batches(self):
         self.start()
-        yield from self.stage.batches()
+        epoch, delivered = self.epoch, 0
+        for batch in self.stage.batches():
+            # A batch whose every sample failed (on_error="skip", or no stand-in decoded)
+            # holds nothing to train on, and a 0-length batch breaks a training step.
+            if len(batch):
+                delivered += 1
+                yield batch
+        if not delivered:
+            self.loader.check_delivered(epoch, "EchoRing")
 
     def set_epoch(self, epoch):
         """As ``DistributedSampler.set_epoch``: the next iteration is ``epoch``."""

@@ -187,3 +187,107 @@ def test_a_torchvision_v2_transform_moves_the_boxes_with_the_image(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -- a source whose samples fail: one clear error, never an empty batch -------------------
+
+SIZES = [(40, 48), (32, 56), (48, 40), (40, 40), (36, 44), (44, 36), (40, 52), (52, 40)]
+DETECTION = [en.RandomHorizontalFlip(), en.Resize((32, 32)), en.SanitizeBoundingBoxes()]
+ECHOES = [1, 2, en.Echo(2, placement="batch")]
+ECHO_IDS = ["echo1", "example_echo", "batch_echo"]
+
+
+@pytest.fixture
+def coco(tmp_path):
+    """A COCO folder of 8 images, two boxes each: (images root, annotation file)."""
+    root = tmp_path / "images"
+    root.mkdir()
+    images, annotations = [], []
+    for k, (h, w) in enumerate(SIZES):
+        name = f"{k:012d}.jpg"
+        (root / name).write_bytes(_jpeg(h, w, 40 + 20 * k))
+        images.append({"id": 100 + k, "file_name": name, "height": h, "width": w})
+        for j, bbox in enumerate([[2, 3, 10, 12], [w - 16, h - 14, 16, 14]]):
+            annotations.append({"id": len(annotations) + 1, "image_id": 100 + k,
+                                "category_id": 1 + j, "bbox": bbox, "iscrowd": 0})
+    ann = tmp_path / "instances.json"
+    ann.write_text(json.dumps({"images": images, "annotations": annotations, "categories": [
+        {"id": 1, "name": "a"}, {"id": 2, "name": "b"}]}))
+    return root, ann
+
+
+def _epoch(source, echo, **kw):
+    """The lengths of one epoch's batches through EchoRing (echo=None: the Loader alone),
+    failure warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", en.SampleFailureWarning)
+        if echo is None:
+            with en.Loader(source, 4, workers=1, **kw) as loader:
+                return [len(b) for b in loader]
+        with en.EchoRing(source, 4, echo=echo, workers=1, **kw) as ring:
+            return [len(b) for b in ring]
+
+
+@pytest.mark.parametrize("on_error", ["replace", "skip"])
+@pytest.mark.parametrize("echo", [None] + ECHOES, ids=["loader"] + ECHO_IDS)
+def test_a_coco_images_root_without_the_images_is_one_clear_error(coco, tmp_path, echo,
+                                                                  on_error):
+    """CocoDetection given an images_root that holds none of its files: the epoch ends in
+    one DecodeError saying every sample failed, naming the first file and the source (its
+    root), not in numpy's broadcast error or an epoch of nothing."""
+    _, ann = coco
+    wrong = tmp_path / "train2017"
+    wrong.mkdir()
+    source = en.CocoDetection(wrong, ann)
+    with pytest.raises(en.DecodeError) as info:
+        _epoch(source, echo, augment=DETECTION, on_error=on_error)
+    message = str(info.value)
+    assert "every one of the 8 samples" in message, message
+    assert str(wrong / "000000000000.jpg") in message or \
+        any(str(wrong / f"{k:012d}.jpg") in message for k in range(8)), message
+    assert f"CocoDetection({str(wrong)!r}" in message, message
+    assert "broadcast" not in message
+
+
+@pytest.mark.parametrize("echo", [None] + ECHOES, ids=["loader"] + ECHO_IDS)
+def test_a_batch_whose_images_are_all_missing_is_left_out_under_skip(coco, echo):
+    """on_error="skip" with one batch's worth of images missing: the other batch comes
+    through with its objects; no empty batch reaches the training loop."""
+    root, ann = coco
+    for k in range(4):
+        (root / f"{k:012d}.jpg").unlink()
+    source = en.CocoDetection(root, ann)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", en.SampleFailureWarning)
+        if echo is None:
+            with en.Loader(source, 4, workers=1, augment=DETECTION, on_error="skip",
+                           shuffle=False) as loader:
+                batches = [b.copy() for b in loader]
+        else:
+            with en.EchoRing(source, 4, echo=echo, workers=1, augment=DETECTION,
+                             on_error="skip", shuffle=False) as ring:
+                batches = [b.copy() for b in ring]
+    assert batches and all(len(b) > 0 for b in batches), [len(b) for b in batches]
+    ids = {int(s) for b in batches for s in b.sample_ids}
+    assert ids == {4, 5, 6, 7}
+    for b in batches:
+        assert (b.objects.counts == 2).all() and b.objects.canvas_size == (32, 32)
+
+
+@pytest.mark.parametrize("on_error", ["replace", "skip"])
+@pytest.mark.parametrize("echo", [None] + ECHOES, ids=["loader"] + ECHO_IDS)
+def test_an_image_folder_whose_every_file_fails_is_one_clear_error(tmp_path, echo, on_error):
+    """An ImageFolder where no file decodes: never an epoch of empty batches, nor one of
+    nothing ending without a word; one DecodeError naming a file, its reason and the
+    folder."""
+    folder = tmp_path / "photos"
+    (folder / "cat").mkdir(parents=True)
+    for k in range(6):
+        (folder / "cat" / f"{k}.jpg").write_bytes(b"this is not a jpeg %d" % k)
+    source = en.ImageFolder(folder)
+    with pytest.raises(en.DecodeError) as info:
+        _epoch(source, echo, augment=en.RandomResizedCrop(16), on_error=on_error)
+    message = str(info.value)
+    assert "every one of the 6 samples" in message and "/cat/" in message, message
+    assert "not an image" in message or "not a decodable image" in message, message
+    assert f"ImageFolder({str(folder)!r}" in message, message
