@@ -77,6 +77,8 @@ class Loader(Started):
         A sample that cannot be read or decoded is replaced by a deterministic other
         sample (``fresh=False``), skipped (a shorter batch), or raised as ``DecodeError``;
         every failure is counted in ``stats()["failures"]`` and reported with its path.
+        A batch left with no sample is not yielded, and an epoch in which every sample
+        failed ends in one ``DecodeError`` naming the first file and the source.
     shard : Shard, default Shard() (torchrun's RANK/WORLD_SIZE)
         This process's part of the data.
     decode : DecodeLimits, default DecodeLimits()

@@ -65,7 +65,9 @@ class EchoRing(Started):
     drop_last : bool, default False
         Drop the epoch's last batch when it is short.
     on_error : {"replace", "skip", "raise"}, default "replace"
-        What a sample that cannot be read or decoded becomes (see :class:`Loader`).
+        What a sample that cannot be read or decoded becomes (see :class:`Loader`).  No
+        batch without samples is yielded; an epoch whose every sample failed raises one
+        ``DecodeError`` naming the first file and the source.
     shard : Shard, optional
         This process's part of the data (default: torchrun's RANK/WORLD_SIZE).
     decode : DecodeLimits, optional
