@@ -11,12 +11,19 @@ queued on ``stream`` that reads a batch.
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
+import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import types
+import zipfile
 
 import numpy as np
 import pytest
@@ -464,70 +471,332 @@ def test_the_copy_of_the_next_batch_overlaps_the_current_step(gpu, source):
         assert not gpu.happens_before(steps[n - 1], copies[n]), n
 
 
-# -- 8. the GPU check kit -----------------------------------------------------------------
-def _check_kit(tmp_path, tests_rc, bench_rc, toolkit_rc=0):
-    """Run benchmarks/gpu_check.sh with stand-ins for nvidia-smi and python3 that record
-    their environment and exit with the given statuses for the toolkit check, the tests
-    and the benchmark (the script's own Python snippets, ``python3 -``, run for real)."""
+# -- 8. the GPU check kit (issue 41: 1, 5) ------------------------------------------------
+# A stand-in for python3 on the device: the check's own helpers (its ``python3 -``
+# snippets, gpu_report.py, the import of the unpacked core) run for real; nvidia-smi,
+# the environment line, the build, the extra, the tests and the benchmarks are played,
+# with the exit statuses a test asks for.  Every call's argv, folder and environment is
+# logged, one JSON line each.
+_FAKE_PYTHON = '''\
+import json, os, re, sys, time
+REAL, LOG, RC = {real!r}, {log!r}, {rc!r}
+args = sys.argv[1:]
+line = " ".join(args)
+with open(LOG, "a") as f:
+    f.write(json.dumps({{"argv": args, "cwd": os.getcwd(), "env": dict(os.environ)}}) + "\\n")
+if args[:1] == ["-"] or "gpu_report.py" in line or "import echo_native._kernel" in line:
+    os.execv(REAL, [REAL] + args)
+if "gpu_extra.py" in line:
+    print("no toolkit")
+    sys.exit(RC["toolkit"])
+if "tests/test_gpu.py" in line:
+    print("PASSED tests/test_gpu.py::test_the_memfd_ring_is_page_locked")
+    print("1 failed")
+    sys.exit(RC["tests"])
+if "bench_gpu.py" in line:
+    k = args[args.index("-k") + 1]
+    report = [a.split("=", 1)[1] for a in args if a.startswith("--benchmark-json=")][0]
+    hang = RC.get("hang")
+    if hang and hang in k:
+        time.sleep(3600)  # a step that outlasts its budget (killed by timeout)
+    benchmarks = []
+    if "h2d" in k:
+        print("H2D: pinned peak 50.0 GB/s; registered ring 45.0 GB/s (90% of peak)")
+        benchmarks.append({{"name": "test_h2d_bandwidth", "extra_info": {{
+            "peak_pinned_GBps": 50.0, "registered_GBps": 45.0, "registered_to_peak": 0.9,
+            "staged_GBps": 30.0, "staged_to_peak": 0.6}}}})
+    elif "reaugmentation" in k:
+        benchmarks.append({{"name": "test_gpu_reaugmentation_rate",
+                           "extra_info": {{"images_per_s": 60000.0}}}})
+    elif k.startswith("test_delivered_rate"):
+        print("after_augment e=1: 9,000 img/s delivered")
+    print("bench", k)
+    with open(report, "w") as f:
+        json.dump({{"benchmarks": benchmarks}}, f)
+    sys.exit(RC["bench"])
+sys.exit(0)  # nvidia-smi's neighbours: the environment lines, setup.py
+'''
+
+_EXTENSIONS = sorted(glob.glob(os.path.join(ROOT, "echo_native", "_*.so")))
+
+
+def _kit(tmp_path):
+    """A kit as gpu_prepare.sh packs it, its wheel holding byte-identical copies of the
+    extensions this tree has loaded (how the crash was reproduced)."""
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    name = f"echo_native-0.2.0-cp{sys.version_info[0]}{sys.version_info[1]}-linux.whl"
+    with zipfile.ZipFile(kit / name, "w") as z:
+        for so in _EXTENSIONS:
+            z.write(so, f"echo_native/{os.path.basename(so)}")
+    return kit
+
+
+def _start_check(tmp_path, tests_rc=0, bench_rc=0, toolkit_rc=0, hang=None, **env):
+    """benchmarks/gpu_check.sh started (in a process group of its own) with the stand-in
+    python3 and nvidia-smi first on PATH."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho 'Fake GPU, 1, 1 MiB'\n")
-    (bin_ / "python3").write_text(textwrap.dedent(f"""\
-        #!/bin/sh
-        env > "{tmp_path}/env.$$"
-        case "$*" in
-          -) exec "{sys.executable}" - ;;
-          *CudaDevice*) echo "no toolkit"; exit {toolkit_rc} ;;
-          *tests/test_gpu.py*) echo "PASSED tests/test_gpu.py::test_the_memfd_ring_is_page_locked"
-                               echo "1 failed"; exit {tests_rc} ;;
-          *bench_gpu.py*) echo "bench"; exit {bench_rc} ;;
-        esac
-        exit 0
-        """))
+    rc = dict(tests=tests_rc, bench=bench_rc, toolkit=toolkit_rc, hang=hang)
+    (bin_ / "python3").write_text(f"#!{sys.executable}\n" + _FAKE_PYTHON.format(
+        real=sys.executable, log=str(tmp_path / "calls.jsonl"), rc=rc))
     for f in bin_.iterdir():
         f.chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(out))
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(out),
+               GPU_KIT=str(_kit(tmp_path)), **env)
     env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
-    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
-                       capture_output=True, text=True, timeout=120, check=False)
-    envs = [p.read_text() for p in tmp_path.glob("env.*")]
-    return r, envs
+    return subprocess.Popen(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def _calls(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _check_kit(tmp_path, tests_rc, bench_rc, toolkit_rc=0, **env):
+    """Run the check to its end: (returncode, output, calls of python3)."""
+    p = _start_check(tmp_path, tests_rc, bench_rc, toolkit_rc, **env)
+    try:
+        output, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return p.returncode, output, _calls(tmp_path)
+
+
+def _report(tmp_path):
+    return json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+
+
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None or not _EXTENSIONS,
+                                reason="needs bash and the built extensions")
+
+
+@needs_bash
 @pytest.mark.parametrize("tests_rc,bench_rc,want", [(0, 0, 0), (1, 0, 1), (0, 2, 2),
                                                     (1, 2, 1)])
 def test_gpu_check_fails_when_a_gpu_test_fails(tmp_path, tests_rc, bench_rc, want):
-    """gpu_check.sh runs the tests and the benchmark whatever happens, and exits with
-    the tests' status when they fail, else the benchmark's; JAX is told not to
+    """gpu_check.sh runs the tests and the benchmarks whatever happens, and exits with
+    the tests' status when they fail, else the benchmarks'; JAX is told not to
     preallocate GPU memory."""
-    r, envs = _check_kit(tmp_path, tests_rc, bench_rc)
-    assert r.returncode == want, r.stdout + r.stderr
-    assert "bench" in r.stdout  # the benchmark ran even after failing tests
-    assert envs and all("XLA_PYTHON_CLIENT_PREALLOCATE=false" in e for e in envs)
+    rc, output, calls = _check_kit(tmp_path, tests_rc, bench_rc)
+    assert rc == want, output
+    assert "bench test_h2d_bandwidth" in output  # the benchmarks ran even after failing tests
+    assert calls and all(c["env"].get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false" for c in calls)
     assert (tmp_path / "out" / "status.txt").read_text().strip() == \
         f"gpu_check: tests exit {tests_rc}, benchmark exit {bench_rc}"
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@needs_bash
 def test_gpu_check_reports_every_section(tmp_path):
-    """A machine whose CuPy cannot compile the kernels: every later section still runs,
-    the check fails with the toolkit check's status, and gpu_check.json (beside the
-    full log) says which section and which named check failed, and which figures of
-    the design card were not measured."""
-    import json
-    r, _ = _check_kit(tmp_path, 0, 0, toolkit_rc=3)
-    assert r.returncode == 3, r.stdout + r.stderr
-    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert report["sections"] == {"build": "PASS", "toolkit": "FAIL", "tests": "PASS",
-                                  "bench": "PASS"}
+    """A machine whose extra cannot compile the kernels: every later step still runs,
+    the check fails with the extra's status, and gpu_check.json (beside the full log)
+    says which step and which named check failed, and which figures of the design card
+    were measured."""
+    rc, output, _ = _check_kit(tmp_path, 0, 0, toolkit_rc=3)
+    assert rc == 3, output
+    report = _report(tmp_path)
+    assert report["complete"] is True
+    assert report["sections"] == {"environment": "PASS", "install": "PASS", "h2d": "PASS",
+                                  "reaugment": "PASS", "echo": "PASS", "toolkit": "FAIL",
+                                  "tests": "PASS", "bench": "PASS"}
     assert report["checks"]["kernels compile with the installed extra"] == "FAIL"
     assert report["checks"]["memfd ring registered (cudaHostRegister)"] == "PASS"
-    assert set(report["targets"].values()) == {"NOT MEASURED"}
+    assert report["targets"] == {
+        "H2D from the registered ring >= 80% of pinned peak": "PASS",
+        "re-augmentation >= 50,000 img/s at 224": "PASS",
+        "with every op >= 30,000 img/s at 224": "NOT MEASURED"}
+    assert report["figures"]["delivered_img_s"]["after_augment-1"]["img_s"] == 9000
     log = (tmp_path / "out" / "gpu_check.log").read_text()
-    assert "no toolkit" in log and "bench" in log
+    assert "no toolkit" in log and "bench test_h2d_bandwidth" in log
+    # What the device tool brings back: 8 files at most.
+    assert len(list((tmp_path / "out").iterdir())) <= 8
+
+
+_NEIGHBOUR = """\
+import sys
+from echo_native import _dlpack, _kernel, _ring
+def work():
+    return (_kernel.philox4x64((1, 2, 3, 4), (5, 6)), _kernel.cuda_source()[:200],
+            _kernel.op_names(), _ring.layout(2, 4, 96))
+before = work()
+print("ready", flush=True)
+sys.stdin.readline()
+assert work() == before
+print("alive", flush=True)
+"""
+
+
+@needs_bash
+def test_gpu_check_never_writes_over_a_loaded_extension(tmp_path):
+    """(1) The check unpacks the carried wheel (byte-identical extensions, as when the
+    crash was found) while a neighbouring process has this tree's extensions loaded
+    (as this pytest has): the tree's files are untouched, the neighbour still runs
+    their code, and the check's own Python imports the copy it unpacked, elsewhere."""
+    def state():
+        return {so: (os.stat(so).st_ino, os.stat(so).st_mtime_ns, open(so, "rb").read())
+                for so in _EXTENSIONS}
+    before = state()
+    neighbour = subprocess.Popen([sys.executable, "-c", _NEIGHBOUR], cwd=ROOT, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([neighbour.stdout], [], [], 120)
+        assert ready and neighbour.stdout.readline() == "ready\n"
+        rc, output, calls = _check_kit(tmp_path, 0, 0)
+        said, _ = neighbour.communicate("go\n", timeout=120)
+    finally:
+        if neighbour.poll() is None:
+            neighbour.kill()
+    assert neighbour.returncode == 0 and said == "alive\n", neighbour.returncode
+    assert rc == 0, output
+    assert state() == before
+    imported = re.findall(r"^echo_native from (.*)$", output, re.M)
+    assert imported and not imported[0].startswith(ROOT + os.sep), imported
+    # Every step after the install runs in that copy, not in this tree.
+    steps = [c for c in calls if c["argv"][:2] == ["-m", "pytest"]]
+    assert steps and all(c["cwd"] == os.path.dirname(os.path.dirname(imported[0]))
+                         for c in steps)
+
+
+def _step_budgets():
+    text = open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")).read()
+    return [(name, int(s)) for name, s in re.findall(r"^step (\w+) (\d+) ", text, re.M)]
+
+
+def test_gpu_check_steps_fit_one_device_call_in_the_order_of_what_is_lacking():
+    """(5) The steps' budgets and the last report's 15 s add up to at most 420 s (the
+    device allows 600 s a call), and the figures the project lacks come first: the
+    H2D bandwidth, the re-augmentation rate, the end-to-end echo rate."""
+    budgets = _step_budgets()
+    names = [n for n, _ in budgets]
+    assert names[:5] == ["environment", "install", "h2d", "reaugment", "echo"]
+    assert {"toolkit", "tests", "bench"} <= set(names[5:])
+    assert sum(s for _, s in budgets) + 15 <= 420
+
+
+@needs_bash
+def test_gpu_check_writes_each_steps_results_before_the_next_runs(tmp_path):
+    """(5) The end-to-end step hangs and the whole check is then killed (as the device
+    kills a call at its limit): gpu_check.json already holds the steps that ended and
+    their figures."""
+    p = _start_check(tmp_path, hang="test_delivered_rate")
+    path = tmp_path / "out" / "gpu_check.json"
+    try:
+        report = None
+        for _ in range(1200):  # 120 s at most
+            if path.exists():
+                report = json.loads(path.read_text())
+                if report["sections"]["reaugment"] != "NOT RUN":
+                    break
+            time.sleep(0.1)
+        assert report is not None and report["sections"]["reaugment"] == "PASS", report
+        # the hanging step's pytest is running now
+        for _ in range(1200):
+            if any("test_delivered_rate" in " ".join(c["argv"]) for c in _calls(tmp_path)):
+                break
+            time.sleep(0.1)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate(timeout=60)
+    report = _report(tmp_path)
+    assert report["complete"] is False
+    assert [s["status"] for s in report["steps"]][:5] == ["PASS"] * 4 + ["NOT RUN"]
+    assert report["figures"]["h2d"]["registered_to_peak"] == 0.9
+    assert report["figures"]["reaugment_224_img_s"] == 60000.0
+    assert json.loads((tmp_path / "out" / "gpu_bench.json").read_text())["benchmarks"]
+
+
+@needs_bash
+def test_gpu_check_gives_no_step_more_than_the_budget_left(tmp_path):
+    """(5) A step that never ends is stopped at what is left of the budget, and the
+    steps after it, with no time left, are reported as not run: the check ends and
+    its report is complete."""
+    rc, output, _ = _check_kit(tmp_path, 0, 0, hang="test_delivered_rate",
+                               GPU_CHECK_BUDGET="30")
+    report = _report(tmp_path)
+    assert report["complete"] is True, output
+    steps = {s["name"]: s for s in report["steps"]}
+    assert steps["echo"]["status"] == "TIMEOUT"
+    spent = 0
+    for s in report["steps"]:  # never more than what was left, the last report's 15 s kept
+        if "limit_s" in s:
+            assert s["limit_s"] <= 30 - 15 - spent, report["steps"]
+            spent += s["seconds"]
+    assert {steps[n]["status"] for n in ("toolkit", "tests", "bench")} == \
+        {"NOT RUN (no time left)"}
+    assert rc != 0
+
+
+@needs_bash
+def test_gpu_check_tests_the_extra_in_a_venv_of_its_own(tmp_path):
+    """(5) The toolkit step is gpu_extra.py with a venv in the check's own folder, not an
+    import of whatever CuPy the machine has."""
+    rc, output, calls = _check_kit(tmp_path, 0, 0)
+    assert rc == 0, output
+    extra = [c["argv"] for c in calls if any("gpu_extra.py" in a for a in c["argv"])]
+    assert len(extra) == 1
+    venv_dir = extra[0][extra[0].index("--venv") + 1]
+    assert not venv_dir.startswith(ROOT + os.sep)
+    assert not any("CudaDevice" in " ".join(c["argv"]) for c in calls)
+
+
+def _demo_wheel(folder, requires=("iniconfig", 'pluggy>=1; extra == "gpu13"',
+                                   'hypothesis; extra == "other"')):
+    """A wheel with a base requirement and an extra ``gpu13``, of packages installed here
+    (and one extra of another name, that must not be installed)."""
+    path = folder / "demo-0.1-py3-none-any.whl"
+    meta = ["Metadata-Version: 2.1", "Name: demo", "Version: 0.1", "Provides-Extra: gpu13",
+            "Provides-Extra: other"] + [f"Requires-Dist: {r}" for r in requires]
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("demo/__init__.py", "")
+        z.writestr("demo-0.1.dist-info/METADATA", "\n".join(meta) + "\n\n")
+        z.writestr("demo-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nTag: py3-none-any\n")
+    return path
+
+
+def test_gpu_extra_installs_the_extra_alone_into_its_own_venv(tmp_path):
+    """gpu_extra.py: the wheel and what its extra needs (resolved against the installed
+    distributions) in a venv without the system's packages; the check runs there,
+    isolated, and sees nothing else (not pytest, not another extra's hypothesis)."""
+    wheel = _demo_wheel(tmp_path)
+    check = textwrap.dedent("""\
+        import sys, demo, iniconfig, pluggy
+        for m in (demo, iniconfig, pluggy):
+            assert m.__file__.startswith(sys.prefix), m.__file__
+        for absent in ("pytest", "hypothesis", "echo_native"):
+            try:
+                __import__(absent)
+            except ImportError:
+                continue
+            raise SystemExit(f"{absent} leaked into the venv")
+        print("venv ok")
+        """)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_extra.py"),
+                        "--wheel", str(wheel), "--extra", "gpu13", "--venv",
+                        str(tmp_path / "venv"), "--check", check], capture_output=True,
+                       text=True, timeout=300, check=False, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "venv ok" in r.stdout and "pluggy" in r.stdout
+
+
+def test_gpu_extra_names_what_this_machine_cannot_give(tmp_path):
+    """A requirement of the extra not installed (or not in a version it allows) fails the
+    check by name, before any venv is made."""
+    wheel = _demo_wheel(tmp_path, ['pluggy>=999; extra == "gpu13"',
+                                   'no-such-package-echo-native; extra == "gpu13"'])
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_extra.py"),
+                        "--wheel", str(wheel), "--extra", "gpu13", "--venv",
+                        str(tmp_path / "venv")], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "pluggy>=999 but pluggy" in r.stdout
+    assert "no-such-package-echo-native is not installed" in r.stdout
+    assert not (tmp_path / "venv").exists()
 
 
 def test_gpu_prepare_uses_private_temporary_folders():
