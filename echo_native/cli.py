@@ -13,7 +13,9 @@ its e moved and why (:mod:`echo_native.profile` holds the measurements).
 Benchmarks, data-set builders and the training demo are lab tooling: they live in
 ``echo-native-lab`` (:mod:`echo_native.lab.cli`).  The small helpers here
 (:class:`UsageError`, :func:`open_folder`, :func:`check_device`, :func:`echo_list`,
-:func:`run`) are shared with it.  Errors a user can hit print one line and exit 2.
+:func:`run`) are shared with it.  Errors a user can hit print one line: a bad argument
+exits 2 (found before anything runs, as argparse does), a failure while running
+(memory, the step function, the store) exits 1.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 from echo_native.profile import measure_upstream, recommend, time_step, trial_auto
 
-__all__ = ["UsageError", "open_folder", "check_device", "echo_list", "run", "build_parser",
+__all__ = ["UsageError", "CommandError", "open_folder", "check_device", "echo_list", "run", "build_parser",
            "main", "recommend", "storage_option"]
 
 # Commands that moved to the lab's command line (``echo-native-lab``).
@@ -33,7 +36,12 @@ LAB_COMMANDS = ("bench", "make-dataset", "demo")
 
 
 class UsageError(Exception):
-    """A mistake in the command line or its inputs: reported in one line."""
+    """A mistake in the command line or its inputs: reported in one line, exit 2."""
+
+
+class CommandError(Exception):
+    """A failure while the command runs (memory, the user's step, a store): one line,
+    exit 1."""
 
 
 def open_folder(root, batch_size=1):
@@ -81,9 +89,10 @@ def run(parser, argv=None):
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except UsageError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
+    except (UsageError, CommandError) as e:
+        # One line whatever the message holds (a backend's or a step's text may not).
+        print(f"{parser.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
@@ -111,6 +120,11 @@ def _load_callable(spec):
             module = importlib.import_module(mod_name)
     except ImportError as e:
         raise UsageError(f"--model-fn {spec!r}: cannot import {mod_name}: {e}") from None
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's module failed while it was imported
+        raise UsageError(f"--model-fn {spec!r}: cannot import {mod_name}: "
+                         f"{type(e).__name__}: {e}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise UsageError(f"--model-fn {spec!r}: {mod_name} has no callable {fn_name!r}")
@@ -130,25 +144,108 @@ def cmd_profile(args):
         raise UsageError(f"--step-ms must be positive, got {args.step_ms}")
     if args.max_echo < 1:
         raise UsageError(f"--max-echo must be >= 1, got {args.max_echo}")
-    for flag, value in (("--batch-size", args.batch_size), ("--image-size", args.image_size)):
+    from echo_native.ring import MAX_WORKERS
+
+    for flag, value in (("--batch-size", args.batch_size), ("--image-size", args.image_size),
+                        ("--min-batches", args.min_batches)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
-    if args.workers < 0:
-        raise UsageError(f"--workers must be >= 1 (0: one per core), got {args.workers}")
+    if args.image_size > 65535:  # the decoder's largest side
+        raise UsageError(f"--image-size must be at most 65535, got {args.image_size}")
+    if not 0 <= args.workers <= MAX_WORKERS:
+        raise UsageError(f"--workers must be >= 1 and at most {MAX_WORKERS} (0: one per "
+                         f"core), got {args.workers}")
+    if not 0 <= args.seed < 2**64:
+        raise UsageError(f"--seed must be an integer in [0, 2**64), got {args.seed}")
     if args.seconds < 0:
         raise UsageError(f"--seconds must be >= 0, got {args.seconds}")
     if args.auto_seconds < 0:
         raise UsageError(f"--auto-seconds must be >= 0, got {args.auto_seconds}")
+    _check_json_target(args.json)  # before minutes of measuring, not after
     folder = open_folder(args.dir, args.batch_size)
     check_device(args.device)
     fn = _load_callable(args.model_fn) if args.model_fn else None
-    args.workers = args.workers or len(os.sched_getaffinity(0))
+    args.workers = args.workers or min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+    try:
+        return _profile(args, folder, fn)
+    except _StepFailed as e:
+        cause = e.__cause__
+        raise CommandError(f"--model-fn {args.model_fn}: calling it on a batch raised "
+                           f"{type(cause).__name__}: {cause}") from None
+    except MemoryError as e:
+        raise CommandError(f"{e} On the command line: lower --batch-size, --image-size or "
+                           f"--workers") from None
+
+
+class _StepFailed(Exception):
+    """The user's --model-fn raised on a batch (the cause holds what it raised)."""
+
+
+def _guarded(fn):
+    def step(batch):
+        try:
+            return fn(batch)
+        except Exception as e:  # noqa: BLE001 - the user's step, reported in one line
+            raise _StepFailed() from e
+    return step
+
+
+def measuring_deadline(seconds):
+    """How long the upstream is measured at most, --min-batches reached or not: ten
+    times --seconds, at least 30 s."""
+    return max(30.0, 10.0 * seconds)
+
+
+def _check_json_target(path):
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise UsageError(f"--json {path}: is a folder, not a file name")
+    if not os.path.isdir(parent):
+        raise UsageError(f"--json {path}: no such folder {parent}")
+
+
+def _write_json(path, result):
+    """``result`` written to ``path`` atomically: a temporary beside it (``mkstemp``,
+    ``O_EXCL``) renamed into place, so a reader never sees half a file and a link
+    planted at ``path`` is replaced, never written through."""
+    from echo_native.tarindex import umask
+
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".echo_native_profile-", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise CommandError(f"--json {path}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o666 & ~umask())
+            json.dump(result, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise CommandError(f"--json {path}: {e.strerror or e}") from None
+        raise
+
+
+def _profile(args, folder, fn):
     print(f"measuring the upstream ({len(folder)} images, batch {args.batch_size}, "
           f"{args.image_size}px, {args.workers} workers) ...", file=sys.stderr)
-    up = measure_upstream(folder, args.batch_size, args.image_size, args.workers,
-                          seconds=args.seconds, min_batches=args.min_batches)
+    deadline = measuring_deadline(args.seconds)
+    up, batches = measure_upstream(folder, args.batch_size, args.image_size, args.workers,
+                                   seconds=args.seconds, min_batches=args.min_batches,
+                                   max_seconds=deadline, with_batches=True)
+    if batches < args.min_batches:
+        print(f"--min-batches {args.min_batches} not reached in "
+              f"{deadline:g} s: the rate is over the {batches} batches timed",
+              file=sys.stderr)
     t_up = args.batch_size / up
     if fn is not None:
+        fn = _guarded(fn)
         t_down = time_step(fn, folder, args.batch_size, args.image_size, args.workers,
                            seed=args.seed, device=args.device)
         how = f"--model-fn {args.model_fn}"
@@ -182,8 +279,7 @@ def cmd_profile(args):
     if args.auto_seconds > 0:
         result["auto_trial"] = _auto_trial(args, folder, fn, t_down)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        _write_json(args.json, result)
         print(f"JSON: {args.json}")
     return 0
 
@@ -276,6 +372,11 @@ def cmd_make_shards(args):
         raise UsageError(str(e)) from None
     except ValueError as e:  # a bad list file, an empty folder
         raise UsageError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - sorted below: a store's or the disk's, or ours
+        where = next((w for w in (args.out, args.src) if is_url(str(w))), None)
+        if not _from_a_store(e) or where is None and not isinstance(e, OSError):
+            raise  # a bug here: its traceback is what helps
+        raise CommandError(_store_failure(e, where or args.out)) from None
     skipped = len(result.failures)
     if not args.quiet:
         extra = f", {result.reencoded} re-encoded" if result.reencoded else ""
@@ -283,6 +384,32 @@ def cmd_make_shards(args):
               f"{shards.shown(result[0].rsplit('/', 1)[0] if result else args.out)}"
               f"{extra}; {skipped} inputs skipped")
     return 0 if result.samples else 1
+
+
+# Packages whose exceptions are a store's answer (or its absence), not a bug here.
+_BACKENDS = {"botocore", "aiobotocore", "boto3", "s3fs", "fsspec", "aiohttp", "gcsfs",
+             "google", "adlfs", "azure", "requests", "urllib3"}
+
+
+def _from_a_store(e):
+    from echo_native.remote_errors import _chain
+
+    return any(isinstance(x, OSError) or type(x).__module__.split(".")[0] in _BACKENDS
+               for x in _chain(e))
+
+
+def _store_failure(e, where):
+    """One line for a failure of the store (or disk) at ``where``: what happened, without
+    credentials, and for a missing configuration where it comes from."""
+    from echo_native.remote_errors import _CONFIG_ERRORS, _chain, _error_text, redact
+    from echo_native.remote import is_url
+
+    shown = redact(str(where)) if is_url(str(where)) else str(where)
+    text = f"{shown}: {_error_text(e)}"
+    if any(type(x).__name__ in _CONFIG_ERRORS for x in _chain(e)):
+        text += (" (credentials, region and endpoint come from the backend's environment "
+                 "or config files, or -o KEY=VALUE storage options)")
+    return text
 
 
 def build_parser():
@@ -310,8 +437,8 @@ def build_parser():
                     help="then run echo='auto' against the consumer this long and show "
                          "how e moved (0: skip)")
     pr.add_argument("--seed", type=int, default=0)
-    pr.add_argument("--json", default="echo_native_profile.json",
-                    help="write the result here ('' for none)")
+    pr.add_argument("--json", default=None,
+                    help="write the result here as JSON (default: not written)")
     pr.set_defaults(func=cmd_profile)
 
     ms = sub.add_parser("make-shards", help="pack an ImageFolder or FileList into tar shards "

@@ -20,13 +20,17 @@ __all__ = ["measure_upstream", "time_step", "recommend", "trial_auto"]
 
 
 def measure_upstream(source, batch_size, image_size, workers, seconds=2.0, min_batches=8,
-                     placement="after_augment", clock=None):
+                     placement="after_augment", clock=None, max_seconds=None,
+                     with_batches=False):
     """Fresh images/s of the pipeline with a null consumer (echo=1), after warm-up.
 
     ``source`` is anything ``EchoRing`` reads (an ``ImageFolder``, a wrapper of one).
     The batches prepared before the clock starts are skipped; then the clock runs for
-    at least ``min_batches`` batches and ``seconds``.  ``clock`` (seconds, default
+    at least ``min_batches`` batches and ``seconds``, but never past ``max_seconds``
+    when given (then with the batches it has: a huge ``min_batches`` on a slow
+    pipeline must not measure for days).  ``clock`` (seconds, default
     ``time.perf_counter``) is what times it: tests pass a scripted one.
+    ``with_batches``: returns ``(images/s, batches timed)``.
     """
     import echo_native as en
 
@@ -47,8 +51,15 @@ def measure_upstream(source, batch_size, image_size, workers, seconds=2.0, min_b
                     continue
                 n += len(batch)
                 k += 1
-                if k >= min_batches and clock() - t0 >= seconds:
-                    return n / (clock() - t0)
+                if max_seconds is None:
+                    if k >= min_batches and clock() - t0 >= seconds:
+                        rate = n / (clock() - t0)
+                        return (rate, k) if with_batches else rate
+                    continue
+                elapsed = clock() - t0  # every batch: the deadline holds before min_batches
+                if k >= min_batches and elapsed >= seconds or elapsed >= max_seconds:
+                    rate = n / elapsed
+                    return (rate, k) if with_batches else rate
 
 
 def time_step(fn, source, batch_size, image_size, workers, seed=0, device="cpu",
