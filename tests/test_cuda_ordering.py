@@ -679,6 +679,17 @@ def test_gpu_check_steps_fit_one_device_call_in_the_order_of_what_is_lacking():
     assert sum(s for _, s in budgets) + 15 <= 420
 
 
+def test_docs_name_the_files_and_budgets_that_exist():
+    """(6) Every file of this repository docs/gpu.md names exists (the kernels' source
+    moved to src/kernel/), and its table of the check's steps is the script's."""
+    text = open(os.path.join(ROOT, "docs", "gpu.md")).read()
+    named = set(re.findall(r"`((?:echo_native|src|tests|benchmarks|docs)/[\w./-]+\.\w+)`", text))
+    assert "src/kernel/kernels.cu" in named
+    assert [p for p in sorted(named) if not os.path.exists(os.path.join(ROOT, p))] == []
+    table = [(name, int(s)) for name, s in re.findall(r"^\| (\w+) \| (\d+) s \|", text, re.M)]
+    assert table == _step_budgets()
+
+
 @needs_bash
 def test_gpu_check_writes_each_steps_results_before_the_next_runs(tmp_path):
     """(5) The end-to-end step hangs and the whole check is then killed (as the device
