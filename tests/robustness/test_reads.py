@@ -138,14 +138,17 @@ def test_file_list_label_out_of_range_names_the_row(tmp_path):
 @pytest.mark.timeout(60)
 def test_unreplaceable_failures_are_counted_as_dropped():
     """All samples broken under on_error='replace': no stand-in can be decoded either;
-    the drops are counted and said, and the epoch ends."""
+    the drops are counted and said, and the epoch, left with nothing to deliver, ends in
+    one DecodeError naming the count and the first file (never in empty batches)."""
     src = en.Samples([b"not an image %d" % i for i in range(6)], names=[f"bad{i}.jpg"
                                                                        for i in range(6)])
     ring = en.EchoRing(src, 3, echo=1, workers=1, augment=en.RandomResizedCrop(16))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ids, stats = _fresh_ids(ring)
-    assert ids == [] and stats["dropped"] == 6
+        with pytest.raises(en.DecodeError, match=r"every one of the 6 samples read in epoch 0 "
+                                                 r"failed.*; the first: bad\d\.jpg: "):
+            _fresh_ids(ring)
+    assert ring.stats()["dropped"] == 6
     dropped = [str(w.message) for w in caught if "dropped: every stand-in failed" in
                str(w.message)]
     assert len(dropped) == 6 + 1, dropped   # each file, and the epoch's summary
