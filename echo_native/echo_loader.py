@@ -11,7 +11,6 @@ gathered where they live (:mod:`echo_native.echo.pytree`).
 from __future__ import annotations
 
 import collections
-import math
 import os
 import time
 
@@ -25,7 +24,7 @@ from echo_native.echo.auto import AutoEcho
 from echo_native.echo.counts import counts_from, echo_counts, echo_draws
 from echo_native.echo.pytree import PytreeExamples
 from echo_native.echo.spec import Echo, fold_echo
-from echo_native.echo.stages import BatchEcho, ExampleEcho, PassThrough
+from echo_native.echo.stages import BatchEcho, ExampleEcho, PassThrough, example_batches
 from echo_native.echo.upstream import EpochEnd
 from echo_native.resume import check_epoch
 
@@ -68,7 +67,9 @@ class IterableUpstream:
 
     @property
     def epoch(self):
-        return self._epoch
+        # A batch taken and not yet handed to the stage is of its own epoch, even when it
+        # was the epoch's last and the count has moved on (a loader of one batch).
+        return self._held.epoch if self._held is not None else self._epoch
 
     @property
     def left_in_epoch(self):
@@ -263,10 +264,10 @@ class EchoLoader(Started):
     def __init__(self, iterable, echo=2.0, *, augment=None, seed=0, batch_size=None,
                  shuffle_buffer=None, max_buffer_bytes=4 << 30, drop_last=False,
                  with_info=False):
+        _refuse_non_loader(iterable)
         if not hasattr(iterable, "__iter__"):
             raise TypeError(f"EchoLoader wraps an iterable of batches, got "
                             f"{type(iterable).__name__}")
-        _refuse_non_loader(iterable)
         if augment is not None and not callable(augment):
             raise TypeError(f"augment must be callable(batch, keys), got {augment!r}")
         if not is_int(seed) or not 0 <= seed < 2**64:
@@ -358,8 +359,9 @@ class EchoLoader(Started):
         if n is None or B is None:
             raise TypeError("EchoLoader: the wrapped loader does not say how many examples "
                             "an epoch has (give batch_size=, or wrap a DataLoader)")
-        total = int(counts_from(echo_draws(self.seed, epoch, n), e).sum())
-        return total // B if self.drop_last else math.ceil(total / B)
+        counts = counts_from(echo_draws(self.seed, epoch, n), e)
+        return example_batches(int(counts.sum()), int(counts.max(initial=0)), n, B,
+                               self.drop_last)
 
     @property
     def epoch(self):

@@ -70,10 +70,33 @@ def test_a_dataloader_with_workers_is_echoed_e_times_per_epoch(e):
         for b in batches:
             assert set(b) == {"x", "id", "name"} and isinstance(b["x"], torch.Tensor)
             check_rows(b)
-        assert all(len(set(b["id"].tolist())) == len(b["id"]) for b in batches[:-2])
+        assert all(len(set(b["id"].tolist())) == len(b["id"]) for b in batches)
         assert len(batches) == len(el)
     s = el.stats()
     assert s["effective_echo"] == pytest.approx(e) and s["fresh"] == 2 * 96
+
+
+@pytest.mark.parametrize("e, buffer", [(3, 16), (2.5, 24), (4, 40)])
+def test_the_end_of_an_epoch_emits_distinct_examples_in_a_short_last_batch(e, buffer):
+    """At the end of an epoch fewer distinct examples remain than a batch's worth of
+    repeats: no batch holds one twice, every batch but the last is full (as
+    DataLoader(drop_last=False)), and len() counts them."""
+    el = en.EchoLoader(loader(n=44, workers=0), echo=e, seed=2, shuffle_buffer=buffer)
+    for epoch in range(3):
+        el.set_epoch(epoch)
+        batches = list(el)
+        for b in batches:
+            assert len(set(b["id"].tolist())) == len(b["id"]), b["id"].tolist()
+            check_rows(b)
+        assert all(len(b["id"]) == 8 for b in batches[:-1])
+        assert len(batches) == len(el)
+
+
+def test_an_epoch_smaller_than_a_batch_repeats_in_batches_of_its_own():
+    """Five examples at e = 3 in batches of 8: three batches of the five, never one of eight
+    with an example twice."""
+    batches = list(en.EchoLoader([np.arange(5)], echo=3, batch_size=8))
+    assert [sorted(b.tolist()) for b in batches] == [[0, 1, 2, 3, 4]] * 3
 
 
 def test_a_fractional_echo_delivers_e_times_the_fresh_examples_within_one_percent():
@@ -321,6 +344,28 @@ def test_state_dict_needs_a_resumable_loader():
     says what to wrap instead."""
     with pytest.raises(TypeError, match="StatefulDataLoader"):
         en.EchoLoader([np.arange(4)], echo=2).state_dict()
+
+
+@pytest.mark.parametrize("path", ["some/path", b"some/path", "pathlib"])
+def test_a_path_is_refused_at_construction_naming_echo_ring(path, tmp_path):
+    """EchoLoader("some/path") would read the path's characters as batches: refused before
+    the first batch, pointing to EchoRing for a folder."""
+    path = tmp_path if path == "pathlib" else path
+    with pytest.raises(TypeError, match=r"loader of batches.*en\.EchoRing\(path\)"):
+        en.EchoLoader(path)
+
+
+@pytest.mark.parametrize("kind", ["Dataset", "IterableDataset", "DatasetDict"])
+def test_a_hugging_face_dataset_is_refused_at_construction_naming_what_to_pass(kind):
+    """A dataset yields single examples (dicts of scalars), not batches: refused before
+    the first batch, naming a DataLoader and ds.iter(batch_size=...)."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"idx": list(range(8)), "text": ["a"] * 8})
+    ds = {"Dataset": ds, "IterableDataset": ds.to_iterable_dataset(),
+          "DatasetDict": datasets.DatasetDict(train=ds)}[kind]
+    with pytest.raises(TypeError, match=rf"Hugging Face {kind}.*DataLoader\(ds, batch_size="
+                                        rf".*ds\.iter\(batch_size="):
+        en.EchoLoader(ds)
 
 
 def test_set_epoch_reaches_the_wrapped_sampler():

@@ -208,6 +208,33 @@ def test_example_echo_keeps_repeats_out_of_one_batch_and_apart():
                for a, b in zip(body, body[1:]))
 
 
+@pytest.mark.parametrize("n, e, capacity, drop_last", [
+    (44, 2.0, 32, False), (44, 2.5, 32, False), (64, 3.0, 32, False), (44, 2.5, 32, True),
+    (5, 3.0, 16, False)])
+def test_the_end_of_an_epoch_never_puts_an_example_twice_in_a_batch(n, e, capacity,
+                                                                    drop_last):
+    """At the epoch's end fewer distinct examples remain than a batch's worth of repeats:
+    no batch holds an id twice (short batches instead), every batch but the last is
+    full where the epoch has a batch of examples, each id comes its count of times
+    (drop_last: only full batches, less than one batch dropped), and batches_in counts
+    the batches.  Five examples at e = 3 make three batches of five, not one of eight
+    and one of seven."""
+    stage = make("example", ScriptedUpstream(n=n, B=8), factor=e, capacity=capacity,
+                 drop_last=drop_last)
+    for epoch in range(2):
+        batches = epoch_of(stage)
+        assert all(len(set(b.sample_ids.tolist())) == len(b) for b in batches)
+        want = stage.counts(stage.draws(epoch), np.arange(n))
+        got = np.bincount(ids_of(batches), minlength=n)
+        if drop_last:
+            assert all(len(b) == 8 for b in batches)
+            assert (got <= want).all() and 0 <= want.sum() - got.sum() < 8
+        else:
+            assert got.tolist() == want.tolist()
+            assert all(len(b) == min(8, n) for b in batches[:-1])
+        assert len(batches) == stage.batches_in(epoch)
+
+
 def test_fractional_echo_is_floor_plus_one_with_the_fraction():
     """e = 2.5: each id 2 or 3 times; their mean is 2.5 within sampling error, and the
     counts are the same whatever the buffer size (a pure function of seed and epoch)."""

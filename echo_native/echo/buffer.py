@@ -69,27 +69,21 @@ class ExampleBuffer:
         suffice, so an example never lands in two adjacent batches while the
         buffer holds two batches' worth of active examples.
 
-        ``closing``: no fresh example joins before the epoch ends.  The emissions
-        left then need ``rounds`` = max(ceil(pending / n), most left to one entry)
-        batches of distinct examples; an entry that owes one to each of them goes
-        in now, so that every batch but the epoch's last is full whenever the
-        pending emissions allow it (``rounds`` is ceil(pending / n)), and none
-        ever holds an example twice."""
+        ``closing``: no fresh example joins before the epoch ends.  The entries
+        with the most emissions left go first (among equals, the rested ones,
+        then at random): spreading the repeats keeps as many distinct examples
+        for the last batches as there can be, so every batch but the epoch's last
+        is full whenever the pending emissions allow it, and none ever holds an
+        example twice."""
         active = self.active()
         k = min(n, len(active))
-        forced = active[:0]
-        if closing and k:
-            left = self.remaining[active]
-            rounds = max(-(-int(left.sum()) // n), int(left.max()))
-            forced = active[left >= rounds]
-            active = active[left < rounds]
-            k -= len(forced)
+        if closing:
+            # Most left first; among equals, those that sat the last batch out.
+            shuffled = rng.permutation(active)
+            order = np.lexsort((self.last[shuffled], -self.remaining[shuffled]))
+            return rng.permutation(shuffled[order[:k]])
         rested = active[~self.last[active]]
-        pool = rested if len(rested) >= k else active
-        picks = rng.choice(pool, size=k, replace=False) if k else pool[:0]
-        if len(forced):
-            return rng.permutation(np.concatenate([forced, picks]))
-        return picks
+        return rng.choice(rested if len(rested) >= k else active, size=k, replace=False)
 
     def recount(self, entries, totals):
         """Entries owe ``totals`` emissions in all now (auto echo moved e): what is

@@ -335,12 +335,13 @@ class ExampleEcho(Stage):
                           up.epoch_ids(epoch) if up.sharded else None)
 
     def batches_in(self, epoch):
-        B = self.batch_size
+        B, n = self.batch_size, _known(self.upstream.samples_per_epoch)
         if self.auto is not None:
-            total = round(_known(self.upstream.samples_per_epoch) * self.auto.value)
-        else:
-            total = int(self.counts(self.draws(epoch), self.upstream.epoch_ids(epoch)).sum())
-        return total // B if self.drop_last else math.ceil(total / B)
+            total = round(n * self.auto.value)
+            return example_batches(total, math.ceil(self.auto.value), n, B, self.drop_last)
+        counts = self.counts(self.draws(epoch), self.upstream.epoch_ids(epoch))
+        return example_batches(int(counts.sum()), int(counts.max(initial=0)), n, B,
+                               self.drop_last)
 
     def emit_epoch(self):
         up, buf, B, auto = self.upstream, self.buffer, self.batch_size, self.auto
@@ -475,6 +476,20 @@ class ExampleEcho(Stage):
 
     def fill_level(self):
         return len(self.buffer) / self.buffer.capacity if self.buffer is not None else 0.0
+
+
+def example_batches(total, most, n, B, drop_last):
+    """Batches of example echo in an epoch of ``n`` examples emitted ``total`` times, at most
+    ``most`` times each, ``B`` distinct ones per batch: full batches and a short last one,
+    unless the epoch has too few examples for that (fewer than a batch, or one example's
+    repeats outnumbering the batches): then its repeats get batches of their own.
+
+    Exact when the buffer holds the whole epoch or (ceil(e) + 1) x B examples; a smaller
+    buffer (2 or 3 x B) with a short last fresh batch may end an epoch with an extra short
+    batch, when its last fresh examples' repeats outnumber the batches left to carry them."""
+    if drop_last:
+        return 0 if n < B else total // B
+    return max(math.ceil(total / B), most)
 
 
 class BatchEcho(Stage):
