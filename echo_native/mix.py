@@ -54,7 +54,8 @@ class Mix:
     Needs a normalised output (``Output(normalize=...)``), float32, float16 or
     bfloat16; float32 and float16 batches are mixed in their dtype, bfloat16 ones in
     float32 and rounded once.  ``batch.targets`` is (B, num_classes) float32 on the
-    batch's device, whatever the dtype.
+    batch's device, whatever the dtype: on a GPU a :class:`~echo_native.output.DeviceArray`,
+    ordered for its consumer and valid as long as the images are.
     """
 
     mixup_alpha: float = 1.0

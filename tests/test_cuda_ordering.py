@@ -1108,3 +1108,61 @@ def test_detection_objects_on_the_stand_in_are_device_arrays_equal_to_the_cpus(g
         np.testing.assert_array_equal(ri, gi)
         np.testing.assert_array_equal(ro.boxes, gb)
         np.testing.assert_array_equal(ro.valid, gv)
+
+
+# -- issue 41 (2): every device array a batch hands out ---------------------------------
+def _doubled(images, xp, keys):
+    """An on_batch op that returns a new array (made on the pipeline's stream)."""
+    return images * xp.float32(2.0)
+
+
+#: The device arrays a batch hands out that are new each batch: (ring settings, the array).
+FRESH_ARRAYS = {
+    "mix targets": (dict(mix=en.Mix(mixup_alpha=0.5)), lambda b: b.targets),
+    "on_batch's result": (dict(on_batch=_doubled), lambda b: b.images),
+    "on_batch's result, mixed": (dict(on_batch=_doubled, mix=en.Mix(mixup_alpha=0.5)),
+                                 lambda b: b.images),
+}
+
+
+@pytest.mark.parametrize("kind", list(FRESH_ARRAYS))
+@pytest.mark.parametrize("take", ["from_dlpack under with s", "current stream"])
+def test_every_device_array_a_batch_hands_out_is_ordered(gpu, source, kind, take):
+    """(2) Mix targets and the array ``on_batch`` returns are made anew each batch on
+    the pipeline's stream.  A consumer takes each one, either on a stream of its own
+    (``cupy.from_dlpack`` under ``with s``, as docs/gpu.md advises) or on the current
+    stream, reads it late (after asking for the next batch) and then drops it: the
+    array is complete before that read, and its memory is not handed to the
+    pipeline's next allocations before the read."""
+    settings, array_of = FRESH_ARRAYS[kind]
+    dev = _device(gpu)
+    side = gpu.stream()
+    cp = gpu.cupy
+    kw = dict(normalize=True, layout="NCHW", **PLACEMENTS["after"], **settings)
+    held = None
+    with _ring(source, dev, **kw) as ring:
+        for b in ring:
+            if held is not None:
+                gpu.read(*held)                          # the late read of the batch before
+            if take == "current stream":
+                held = (_raw(array_of(b)), cp.cuda.get_current_stream())
+            else:
+                with side:
+                    held = (cp.from_dlpack(array_of(b)), side)
+            del b                                        # the consumer keeps only its array
+        gpu.read(*held)
+        held = None
+    assert gpu.violations == []
+    assert sum(1 for a in gpu.accesses("consumer read")) >= 5
+
+
+def test_mix_targets_leave_as_the_images_do(gpu, source):
+    """(2) ``batch.targets`` on the GPU is a :class:`DeviceArray` like the images: every
+    way out of it orders the stream it is taken on, and it survives ``copy()``."""
+    with _ring(source, _device(gpu), normalize=True, mix=en.Mix(mixup_alpha=0.5)) as ring:
+        b = next(iter(ring))
+        assert isinstance(b.targets, DeviceArray) and b.targets.shape == (4, 3)
+        assert b.targets.dtype == np.float32
+        kept = b.copy()
+        np.testing.assert_allclose(kept.targets.get().sum(1), 1.0, atol=1e-6)
+    assert gpu.violations == []

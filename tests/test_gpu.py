@@ -619,7 +619,7 @@ def test_mix_on_the_gpu_matches_the_cpu(source, spec):
                          device=device) as ring:
             for b in ring:
                 if device == "cuda":
-                    assert isinstance(b.targets, cupy.ndarray)
+                    assert isinstance(b.targets, DeviceArray)
                 # np.array copies: asnumpy of the CPU ring's arrays would be views that
                 # the next batch overwrites.
                 rows.append((np.array(cupy.asnumpy(b.images)),

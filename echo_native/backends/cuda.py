@@ -226,6 +226,10 @@ class CudaDevice(ArrayDevice):
         self._unheld = 0
         self._delivered = collections.deque()  # buffers of the batches still valid
         self._free_after = {}      # buffer -> events after which no consumer reads it
+        self._buffers = set()      # output buffers (reuse() sees each before it is written)
+        # Per batch still valid: the arrays it hands out that are made anew each batch
+        # (Mix targets, what on_batch returns), held until no consumer work may read them.
+        self._kept = collections.deque()
         self.h2d_bytes = 0         # pixels copied host -> device (echoes add none)
 
     @property
@@ -527,6 +531,7 @@ class CudaDevice(ArrayDevice):
         batch (two buffers) waits for everything queued so far; one that was
         never delivered (the uint8 images of a normalised batch) for nothing."""
         key = self._key(array)
+        self._buffers.add(key)
         if key in self._delivered:
             self._delivered.remove(key)
             self._free_after.pop(key, None)
@@ -546,12 +551,14 @@ class CudaDevice(ArrayDevice):
         self._wait_for(events)
         self._delivered.clear()
         self._free_after.clear()
+        self._buffers.clear()
+        self._kept.clear()  # ordered after the same reads: their memory may go back too
 
     def ready(self, batch):
         """Order the consumer's current stream after everything we queued, note which
         consumer work may read the batch before last, and give back the slots whose
-        copies have finished.  uint8, float32 and float16 images leave as a
-        :class:`DeviceArray` (CuPy's array, exported through us)."""
+        copies have finished.  uint8, float32 and float16 images, and Mix targets, leave
+        as a :class:`DeviceArray` (CuPy's array, exported through us)."""
         images = batch.images
         with self.device:
             done = self._mark()
@@ -559,10 +566,27 @@ class CudaDevice(ArrayDevice):
         # Everything queued before this request may read the batch before last;
         # nothing queued later may: these events free its buffer.
         marks = self._consumer_marks()
-        self._delivered.append(self._key(images.bits if isinstance(images, BFloat16Array)
-                                         else images))
-        while len(self._delivered) > VALID_BATCHES:
-            self._free_after[self._delivered.popleft()] = marks
+        raw = images.bits if isinstance(images, BFloat16Array) else images
+        fresh = []
+        if self._key(raw) in self._buffers:
+            self._delivered.append(self._key(raw))
+            while len(self._delivered) > VALID_BATCHES:
+                self._free_after[self._delivered.popleft()] = marks
+        else:
+            fresh.append(raw)  # on_batch's own array
+        targets = batch.targets
+        if targets is not None and not isinstance(targets, DeviceArray):
+            fresh.append(targets)
+            batch.targets = DeviceArray(targets, self, done)
+        # An array made anew each batch goes back to CuPy's pool for our stream when its
+        # last reference goes, and our next allocation may take it at once: dropped by
+        # the consumer, it could be rewritten under a step still queued on it.  Held
+        # here while the batch is valid; released once our stream is ordered after
+        # every consumer read of it (the same events that free a buffer).
+        self._kept.append(fresh)
+        while len(self._kept) > VALID_BATCHES:
+            if self._kept.popleft():
+                self._wait_for(marks)
         # A stream that took a batch matters while that batch is valid; let go of it
         # then (its owner may destroy it).
         for handle in list(self._consumers):
