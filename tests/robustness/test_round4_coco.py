@@ -165,3 +165,95 @@ def test_a_link_to_a_text_file_never_puts_its_bytes_in_a_warning(linked):
     for f in files[1:]:
         assert f in text
     assert text.count("outside images_root") >= 3, text
+
+
+# -- item 22: the parse's memory ---------------------------------------------------------
+def _coco_like(n_images, seed=0):
+    """A COCO-shaped instances document: 7 annotations an image, each with a polygon of
+    20-60 coordinates (most of COCO's bytes), images with their URLs and dates."""
+    rng = np.random.default_rng(seed)
+    images = [{"id": i, "file_name": f"{i:012d}.jpg", "width": W, "height": H, "license": 1,
+               "coco_url": f"http://images.cocodataset.org/train2017/{i:012d}.jpg",
+               "date_captured": "2013-11-14 17:02:52"} for i in range(1, n_images + 1)]
+    anns = []
+    for k in range(7 * n_images):
+        poly = np.round(rng.uniform(0, 30, int(rng.choice([20, 30, 40, 60]))), 2).tolist()
+        anns.append({"segmentation": [poly], "area": 12.5, "iscrowd": 0,
+                     "image_id": k // 7 + 1, "bbox": [1.25, 2.5, 10.0, 12.75],
+                     "category_id": int(rng.integers(1, 91)), "id": k + 1})
+    cats = [{"supercategory": "thing", "id": c, "name": f"c{c}"} for c in range(1, 91)]
+    return {"info": {"year": 2017}, "licenses": [], "images": images, "annotations": anns,
+            "categories": cats}
+
+
+def test_the_parse_takes_a_small_multiple_of_the_file(root, tmp_path):
+    # Was about 5x (a 200 MB file peaked at 985 MiB): the polygons, as Python floats.
+    ann = _write(tmp_path, _coco_like(3000))
+    size = ann.stat().st_size
+    tracemalloc.start()
+    try:
+        src = CocoDetection(root, ann)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert src.num_annotations == 21000 and len(src) == 3000
+    assert peak < 3 * size, (peak / size)
+    # What was dropped is what the source never read: the boxes are the file's.
+    t = src.targets(0)
+    assert t.boxes.tolist()[0] == [1.25, 2.5, 11.25, 15.25]
+
+
+def _available(monkeypatch, nbytes):
+    monkeypatch.setattr(coco_mod, "memory_available",
+                        lambda: (nbytes, "MemAvailable in /proc/meminfo (a test's figure)"),
+                        raising=False)
+
+
+def test_a_file_whose_parse_would_not_fit_is_refused_before_it_is_parsed(root, tmp_path,
+                                                                           monkeypatch):
+    ann = _write(tmp_path, _coco_like(3000))
+    size = ann.stat().st_size
+    _available(monkeypatch, int(2.5 * size))  # fits twice the file, not the parse
+    parsed = []
+    monkeypatch.setattr(coco_mod.json, "loads", lambda *a, **k: parsed.append(1))
+    with pytest.raises(ValueError) as err:
+        CocoDetection(root, ann)
+    msg = str(err.value)
+    assert msg.startswith(f"{ann}: parsing its ") and "max_annotation_bytes" in msg, msg
+    assert "a test's figure" in msg and parsed == []
+    # Less memory than the file's bytes and text: refused before a byte is read.
+    _available(monkeypatch, size)
+    read = []
+    monkeypatch.setattr(coco_mod, "read_file", lambda *a: read.append(a) or b"{}")
+    with pytest.raises(ValueError, match="would take at least"):
+        CocoDetection(root, ann)
+    assert read == []
+
+
+def test_a_file_of_empty_lists_is_counted_by_its_brackets(root, tmp_path, monkeypatch):
+    # 3 bytes of JSON, a 56-byte list: 19 times the file, which the factor alone misses.
+    doc = _doc(["a.jpg"])
+    doc["info"] = [[] for _ in range(300_000)]
+    ann = _write(tmp_path, doc)
+    size = ann.stat().st_size
+    _available(monkeypatch, int(3.0 * size / 0.9) + 2**20)  # what the factor alone admits
+    with pytest.raises(ValueError, match=r"would take about .* more than the"):
+        CocoDetection(root, ann)
+
+
+def test_a_parse_that_outgrows_the_estimate_is_stopped(root, tmp_path, monkeypatch):
+    # One character past the BMP (written as an ASCII escape) makes Python keep the whole
+    # name at 4 bytes a character: the text and the categories take about 6 times the
+    # file, which neither the factor (3) nor the brackets foresee.  The guard in the
+    # parse stops it from the process's own memory; the budget (3.5 times the file)
+    # leaves room for noise in that measure.
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc/self/statm")
+    doc = _doc(["a.jpg"])
+    doc["categories"] += [{"id": k, "name": "\U0001F600" + "a" * 100}
+                          for k in range(2, 100_002)]
+    ann = _write(tmp_path, doc)
+    text = ann.read_bytes()
+    _available(monkeypatch, int(3.5 * len(text) / 0.9))
+    with pytest.raises(ValueError, match=r"took .* before it was stopped, more than the"):
+        CocoDetection(root, ann)
