@@ -132,3 +132,4 @@ __all__ = [
     "resize_crop",
     "write_shards",
 ]
+from echo_native.parquet import ParquetImages, from_datasets; __all__ += ["ParquetImages", "from_datasets"]  # noqa: E402,E702

@@ -1,0 +1,357 @@
+"""Parquet files of encoded images and Hugging Face datasets as a source: ParquetImages.
+
+The files are written by the tools people use (``datasets``' ``to_parquet`` and
+``save_to_disk``, pyarrow's writer with several row groups); the references are
+the same JPEG bytes as an ImageFolder, and the pipeline's own contract (every
+sample fresh once per epoch, resume with another worker count).
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+import echo_native as en  # noqa: E402
+from echo_native.source import ImageFolder  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import sources_helpers as sh  # noqa: E402
+
+N = 20
+CLASSES = ["cat", "dog", "owl"]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    blobs = sh.photo_jpegs(N, 30, 36, seed=43)
+    return blobs, np.arange(N) % 3
+
+
+def hf_metadata(names=CLASSES, column="label"):
+    """The ``huggingface`` schema metadata ``datasets`` writes for an Image column and a
+    ClassLabel column."""
+    info = {"info": {"features": {"image": {"_type": "Image"},
+                                  column: {"names": list(names), "_type": "ClassLabel"}}}}
+    return {b"huggingface": json.dumps(info).encode()}
+
+
+def write_pyarrow(path, blobs, labels, row_group_size=6, struct=True, metadata=True,
+                  extra=None):
+    """A Parquet file in the hub's layout written by pyarrow, several row groups."""
+    if struct:
+        image = pa.array([{"bytes": b, "path": f"img_{i}.jpg"} for i, b in enumerate(blobs)],
+                         pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    else:
+        image = pa.array(blobs, pa.binary())
+    cols = {"image": image, "label": pa.array(np.asarray(labels, np.int64))}
+    cols.update(extra or {})
+    table = pa.table(cols)
+    if metadata:
+        table = table.replace_schema_metadata(hf_metadata())
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+@pytest.fixture
+def files(corpus, tmp_path):
+    """The corpus in 3 pyarrow-written files of row groups of 3 (7 + 7 + 6 rows)."""
+    blobs, labels = corpus
+    out = tmp_path / "pq"
+    out.mkdir()
+    cuts = [0, 7, 14, N]
+    return [write_pyarrow(out / f"train-{k:05d}-of-00003.parquet", blobs[a:b], labels[a:b],
+                          row_group_size=3)
+            for k, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+
+
+def read_all(src):
+    return [bytes(src.read(i)) for i in range(len(src))]
+
+
+def test_files_list_glob_folder_same_samples(files, corpus, tmp_path):
+    """A file, a list, a glob and a folder all read the corpus in file then row order:
+    the same bytes and labels; ClassLabel names from the metadata; describe names the
+    file, row group and row; picklable."""
+    blobs, labels = corpus
+    folder = files[0].parent
+    for arg in (files, str(folder / "train-*.parquet"), folder, [str(f) for f in files]):
+        src = en.ParquetImages(arg)
+        assert len(src) == N
+        assert read_all(src) == blobs
+        assert src.labels.tolist() == labels.tolist()
+        assert src.classes == CLASSES and src.class_to_idx == {"cat": 0, "dog": 1, "owl": 2}
+    one = en.ParquetImages(files[1])
+    assert read_all(one) == blobs[7:14]
+    assert one.describe(4) == f"{files[1]}: row group 1, row 1"
+    clone = pickle.loads(pickle.dumps(src))
+    assert bytes(clone.read(N - 1)) == blobs[N - 1]
+    assert isinstance(src.read(0), memoryview)  # a view of Arrow's buffer, not a copy
+
+
+def test_pixels_equal_the_same_bytes_from_a_folder(files, corpus, tmp_path):
+    """A Loader over the Parquet files gives each sample the very pixels and label that
+    the same JPEG files in a folder give it (listed in the same order, so the same
+    sample ids and crops)."""
+    blobs, labels = corpus
+    root = sh.write_folder(tmp_path / "folder", blobs, labels, CLASSES)
+    listed = en.FileList([(f"{CLASSES[lab]}/img_{i:05d}.jpg", int(lab))
+                          for i, lab in enumerate(labels)], root=root)
+
+    def run(src):
+        with en.Loader(src, 8, image_size=16, workers=2, seed=3) as ld:
+            return {int(i): (img.copy(), int(lab)) for b in ld
+                    for i, img, lab in zip(b.sample_ids, b.images, b.labels)}
+
+    got, ref = run(en.ParquetImages(files)), run(listed)
+    assert sorted(got) == sorted(ref) == list(range(N))
+    for i in range(N):
+        assert np.array_equal(got[i][0], ref[i][0]) and got[i][1] == ref[i][1] == labels[i]
+
+
+def test_each_sample_once_per_epoch_and_epoch_order(files, corpus):
+    """EchoRing over Parquet: every sample fresh exactly once per epoch with its label;
+    the order is the source's (row groups shuffled, windows shuffled), varies by epoch."""
+    blobs, labels = corpus
+    src = en.ParquetImages(files, shuffle_buffer=4)
+    orders = []
+    with en.EchoRing(src, batch_size=6, image_size=16, echo=2, workers=2, seed=7) as ring:
+        for epoch in range(2):
+            ring.set_epoch(epoch)
+            fresh, ids, labs = [], [], []
+            for b in ring:
+                fresh += np.asarray(b.sample_ids)[np.asarray(b.fresh)].tolist()
+                ids += np.asarray(b.sample_ids).tolist()
+                labs += np.asarray(b.labels).tolist()
+            assert sorted(fresh) == list(range(N))
+            assert Counter(ids) == Counter({i: 2 for i in range(N)})
+            assert labs == [int(labels[i]) for i in ids]
+            orders.append(fresh)
+    assert orders[0] != orders[1]
+    order = src.epoch_order(7, 0)
+    assert sorted(order.tolist()) == list(range(N))
+    # Locality: each window of 4 spans at most 3 row groups of 3 rows.
+    group = [src._index.locate(int(i))[0] for i in order]
+    assert all(len(set(group[k:k + 4])) <= 3 for k in range(0, N, 4))
+
+
+def test_a_worker_reads_each_row_group_once(files):
+    """Reading a whole epoch in the source's order reads each row group once (they stay
+    cached), not once per sample."""
+    src = en.ParquetImages(files)
+    calls = Counter()
+    real = src._index.read_group
+
+    def counting(g, fetch=None):
+        calls[g] += 1
+        return real(g, fetch)
+
+    src._index.read_group = counting
+    for i in src.epoch_order(0, 0):
+        src.read(int(i))
+    assert sorted(calls) == list(range(len(src._index.group_starts) - 1))
+    assert set(calls.values()) == {1}
+    # A cache of one row group's size still reads right, re-reading evicted groups.
+    small = en.ParquetImages(files, cache_bytes=1)
+    assert [bytes(small.read(i)) for i in (0, 10, 0, 19)] == \
+        [bytes(src.read(i)) for i in (0, 10, 0, 19)]
+
+
+def test_resume_mid_epoch_with_another_worker_count(files, corpus):
+    """A Loader stopped mid-epoch (1 worker) and resumed with 2 process workers reads the
+    rest of the epoch: each sample exactly once overall, with the same pixels."""
+    src = en.ParquetImages(files, shuffle_buffer=5)
+    with en.Loader(src, 4, image_size=16, workers=1, seed=11) as ld:
+        ref = {int(i): img.copy() for b in ld for i, img in zip(b.sample_ids, b.images)}
+    seen = []
+    with en.Loader(src, 4, image_size=16, workers=1, seed=11) as ld:
+        for k, b in enumerate(ld):
+            seen += np.asarray(b.sample_ids).tolist()
+            if k == 1:
+                break
+        state = json.loads(json.dumps(ld.state_dict()))
+    ld = en.Loader(src, 4, image_size=16, workers=2, worker_mode="process", seed=11)
+    ld.load_state_dict(state)
+    with ld:
+        for b in ld:
+            for i, img in zip(b.sample_ids, b.images):
+                assert np.array_equal(img, ref[int(i)])
+                seen.append(int(i))
+    assert sorted(seen) == list(range(N))
+
+
+def test_plain_binary_column_and_no_metadata(corpus, tmp_path):
+    """An image column of plain binary, no Hugging Face metadata: same bytes, classes None;
+    label=None gives labels of -1."""
+    blobs, labels = corpus
+    p = write_pyarrow(tmp_path / "plain.parquet", blobs, labels, struct=False, metadata=False)
+    src = en.ParquetImages(p)
+    assert read_all(src) == blobs and src.classes is None
+    nolab = en.ParquetImages(p, label=None)
+    assert nolab.labels.tolist() == [-1] * N
+
+
+def test_written_by_datasets(corpus, tmp_path):
+    """Files written by ``datasets``: to_parquet of embedded images, save_to_disk's Arrow
+    read as a Dataset (also shuffled and selected), load_dataset('parquet'): same bytes,
+    labels, class names."""
+    datasets = pytest.importorskip("datasets")
+    blobs, labels = corpus
+    feats = datasets.Features({"image": datasets.Image(),
+                               "label": datasets.ClassLabel(names=CLASSES)})
+    ds = datasets.Dataset.from_dict(
+        {"image": [{"bytes": b, "path": None} for b in blobs], "label": labels.tolist()},
+        features=feats)
+    ds.to_parquet(str(tmp_path / "ds.parquet"))
+    src = en.ParquetImages(tmp_path / "ds.parquet")
+    assert read_all(src) == blobs and src.classes == CLASSES
+    assert src.labels.tolist() == labels.tolist()
+    ds.save_to_disk(str(tmp_path / "saved"))
+    disk = datasets.load_from_disk(str(tmp_path / "saved"))
+    for d in (disk, en.from_datasets(disk)):
+        s = d if isinstance(d, en.ParquetImages) else en.ParquetImages(d)
+        assert read_all(s) == blobs and s.classes == CLASSES
+        assert s.labels.tolist() == labels.tolist()
+    mixed = disk.shuffle(seed=1).select(range(5))
+    s = en.ParquetImages(mixed)
+    assert read_all(s) == [blobs[j] for j in mixed._indices.column(0).to_pylist()]
+    assert s.labels.tolist() == mixed["label"]
+    assert pickle.loads(pickle.dumps(s)).describe(0).endswith(
+        f"row {mixed._indices.column(0)[0].as_py()}")
+    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "ds.parquet"),
+                                   split="train", cache_dir=str(tmp_path / "cache"))
+    s = en.ParquetImages(loaded)
+    assert read_all(s) == blobs
+    with en.Loader(s, 8, image_size=16, workers=2, worker_mode="process", seed=1) as ld:
+        ids = [int(i) for b in ld for i in b.sample_ids]
+    assert sorted(ids) == list(range(N))
+
+
+def test_datasets_images_by_path(corpus, tmp_path):
+    """``datasets`` keeps images given by path as path-only cells (to_parquet does not
+    embed them): those are read from the path, for local files and Datasets."""
+    datasets = pytest.importorskip("datasets")
+    blobs, labels = corpus
+    paths = []
+    for i, b in enumerate(blobs[:5]):
+        p = tmp_path / f"{i}.jpg"
+        p.write_bytes(b)
+        paths.append(str(p))
+    ds = datasets.Dataset.from_dict({"image": paths, "label": labels[:5].tolist()}).cast_column(
+        "image", datasets.Image())
+    ds.to_parquet(str(tmp_path / "bypath.parquet"))
+    for src in (en.ParquetImages(tmp_path / "bypath.parquet"), en.ParquetImages(ds)):
+        assert read_all(src) == blobs[:5]
+
+
+def test_missing_and_wrong_columns_are_named(files, corpus, tmp_path):
+    """A missing column lists the columns there are; a column of the wrong type says so."""
+    with pytest.raises(ValueError, match=r"no image column 'img'; its columns are: 'image', "
+                                         r"'label'"):
+        en.ParquetImages(files, image="img")
+    with pytest.raises(ValueError, match=r"no label column 'labels' \(label=None: no labels\)"):
+        en.ParquetImages(files, label="labels")
+    with pytest.raises(ValueError, match=r"label column 'image' is struct"):
+        en.ParquetImages(files, label="image")
+    with pytest.raises(ValueError, match=r"image column 'label' is int64, not encoded images"):
+        en.ParquetImages(files, image="label")
+    blobs, labels = corpus
+    p = write_pyarrow(tmp_path / "strlab.parquet", blobs[:3], labels[:3],
+                      extra={"name": pa.array(["a", "b", "c"])})
+    with pytest.raises(ValueError, match=r"label column 'name' is string, not integers"):
+        en.ParquetImages(p, label="name")
+
+
+def test_bad_files_are_refused_by_name(files, corpus, tmp_path):
+    """A corrupt footer, a missing file, an empty folder, a schema or class names that
+    change between files, a row group over the read limit: clear errors naming the file."""
+    blobs, labels = corpus
+    bad = tmp_path / "bad.parquet"
+    data = files[0].read_bytes()
+    bad.write_bytes(data[:-20] + b"\0" * 20)  # the footer's length and magic destroyed
+    with pytest.raises(ValueError, match=rf"{bad}: not a Parquet file pyarrow can read"):
+        en.ParquetImages([files[1], bad])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        en.ParquetImages(tmp_path / "nope.parquet")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .parquet files"):
+        en.ParquetImages(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        en.ParquetImages(str(tmp_path / "x-*.parquet"))
+    plain = write_pyarrow(tmp_path / "plain.parquet", blobs[:3], labels[:3], struct=False)
+    with pytest.raises(ValueError, match=r"the schema changes between files: column 'image'"):
+        en.ParquetImages([files[0], plain])
+    other = tmp_path / "other.parquet"
+    table = pq.read_table(files[0]).replace_schema_metadata(hf_metadata(["a", "b", "c", "d"]))
+    pq.write_table(table, other)
+    with pytest.raises(ValueError, match=r"class names of column 'label' change between files"):
+        en.ParquetImages([files[0], other])
+    with pytest.raises(ValueError, match=rf"{files[0]}: row group 0 holds [\d,]+ bytes of "
+                                         rf"images \(3 rows\), over max_row_group_bytes=100"):
+        en.ParquetImages(files, max_row_group_bytes=100)
+
+
+def test_null_and_non_image_cells_fail_by_row(corpus, tmp_path):
+    """A null cell and a cell that is not an image fail their sample under on_error,
+    named by file, row group and row; the other samples are read once each."""
+    blobs, labels = corpus
+    cells = [{"bytes": b, "path": None} for b in blobs[:8]]
+    cells[2] = None
+    cells[5] = {"bytes": b"not an image at all", "path": None}
+    image = pa.array(cells, pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    p = tmp_path / "holes.parquet"
+    pq.write_table(pa.table({"image": image, "label": pa.array(labels[:8])}), p,
+                   row_group_size=4)
+    src = en.ParquetImages(p)
+    with pytest.raises(OSError, match="the image cell is null"):
+        src.read(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with en.Loader(src, 4, image_size=16, workers=1, seed=0, on_error="skip") as ld:
+            ids = [int(i) for b in ld for i in b.sample_ids]
+            stats = ld.stats()
+    assert sorted(ids) == [0, 1, 3, 4, 6, 7]
+    assert stats["failures"] == {"decode": 1, "read": 1}
+    said = " ".join(str(w.message) for w in caught)
+    assert f"{p}: row group 0, row 2" in said and "the image cell is null" in said
+    assert f"{p}: row group 1, row 1" in said and "not an image" in said
+    with en.Loader(src, 4, image_size=16, workers=1, seed=0, on_error="raise",
+                   shuffle=False) as ld:
+        with pytest.raises(Exception, match=rf"{p}: row group 0, row 2"):
+            for _ in ld:
+                pass
+    # A cell over max_file_bytes is refused by the source, naming the limit.
+    small = en.ParquetImages(p, max_file_bytes=10)
+    with pytest.raises(OSError, match="over the limit max_file_bytes=10"):
+        small.read(0)
+
+
+def test_null_label_is_refused(corpus, tmp_path):
+    """A null label names the file, row group and row."""
+    blobs, _ = corpus
+    p = tmp_path / "nolab.parquet"
+    pq.write_table(pa.table({"image": pa.array(blobs[:6], pa.binary()),
+                             "label": pa.array([0, 1, 2, None, 0, 1], pa.int64())}),
+                   p, row_group_size=2)
+    with pytest.raises(ValueError, match=rf"{p}: row group 1, row 1: the label 'label' is null"):
+        en.ParquetImages(p)
+
+
+def test_not_a_source_argument():
+    """What is not a path or a Dataset is refused, saying what is taken."""
+    with pytest.raises(TypeError, match="takes a path, a list of paths"):
+        en.ParquetImages(12)
+    with pytest.raises(ValueError, match="at least one"):
+        en.ParquetImages([])
+    with pytest.raises(TypeError, match="from_datasets takes a datasets.Dataset"):
+        en.from_datasets([1, 2])
