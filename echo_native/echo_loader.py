@@ -250,12 +250,17 @@ class EchoLoader(Started):
     batch_size : int, optional
         Examples per emitted batch (default: the wrapped loader's first batch's).
     shuffle_buffer : int, optional
-        Examples held by the echo stage (default 4 x batch_size, at least 2 x).
+        Examples held by the echo stage (default 4 x batch_size, at least 2 x).  A
+        batch never holds an example twice: the epoch's last batch may be short, as
+        ``DataLoader(drop_last=False)``'s.  ``len()`` is exact with a buffer of at
+        least (ceil(e) + 1) x batch_size (the default up to e = 3); a smaller one may
+        end an epoch with one more short batch, when its last fresh examples' repeats
+        outnumber the batches left.
     max_buffer_bytes : int, default 4 GiB
         The most the shuffle buffer may hold; more is a MemoryError at the first
         batch naming the setting to lower.
     drop_last : bool, default False
-        Drop the epoch's last emitted batch when it is short.
+        Drop the epoch's short batches (its last, when short).
     with_info : bool, default False
         Yield ``(batch, info)``, ``info`` a dict of per-row ``sample_ids``,
         ``echo_index`` (0 for the fresh emission) and ``fresh``.

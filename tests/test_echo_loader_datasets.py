@@ -217,3 +217,28 @@ def test_a_repeat_is_not_changed_by_a_consumer_that_edits_its_lists():
             out.append(list(row))
             row.append(-1)
     assert all(r == tokens(r[0] // 100) for r in out)
+
+
+def test_a_detection_loaders_per_image_target_dicts_follow_their_images():
+    """A detection collate's ``(images, targets)``: targets a tuple of one dict per image
+    with its own number of boxes (the last batch of two images included).  Each target
+    dict is one example's value: it comes back whole, beside its image."""
+    from torch.utils.data import DataLoader
+
+    def target(i):
+        return {"boxes": torch.full((1 + i % 3, 4), float(i)),
+                "labels": torch.full((1 + i % 3,), i)}
+
+    data = [(torch.full((3, 2, 2), float(i)), target(i)) for i in range(10)]
+    dl = DataLoader(data, batch_size=4, collate_fn=lambda b: (torch.stack([x for x, _ in b]),
+                                                              tuple(t for _, t in b)))
+    seen = []
+    for images, targets in en.EchoLoader(dl, echo=2, seed=9):
+        assert isinstance(targets, tuple) and len(targets) == len(images)
+        for image, t in zip(images, targets):
+            i = int(image[0, 0, 0])
+            assert set(t) == {"boxes", "labels"}
+            assert torch.equal(t["boxes"], target(i)["boxes"])
+            assert torch.equal(t["labels"], target(i)["labels"])
+            seen.append(i)
+    assert collections.Counter(seen) == {i: 2 for i in range(10)}

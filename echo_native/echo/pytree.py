@@ -24,8 +24,9 @@ A batch of n examples is read in two steps.
 
 2. With n known, every plain list or tuple of length n holds **one value per
    example**, whatever each value is (a list of token ids, a string, a ragged
-   array, a dict), unless every item is an array with n rows or a dict,
-   dataclass or namedtuple: that is a collated structure (``[x, y]`` with n = 2).
+   array, a dict of one image's boxes), unless every item is an array with n
+   rows or a dict, dataclass or namedtuple of n examples (by the rule above):
+   that is a collated structure (``[x, y]`` with n = 2).
    A list or tuple of another length is structure (its items are fields).  A
    per-example value is stored whole and follows its example: Hugging Face's
    ``{"ids": [[0, 1, 2], [100, 101, 102], ...]}`` is n rows of tokens, never 3
@@ -127,9 +128,11 @@ def batch_size(batch):
 
 def _collated(seq, n):
     """A list or tuple of n items that is structure, not one value per example: each item
-    an array with n rows, or a record (a collated ``[x, y]`` with n = 2)."""
-    return all((_is_array(v) and len(v.shape) and v.shape[0] == n) or _is_table(v) or
-               _is_record(v) for v in seq)
+    an array or a table of n rows, or a record of n examples (a collated ``[x, y]`` with
+    n = 2).  A detection loader's tuple of per-image target dicts (each of its own
+    number of boxes) is one value per example."""
+    return all(((_is_array(v) and len(v.shape)) or _is_table(v)) and _rows(v) == n or
+               _is_record(v) and batch_size(v) == n for v in seq)
 
 
 def flatten(batch, n=None, like=None, path="batch"):
