@@ -233,7 +233,8 @@ class CocoDetection:
                 f"parse takes)"))
         guard = _Guard(budget, too_big)  # counts from here: the bytes and the text too
         size = os.path.getsize(self.annotation_json)
-        if budget is not None and 2 * size > budget:  # its bytes and their text, at least
+        # Its bytes and their text, at least (a file over the limit is read_file's to name).
+        if budget is not None and size <= limit and 2 * size > budget:
             raise too_big(size, f"would take at least {_gib(2 * size)}")
         data = read_file(self.annotation_json, limit)
         need = _parse_bytes(data)

@@ -513,7 +513,8 @@ class FileList(_Files):
     Relative paths are resolved against ``root`` (default: the list file's
     folder).  Blank lines and lines starting with ``#`` are ignored; a first
     (non-comment) line ``path,label`` is taken as a header.  Labels are
-    64-bit signed integers.  ``read`` refuses non-regular files and files over
+    64-bit signed integers; in rows given as Python values, a float only with an
+    integral value (3.0), and never a bool (a ValueError names the row).  ``read`` refuses non-regular files and files over
     ``max_file_bytes``.
 
     The list, ``root`` and the listed paths may also be URLs of any fsspec
