@@ -91,7 +91,7 @@ def run(parser, argv=None):
         return args.func(args)
     except (UsageError, CommandError) as e:
         # One line whatever the message holds (a backend's or a step's text may not).
-        print(f"{parser.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"{parser.prog}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
