@@ -85,6 +85,10 @@ def _class_label(feature, depth=0):
     if "_type" in feature and feature["_type"] not in ("Sequence", "List", "LargeList"):
         return None
     inner = feature.get("feature", feature)
+    if inner is not feature:  # a list of class labels (an objects column's categories)
+        names = _class_label(inner, depth + 1)
+        if names is not None:
+            return names
     if isinstance(inner, dict):
         for key in ("category", "categories", "label", "labels"):
             names = _class_label(inner.get(key), depth + 1)

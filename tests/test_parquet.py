@@ -355,3 +355,113 @@ def test_not_a_source_argument():
         en.ParquetImages([])
     with pytest.raises(TypeError, match="from_datasets takes a datasets.Dataset"):
         en.from_datasets([1, 2])
+
+
+# ---- detection --------------------------------------------------------------------------
+def boxes_corpus(n=8, seed=4):
+    """``n`` JPEGs with 1-3 objects each: (blobs, xywh boxes per image, categories)."""
+    rng = np.random.default_rng(seed)
+    blobs = sh.photo_jpegs(n, 48, 64, seed=seed)
+    boxes, cats = [], []
+    for _ in range(n):
+        k = int(rng.integers(1, 4))
+        x, y = rng.uniform(0, 30, k), rng.uniform(0, 20, k)
+        w, h = rng.uniform(4, 30, k), rng.uniform(4, 24, k)
+        boxes.append(np.stack([x, y, w, h], 1).round(2).tolist())
+        cats.append(rng.integers(0, 3, k).tolist())
+    return blobs, boxes, cats
+
+
+def test_detection_objects_column(tmp_path):
+    """An HF-style objects column ({bbox (xywh), category}, written by ``datasets``) gives
+    each sample its Targets in xyxy; a ring carries them to batch.objects exactly as a
+    source with the same targets does; category names come from the metadata."""
+    datasets = pytest.importorskip("datasets")
+    blobs, boxes, cats = boxes_corpus()
+    feats = datasets.Features({
+        "image": datasets.Image(),
+        "objects": {"bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float32"),
+                                                                length=4)),
+                    "category": datasets.Sequence(datasets.ClassLabel(names=CLASSES))}})
+    ds = datasets.Dataset.from_dict(
+        {"image": [{"bytes": b, "path": None} for b in blobs],
+         "objects": [{"bbox": b, "category": c} for b, c in zip(boxes, cats)]},
+        features=feats)
+    ds.to_parquet(str(tmp_path / "det.parquet"))
+    src = en.ParquetImages(tmp_path / "det.parquet", label=None, targets="objects")
+    assert src.classes == CLASSES and src.has_targets
+    want = []
+    for b, c in zip(boxes, cats):
+        xyxy = np.asarray(b, np.float32)
+        xyxy = np.concatenate([xyxy[:, :2], xyxy[:, :2] + xyxy[:, 2:]], 1)
+        want.append({"boxes": xyxy, "labels": np.asarray(c, np.int64)})
+    for i in range(len(blobs)):
+        t = en.targets.as_targets(src.targets(i), "t")
+        np.testing.assert_allclose(t.boxes, want[i]["boxes"], atol=1e-4)
+        assert t.labels.tolist() == cats[i]
+    ref = en.Samples(blobs, targets=[en.targets.as_targets(src.targets(i), "t")
+                                     for i in range(len(blobs))])
+    augment = [en.RandomIoUCrop(), en.RandomHorizontalFlip(), en.Resize((32, 32))]
+
+    def run(s):
+        with en.Loader(s, 4, augment=augment, workers=1, seed=2, shuffle=False) as ld:
+            return [b.copy() for b in ld]
+
+    for a, b in zip(run(src), run(ref)):
+        assert np.array_equal(a.sample_ids, b.sample_ids)
+        assert np.array_equal(np.asarray(a.images), np.asarray(b.images))
+        assert np.array_equal(a.objects.boxes, b.objects.boxes)
+        assert np.array_equal(a.objects.labels, b.objects.labels)
+    for fmt, row in (("xyxy", [1, 2, 3, 4]), ("cxcywh", [2, 3, 2, 2])):
+        from echo_native.parquet_index import objects_targets
+        got = objects_targets({"bbox": [row], "category": [1]}, fmt, "w")
+        np.testing.assert_allclose(got["boxes"], [[1, 2, 3, 4]])
+    with pytest.raises(ValueError, match=r"w: object 0's bbox is \[1, 2, 3\], not 4 numbers"):
+        objects_targets({"bbox": [[1, 2, 3]], "category": [1]}, "xywh", "w")
+    with pytest.raises(ValueError, match="box_format must be one of"):
+        en.ParquetImages(tmp_path / "det.parquet", label=None, targets="objects",
+                         box_format="yxyx")
+
+
+# ---- object storage -----------------------------------------------------------------------
+def test_s3_reads_by_row_group(files, corpus):
+    """The same files in S3 (moto): same bytes, labels and class names; each row group is
+    one range request of its image columns, fetched once per process however many samples
+    it holds; a Loader with process workers reads every sample once."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from test_remote import S3Server, s3fs_for
+
+    blobs, labels = corpus
+    mp = pytest.MonkeyPatch()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        mp.setenv(k, v)
+    server = S3Server().start()
+    try:
+        fs = s3fs_for(server.endpoint)
+        fs.mkdir("parquet-bucket")
+        for f in files:
+            fs.put_file(str(f), f"parquet-bucket/train/{f.name}")
+        opts = {"endpoint_url": server.endpoint}
+        fast = en.RemoteOptions(retry_timeout=10.0, request_timeout=5.0, attempts=3)
+        for arg in ("s3://parquet-bucket/train", "s3://parquet-bucket/train/*.parquet",
+                    [f"s3://parquet-bucket/train/{f.name}" for f in files]):
+            src = en.ParquetImages(arg, storage_options=opts, remote=fast)
+            assert src.labels.tolist() == labels.tolist() and src.classes == CLASSES
+        assert src.describe(0) == f"s3://parquet-bucket/train/{files[0].name}: row group 0, row 0"
+        before = server.requests
+        order = src.epoch_order(0, 0)
+        src.prefetch(order[:6], upcoming=order[6:12])
+        assert [bytes(src.read(int(i))) for i in order] == [blobs[int(i)] for i in order]
+        groups = len(src._index.group_starts) - 1
+        assert server.requests - before == groups  # one GET per row group, none twice
+        with en.Loader(src, 6, image_size=16, workers=2, worker_mode="process",
+                       seed=1) as ld:
+            ids = [int(i) for b in ld for i in b.sample_ids]
+        assert sorted(ids) == list(range(N))
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            en.ParquetImages("s3://parquet-bucket/train/nope.parquet", storage_options=opts, remote=fast)
+    finally:
+        server.stop()
+        mp.undo()
