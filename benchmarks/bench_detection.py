@@ -112,7 +112,8 @@ _results: dict = {}
 # ---- the data -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def coco(tmp_path_factory):
-    """(images_root, annotation_json): N corpus JPEGs (symlinked) with 2-4 random boxes each."""
+    """(images_root, annotation_json): N corpus JPEGs with 2-4 random boxes each (copies:
+    CocoDetection refuses links that lead out of its root)."""
     from echo_native.lab import corpus
 
     try:
@@ -124,8 +125,8 @@ def coco(tmp_path_factory):
     images, annotations = [], []
     for i, path in enumerate(corpus.corpus_files(src_root)[:N]):
         name = f"{i:06d}.jpg"
-        (root / name).symlink_to(path.resolve())
-        h, w = en.image_size(path.read_bytes())
+        (root / name).write_bytes(data := path.read_bytes())
+        h, w = en.image_size(data)
         images.append({"id": i + 1, "file_name": name, "height": h, "width": w})
         for _ in range(int(rng.integers(2, 5))):
             bw, bh = (float(v) for v in rng.uniform(0.06, 0.6, 2) * (w, h))

@@ -68,15 +68,16 @@ if bool(args.data) != bool(args.annotations):
 
 
 def make_coco(folder, n, categories=5, seed=0):
-    """A COCO-format folder: ``n`` corpus images (symlinked) with 2-4 random boxes each.
-    Returns (images_root, annotation_json)."""
+    """A COCO-format folder: ``n`` corpus images with 2-4 random boxes each (copies:
+    CocoDetection refuses links that lead out of its root).  Returns (images_root,
+    annotation_json)."""
     src = corpus.corpus_files(corpus.default_corpus())[:n]
     rng = np.random.default_rng(seed)
     images, annotations = [], []
     for i, path in enumerate(src):
         name = f"{i:06d}.jpg"
-        (folder / name).symlink_to(path.resolve())
-        h, w = en.image_size(path.read_bytes())
+        (folder / name).write_bytes(data := path.read_bytes())
+        h, w = en.image_size(data)
         images.append({"id": i + 1, "file_name": name, "height": h, "width": w})
         for _ in range(int(rng.integers(2, 5))):
             bw, bh = (float(v) for v in rng.uniform(0.1, 0.6, 2) * (w, h))

@@ -126,14 +126,6 @@ def _probe(tmp_path, package=None):
     return json.loads(line[len("RESULT "):])
 
 
-def _torchvision_loads():
-    """Whether the real torchvision imports here (asked of a fresh interpreter: a failed
-    import can leave half a package behind in this one)."""
-    proc = subprocess.run([sys.executable, "-c", "import torchvision.tv_tensors"],
-                          capture_output=True, timeout=120)
-    return proc.returncode == 0
-
-
 def _check_rows(rows, boxes_type):
     assert [r["labels"] for r in rows] == [[1, 2], [3], [], [4]]
     for r in rows:
@@ -163,30 +155,6 @@ def test_to_torchvision_gives_plain_tensors_where_torchvision_fails_to_load(tmp_
     plain tensors, as documented, never that error."""
     rows = _probe(tmp_path, BROKEN_TV)
     _check_rows(rows, "torch.Tensor")
-
-
-def test_a_torchvision_v2_transform_moves_the_boxes_with_the_image(tmp_path):
-    """The real torchvision, where it loads: a v2 flip after to_torchvision() mirrors the
-    boxes with the image (plain tensors would stay where they were)."""
-    if not _torchvision_loads():
-        pytest.skip("torchvision does not import here; tests/torchvision_ref's venv has it")
-    rows = _probe(tmp_path)
-    _check_rows(rows, "torchvision.tv_tensors._bounding_boxes.BoundingBoxes")
-    code = textwrap.dedent('''
-        import numpy as np, torch
-        from torchvision.transforms import v2
-        import echo_native as en
-        from echo_native.boxes import Objects
-        o = Objects(np.float32([[[2, 4, 10, 20]]]), np.int64([[1]]), np.array([[True]]),
-                    np.array([[False]]), canvas_size=(24, 32))
-        t = o.to_torchvision()[0]
-        image = torch.zeros(3, 24, 32, dtype=torch.uint8)
-        _, boxes = v2.RandomHorizontalFlip(p=1.0)(image, t["boxes"])
-        assert boxes.tolist() == [[22.0, 4.0, 30.0, 20.0]], boxes.tolist()
-    ''')
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # -- a source whose samples fail: one clear error, never an empty batch -------------------
