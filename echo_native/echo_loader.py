@@ -192,18 +192,40 @@ def _rows(batch):
 
 def _refuse_non_loader(iterable):
     """What is not a loader of batches, refused by name before the first batch: a path (its
-    characters would be taken for batches) or a Hugging Face dataset (its examples would)."""
+    characters would be taken for batches) or a Hugging Face dataset of single examples
+    (each example would be taken for a batch: its token ids for examples)."""
     if isinstance(iterable, (str, bytes, os.PathLike)):
         raise TypeError(f"EchoLoader wraps a loader of batches (a torch DataLoader, a "
                         f"generator of batches), got the path {os.fsdecode(iterable)!r}: for "
                         f"a folder or file list of images use en.EchoRing(path)")
     cls = type(iterable)
-    if cls.__module__.split(".")[0] == "datasets" and cls.__name__ in (
-            "Dataset", "IterableDataset", "DatasetDict", "IterableDatasetDict"):
+    if cls.__module__.split(".")[0] != "datasets":
+        return
+    if cls.__name__ in ("DatasetDict", "IterableDatasetDict"):
         raise TypeError(f"EchoLoader wraps a loader of batches, got a Hugging Face "
-                        f"{cls.__name__}, which yields one example at a time: pass "
-                        f"DataLoader(ds, batch_size=...) (every epoch), or "
-                        f"ds.iter(batch_size=...) (one epoch)")
+                        f"{cls.__name__} of splits {list(iterable)}: pick a split and pass "
+                        f"DataLoader(ds[split], batch_size=...)")
+    single = _single_example_column(iterable)
+    if single is not None:
+        raise TypeError(f"EchoLoader wraps a loader of batches, got a Hugging Face "
+                        f"{cls.__name__} of single examples (its column {single!r} holds one "
+                        f"value, not a list of a batch's): pass DataLoader(ds, batch_size=...) "
+                        f"(every epoch), ds.iter(batch_size=...) (one epoch), or "
+                        f"ds.batch(batch_size) (a dataset of batches)")
+
+
+def _single_example_column(ds):
+    """A column of a Hugging Face dataset whose feature is not a list: its items are single
+    examples (``ds.batch(n)`` makes every column a list).  None when every column is a list
+    or the dataset does not say (a streamed one without features)."""
+    features = getattr(ds, "features", None)
+    if not features:
+        return None
+    for name, feature in features.items():
+        if not isinstance(feature, (list, tuple)) and \
+                type(feature).__name__ not in ("List", "LargeList", "Sequence"):
+            return name
+    return None
 
 
 def _dataset_len(iterable):
@@ -225,9 +247,10 @@ class EchoLoader(Started):
     Parameters
     ----------
     iterable : any iterable of batches (a torch ``DataLoader``, a Hugging Face
-        dataset's ``ds.iter(batch_size=...)``; a generator function's result is one
-        epoch only).  Not a path (use :class:`EchoRing` for a folder of images) and
-        not a dataset of single examples: both are refused here.
+        dataset's ``ds.iter(batch_size=...)`` or ``ds.batch(n)``; a generator
+        function's result is one epoch only).  Not a path (use :class:`EchoRing` for
+        a folder of images) and not a Hugging Face dataset of single examples: both
+        are refused here.
         Batches are NumPy arrays, torch tensors (CPU or CUDA), JAX or CuPy arrays,
         ``pyarrow`` tables, or dicts, lists, tuples, namedtuples or dataclasses of
         them; every array holds one row per example (the batch dimension first); a

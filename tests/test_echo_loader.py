@@ -356,17 +356,24 @@ def test_a_path_is_refused_at_construction_naming_echo_ring(path, tmp_path):
         en.EchoLoader(path)
 
 
-@pytest.mark.parametrize("kind", ["Dataset", "IterableDataset", "DatasetDict"])
-def test_a_hugging_face_dataset_is_refused_at_construction_naming_what_to_pass(kind):
-    """A dataset yields single examples (dicts of scalars), not batches: refused before
-    the first batch, naming a DataLoader and ds.iter(batch_size=...)."""
+@pytest.mark.parametrize("kind", ["Dataset", "IterableDataset"])
+def test_a_hugging_face_dataset_of_examples_is_refused_at_construction(kind):
+    """A dataset yields single examples (its 'idx' one int each), not batches: refused
+    before the first batch, naming its column and what to pass instead."""
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_dict({"idx": list(range(8)), "text": ["a"] * 8})
-    ds = {"Dataset": ds, "IterableDataset": ds.to_iterable_dataset(),
-          "DatasetDict": datasets.DatasetDict(train=ds)}[kind]
-    with pytest.raises(TypeError, match=rf"Hugging Face {kind}.*DataLoader\(ds, batch_size="
-                                        rf".*ds\.iter\(batch_size="):
+    ds = ds if kind == "Dataset" else ds.to_iterable_dataset()
+    with pytest.raises(TypeError, match=rf"Hugging Face {kind} of single examples .*'idx'.*"
+                                        rf"DataLoader\(ds, batch_size=.*ds\.iter\(batch_size="
+                                        rf".*ds\.batch\(batch_size\)"):
         en.EchoLoader(ds)
+
+
+def test_a_hugging_face_dataset_dict_is_refused_naming_its_splits():
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"idx": list(range(8))})
+    with pytest.raises(TypeError, match=r"DatasetDict of splits \['train'\]: pick a split"):
+        en.EchoLoader(datasets.DatasetDict(train=ds))
 
 
 def test_set_epoch_reaches_the_wrapped_sampler():

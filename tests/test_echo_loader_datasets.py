@@ -121,6 +121,17 @@ def test_each_example_comes_out_whole_in_every_format(fmt, iterable):
                     assert type(batch[key]) is type(first[key]), key
 
 
+@pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
+def test_a_dataset_of_batches_is_a_loader(iterable):
+    """``ds.batch(n)`` makes a dataset whose items are batches (every column a list): it is
+    a loader of batches, read every epoch, each example whole and twice per epoch."""
+    ds = dataset()
+    ds = (ds.to_iterable_dataset() if iterable else ds).batch(B)
+    el = en.EchoLoader(ds, echo=2, seed=10)
+    for epoch in range(2):
+        check_epoch(list(el))
+
+
 def test_a_token_column_alone_is_read_as_rows_not_as_columns():
     """The issue's own case: {"ids": [[0, 1, 2], [100, 101, 102], ...]} and nothing else
     (a tokenizer's output without return_tensors) is 8 rows of 3 tokens, never 3 rows
