@@ -180,7 +180,7 @@ class BoxCrop(_FixedSize):
         flip, and which boxes the IoU crop dropped ((N,) bool)."""
         seed, epoch, sample_id, echo_index = (int(v) for v in key)
         rng = np.random.Generator(np.random.Philox(
-            key=[seed & (2**64 - 1), _TAG], counter=[epoch, sample_id, echo_index, 0]))
+            key=np.array([seed & (2**64 - 1), _TAG], np.uint64), counter=[epoch, sample_id, echo_index, 0]))
         h, w = (int(v) for v in image_hw)
         boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
         # The current canvas as a window of the source: (top, left, height, width).

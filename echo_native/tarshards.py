@@ -446,7 +446,10 @@ class TarShards:
 
     def epoch_order(self, seed, epoch):
         """Shards in a per-epoch order, samples shuffled within windows."""
-        gen = np.random.Generator(np.random.Philox(key=[seed, 0x7461727368], counter=[epoch, 0, 0, 0]))
+        # The key as uint64: numpy reads [2**63, tag] as float64, and seeds past 2**63
+        # would then share orders.
+        key = np.array([int(seed), 0x7461727368], np.uint64)
+        gen = np.random.Generator(np.random.Philox(key=key, counter=[epoch, 0, 0, 0]))
         parts = [np.arange(self._starts[s], self._starts[s + 1])
                  for s in gen.permutation(len(self.shards))]
         order = np.concatenate(parts)

@@ -78,3 +78,35 @@ def test_the_largest_seed_is_its_own_and_stand_ins_use_the_whole_seed():
     other = Plan(total_samples=1000, batch_size=8, transform=None, seed=2**63 + 1)
     picks = [plan.replacement(0, s, 0) for s in range(32)]
     assert picks != [other.replacement(0, s, 0) for s in range(32)]
+
+
+def test_detection_draws_past_2_63_are_keyed_by_the_whole_seed():
+    """The detection planner's Philox key, built the same way: two seeds past 2**63 draw
+    their own zoom-outs, crops and flips."""
+    crop = en.detection.BoxCrop((32, 32), zoom_out=en.RandomZoomOut(), flip_p=0.5)
+    boxes = np.float32([[4, 4, 20, 20]])
+
+    def draws(seed):
+        return [crop.draw((seed, 0, i, 0), (48, 64), boxes)[0] for i in range(16)]
+
+    assert draws(2**63) != draws(2**63 + 1)
+    # below 2**63 the key's bits (so every draw) are what a list key gave
+    assert draws(12345) == draws(12345)
+
+
+def test_tar_shard_orders_past_2_63_are_keyed_by_the_whole_seed(tmp_path):
+    """TarShards' per-epoch shard order, keyed the same way."""
+    from PIL import Image
+    import io
+
+    samples = []
+    for i in range(12):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (i * 20, 0, 0)).save(buf, "JPEG")
+        samples.append(buf.getvalue())
+    shards = en.write_shards(en.Samples(samples, labels=[i % 3 for i in range(12)]),
+                             tmp_path / "shards", max_count=1)
+    source = en.TarShards(shards)
+    orders = [tuple(source.epoch_order(s, 0)) for s in (2**63, 2**63 + 1, 2**63 + 2)]
+    assert len(set(orders)) > 1
+    assert sorted(orders[0]) == list(range(12))
