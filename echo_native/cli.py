@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 
+from echo_native.errors import DecodeError
 from echo_native.profile import measure_upstream, recommend, time_step, trial_auto
 
 __all__ = ["UsageError", "CommandError", "open_folder", "check_device", "echo_list", "run", "build_parser",
@@ -175,6 +176,8 @@ def cmd_profile(args):
     except MemoryError as e:
         raise CommandError(f"{e} On the command line: lower --batch-size, --image-size or "
                            f"--workers") from None
+    except DecodeError as e:  # every file of the folder failed: the epoch has no batch
+        raise CommandError(str(e)) from None
 
 
 class _StepFailed(Exception):

@@ -111,6 +111,18 @@ def test_a_ring_that_does_not_fit_is_one_line_naming_the_flags(folder, capsys):
     _one_line(capsys, rc, 1, "--image-size", "--batch-size")
 
 
+@pytest.mark.filterwarnings("ignore::echo_native.SampleFailureWarning")
+def test_a_folder_whose_every_file_fails_is_one_line(tmp_path, capsys):
+    """Every file of the folder fails to decode: the epoch has no batch, and the command
+    says so in one line naming the first file (exit 1), not a traceback."""
+    root = tmp_path / "broken"
+    (root / "a").mkdir(parents=True)
+    for i in range(16):
+        (root / "a" / f"bad{i:02d}.jpg").write_bytes(b"not a jpeg %d" % i)
+    rc = main(["profile", str(root), *QUICK])
+    _one_line(capsys, rc, 1, "every one of", "bad")
+
+
 def test_min_batches_cannot_run_past_the_measuring_deadline(folder, capsys, monkeypatch):
     # A scripted clock, a quarter second per reading: the deadline is reached after a
     # known number of batches, whatever the machine's speed.  Before, a billion batches
