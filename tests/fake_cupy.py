@@ -613,6 +613,7 @@ def _modules(gpu):
 
         __array_ufunc__ = None   # NumPy defers to our reflected operators
         __hash__ = None
+        __module__ = "cupy"      # as CuPy's: what code that tells frameworks apart reads
 
         def __init__(self, shape=None, dtype=float, *, _view=None, _keep=None):
             if _view is None:
@@ -684,8 +685,9 @@ def _modules(gpu):
             return self.get().tolist()
 
         def get(self, stream=None, order="C", out=None, blocking=True):
-            """Device -> host on ``stream`` (the current one by default), waited for."""
-            state = gpu.current_state() if stream is None else stream.state
+            """Device -> host on ``stream`` (by default the current one of the array's
+            device: CuPy's ``get`` selects it), waited for."""
+            state = gpu.current_state(self.device.id) if stream is None else stream.state
             acc = gpu.access(self, "r", "get", state, check_device=False)
             gpu.host_wait("get", "get", state, acc.vc if acc else None)
             return np.array(self._a, copy=True)

@@ -367,6 +367,13 @@ class CudaDevice(ArrayDevice):
         with self.device, self.stream:
             return super().targets(labels, num_classes, lam, smoothing)
 
+    def objects_to_device(self, objects):
+        """A batch's detection objects (host arrays) as arrays of our device, whatever
+        device is current, copied on our stream: ``ready``'s event covers them, and
+        they are held as the other arrays made anew each batch are."""
+        with self.device, self.stream:
+            return objects.to(self.cupy)
+
     def normalize(self, images, mean, std, layout, out):
         cp = self.cupy
         n, h, w, _ = images.shape
@@ -578,6 +585,10 @@ class CudaDevice(ArrayDevice):
         if targets is not None and not isinstance(targets, DeviceArray):
             fresh.append(targets)
             batch.targets = DeviceArray(targets, self, done)
+        objects = batch.objects
+        if objects is not None:
+            fresh += [a for a in (objects.boxes, objects.labels, objects.valid, objects.iscrowd)
+                      if isinstance(a, self.cupy.ndarray)]
         # An array made anew each batch goes back to CuPy's pool for our stream when its
         # last reference goes, and our next allocation may take it at once: dropped by
         # the consumer, it could be rewritten under a step still queued on it.  Held
