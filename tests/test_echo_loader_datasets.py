@@ -95,18 +95,20 @@ def check_epoch(batches, e=2, n=N):
 
 
 # ---- every format, map-style and iterable -------------------------------------------------
+@pytest.mark.parametrize("placement", ["after_augment", "batch"])
 @pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
 @pytest.mark.parametrize("fmt", [None, "numpy", "torch", "arrow"])
-def test_each_example_comes_out_whole_in_every_format(fmt, iterable):
+def test_each_example_comes_out_whole_in_every_format(fmt, iterable, placement):
     """Ragged token lists, fixed-length token lists, ids and texts of a dataset's batches,
     in its python, numpy, torch and arrow formats: each emitted row is one example's, each
     example twice per epoch over two epochs, and the batches are of the format's kind (a
-    dict of lists stays one, a table comes back as a table of the same schema)."""
+    dict of lists stays one, a table comes back as a table of the same schema), whether
+    examples or whole batches are repeated."""
     ds = dataset()
     if iterable:
         ds = ds.to_iterable_dataset()
     ds = ds.with_format(fmt)
-    el = en.EchoLoader(Batches(ds), echo=2, seed=5)
+    el = en.EchoLoader(Batches(ds), echo=en.Echo(2, placement=placement), seed=5)
     first = next(iter(ds.iter(batch_size=B)))
     for epoch in range(2):
         batches = list(el)
@@ -219,15 +221,18 @@ def test_a_collated_pair_keeps_its_structure_down_to_a_last_batch_of_two():
     assert collections.Counter(seen) == {i: 2 for i in range(10)}
 
 
-def test_a_repeat_is_not_changed_by_a_consumer_that_edits_its_lists():
+@pytest.mark.parametrize("placement", ["after_augment", "batch"])
+def test_a_repeat_is_not_changed_by_a_consumer_that_edits_its_lists(placement):
     """A consumer that appends to a token list in place (an end-of-sequence id) changes
     that emission only, not the example's repeats still to come."""
     out = []
-    for batch in en.EchoLoader(Batches(dataset(("ids",))), echo=2, seed=8):
+    echo = en.Echo(2, placement=placement)
+    for batch in en.EchoLoader(Batches(dataset(("ids",))), echo=echo, seed=8):
         for row in batch["ids"]:
             out.append(list(row))
             row.append(-1)
     assert all(r == tokens(r[0] // 100) for r in out)
+    assert collections.Counter(r[0] // 100 for r in out) == {i: 2 for i in range(N)}
 
 
 def test_a_detection_loaders_per_image_target_dicts_follow_their_images():

@@ -511,7 +511,8 @@ class PytreeExamples:
     def repeat(self, kept, echo, epoch):
         # A copy per emission: a consumer that changes its batch in place must not
         # change the repeats still to come.
-        leaves = [o.copy(x) if o is not None else x for x, o in zip(kept.batch, self.ops)]
+        leaves = [o.copy(x) if o is not None else [_own(v) for v in x] if kind == "list" else x
+                  for x, o, kind in zip(kept.batch, self.ops, leaf_kinds(self.treedef))]
         echo_index = np.full(len(kept), echo, np.int64)
         batch = self._augmented(unflatten(self.treedef, leaves), kept.sample_ids, echo_index,
                                 epoch)
