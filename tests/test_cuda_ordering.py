@@ -679,6 +679,26 @@ def test_gpu_check_steps_fit_one_device_call_in_the_order_of_what_is_lacking():
     assert sum(s for _, s in budgets) + 15 <= 420
 
 
+def test_gpu_check_runs_the_test_of_every_named_check():
+    """Each named check of gpu_check.json is a test the tests step runs (its file whole,
+    or the test by its id)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_report
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    text = open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")).read()
+    step = text[text.index("\ntests() {"):]
+    step = step[:step.index("\n}\n")]
+    run = set(re.findall(r"tests/[\w./:]+", step))
+    for what, test in gpu_report.NAMED.items():
+        files = [f for f in glob.glob(os.path.join(ROOT, "tests", "test_*.py"))
+                 if f"def {test}(" in open(f).read()]
+        assert len(files) == 1, (what, files)
+        path = os.path.relpath(files[0], ROOT)
+        assert path in run or f"{path}::{test}" in run, (what, path)
+
+
 def test_docs_name_the_files_and_budgets_that_exist():
     """(6) Every file of this repository docs/gpu.md names exists (the kernels' source
     moved to src/kernel/), and its table of the check's steps is the script's."""
