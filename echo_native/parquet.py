@@ -51,7 +51,7 @@ class _Cells:
     """The image cells of one Arrow array (a row group's, or one chunk of a table):
     offsets and the data buffer, so that a cell is a slice of that buffer, not a copy."""
 
-    __slots__ = ("offsets", "data", "valid", "paths", "objects", "nbytes")
+    __slots__ = ("offsets", "data", "view", "valid", "paths", "objects", "nbytes")
 
     def __init__(self, arr, objects=None):
         pa = pyarrow()
@@ -72,6 +72,7 @@ class _Cells:
             self.offsets = np.frombuffer(bufs[1], np.int64 if wide else np.int32)[
                 binary.offset:binary.offset + n + 1]
         self.data = bufs[2]
+        self.view = None if self.data is None else memoryview(self.data).cast("B").toreadonly()
         self.valid = None if binary.null_count == 0 else \
             np.asarray(binary.is_valid().to_numpy(zero_copy_only=False))
         self.paths = paths
@@ -85,7 +86,9 @@ class _Cells:
         a, b = int(self.offsets[row]), int(self.offsets[row + 1])
         if self.data is None or a == b:
             return memoryview(b"")
-        return memoryview(self.data)[a:b]
+        # Arrow's buffers export signed chars ('b'); the kernel takes unsigned bytes, and
+        # any other format would send the image down the slower Pillow path.
+        return self.view[a:b]
 
     def path(self, row):
         if self.paths is None or not self.paths[row].is_valid:
