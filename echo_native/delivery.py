@@ -92,7 +92,7 @@ class Delivery:
         if self.mix is not None or self.on_batch is not None:
             images, targets = self._batch_ops(images, labels, sample_ids, echo_index, epoch)
         if objects is not None and not self.device.host_resident:
-            objects = objects.to(self.device.xp)  # beside the images, for DLPack
+            objects = self.device.objects_to_device(objects)  # beside the images, for DLPack
         return self.device.ready(Batch(images, labels, sample_ids, fresh, echo_index, boxes,
                                        np.asarray(flips, bool), epoch, targets=targets,
                                        objects=objects))

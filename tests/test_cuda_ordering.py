@@ -1195,7 +1195,7 @@ def test_mix_targets_leave_as_the_images_do(gpu, source):
 #: ``finish`` places objects with ``self.device.objects_to_device(objects)`` (a method
 #: ``ArrayDevice`` gives as ``objects.to(self.xp)`` and ``CudaDevice`` makes on its
 #: device and stream), not ``objects.to(self.device.xp)`` with any device current.
-NEEDS_PLACEMENT_OUTSIDE = "needs the echo/pytree.py and delivery.py changes of issue 41 (4)"
+NEEDS_PLACEMENT_OUTSIDE = "needs the echo/pytree.py change of issue 41 (4)"
 
 
 def test_detection_objects_are_made_on_the_rings_device_and_stream(gpu):
@@ -1218,7 +1218,6 @@ def test_detection_objects_are_made_on_the_rings_device_and_stream(gpu):
     assert gpu.violations == []
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_PLACEMENT_OUTSIDE)
 def test_detection_objects_of_a_second_gpu_stay_on_it(gpu):
     """(4) A detection source on cuda:1 with device 0 current: batch.objects are arrays
     of device 1, like the images, and nothing is touched on the wrong device."""

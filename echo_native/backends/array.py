@@ -59,6 +59,11 @@ class ArrayDevice:
         return self.name
 
     # -- life cycle hooks (CUDA registers ring memory, orders streams) --------------
+    def objects_to_device(self, objects):
+        """A batch's objects as arrays of this device's module (a GPU device places them
+        on its own device and stream, whichever device is current)."""
+        return objects.to(self.xp)
+
     def attach(self, ring):
         """Called whenever the loader has created its ring (start, and after a seek)."""
 
