@@ -233,10 +233,12 @@ class BFloat16Array:
 
 
 class DeviceArray:
-    """A batch's uint8, float32 or float16 images on a GPU.
+    """A batch's array on a GPU: its uint8, float32 or float16 images, its Mix
+    targets, or what ``on_batch`` returned.
 
-    ``array`` is the backend's own array (CuPy) in one of the pipeline's
-    rotating output buffers.  What the wrapper adds is that every way out of it
+    ``array`` is the backend's own array (CuPy): for images, one of the
+    pipeline's rotating output buffers; for the others, made for that batch and
+    held by the pipeline until the consumer's reads of it are done.  What the wrapper adds is that every way out of it
     tells the pipeline which stream will read the batch: that stream is ordered
     after the batch, and the pipeline's stream waits for it before it
     overwrites the buffer.  CuPy's own export would only do the first, so a
