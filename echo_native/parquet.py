@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -45,6 +46,9 @@ DEFAULT_MAX_ROW_GROUP_BYTES = 256 * 2**20
 #: Row groups each worker process keeps (bytes of image cells).  The samples shuffled
 #: together (``shuffle_buffer`` of them) should fit, or row groups are read again.
 DEFAULT_CACHE_BYTES = 512 * 2**20
+
+#: How long a row group that failed to read fails its samples before it is tried again.
+_BROKEN_S = 30.0
 
 
 class _Cells:
@@ -98,12 +102,13 @@ class _Cells:
 
 class _Broken:
     """A row group that could not be read: its samples fail with this, without reading
-    it again for each of them."""
+    it again for each of them, for ``_BROKEN_S`` (a transient store error may pass)."""
 
-    __slots__ = ("error", "nbytes")
+    __slots__ = ("error", "nbytes", "until")
 
     def __init__(self, error):
         self.error, self.nbytes = error, 0
+        self.until = time.monotonic() + _BROKEN_S
 
 
 def _is_dataset(obj):
@@ -176,7 +181,8 @@ class ParquetImages:
         self.cache_bytes = int(cache_bytes)
         if remote is not None and not isinstance(remote, _remote.RemoteOptions):
             raise TypeError(f"remote= must be a RemoteOptions, got {remote!r}")
-        if _is_dataset(paths):
+        if (type(paths).__module__ or "").split(".")[0] == "datasets":
+            # A Dataset; a DatasetDict or IterableDataset is refused there, saying why.
             self._index = DatasetIndex(paths, image, label, targets)
         else:
             self._index = FileIndex(paths, image, label, targets, filesystem, storage_options,
@@ -280,7 +286,8 @@ class ParquetImages:
                     self._cache, self._lock = OrderedDict(), threading.Lock()
         with self._lock:
             entry = self._cache.get(g)
-            if entry is not None:
+            if entry is not None and not (isinstance(entry, _Broken) and
+                                          time.monotonic() > entry.until):
                 self._cache.move_to_end(g)
                 return entry
         # Read outside the lock: a thread worker's other readers go on meanwhile (two
@@ -304,16 +311,12 @@ class ParquetImages:
             opts = index.store.options
 
             def fetch():
-                try:
-                    return self._block_cache().get(key, key[2] - key[1],
-                                                   opts.retry_timeout + 5.0)
-                except _remote.StoreUnavailableError:
-                    raise  # the store, not this row group: it stops the run
+                return self._block_cache().get(key, key[2] - key[1], opts.retry_timeout + 5.0)
         try:
             arr, objects = index.read_group(g, fetch)
             return _Cells(arr, objects)
         except _remote.StoreUnavailableError:
-            raise
+            raise  # the store, not this row group: it stops the run, whatever on_error says
         except (OSError, ValueError, MemoryError) as e:  # pyarrow's errors are both kinds
             text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             return _Broken(f"{index.group_name(g)} cannot be read: {text}")

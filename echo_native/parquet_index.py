@@ -15,6 +15,7 @@ import glob as _glob
 import io
 import json
 import os
+import threading
 
 import numpy as np
 
@@ -25,6 +26,9 @@ BOX_FORMATS = ("xywh", "xyxy", "cxcywh")
 
 #: Open local Parquet files each worker process keeps.
 _OPEN_FILES = 32
+
+#: Guards the lazy creation of each index's lock (reader threads may race).
+_OPENING = threading.Lock()
 
 
 def pyarrow():
@@ -213,10 +217,11 @@ class FileIndex:
         self.labels = self._labels() if label is not None else \
             np.full(starts[-1], -1, np.int64)
         self._open = None  # per process: file number -> pyarrow ParquetFile
+        self._lock = None  # per process: guards those
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_open"] = None  # open files stay in the process that opened them
+        state["_open"] = state["_lock"] = None  # open files stay in the process that opened them
         return state
 
     # -- listing ---------------------------------------------------------------------
@@ -410,9 +415,15 @@ class FileIndex:
             src = _Sparse(fetch(), start, self.sizes[f], lambda a, b: self.store.read_range(
                 url, a, b, what=f"{name} bytes {a}-{b}"))
             pf = pq.ParquetFile(src, metadata=self.meta[f], pre_buffer=False)
+            table = pf.read_row_group(rg, columns=cols, use_threads=False)
         else:
-            pf = self._opened(f)
-        table = pf.read_row_group(rg, columns=cols, use_threads=False)
+            if self._lock is None:
+                with _OPENING:
+                    if self._lock is None:
+                        self._lock = threading.Lock()
+            # One reader per open file: thread workers share this index.
+            with self._lock:
+                table = self._opened(f).read_row_group(rg, columns=cols, use_threads=False)
         want = self.group_starts[g + 1] - self.group_starts[g]
         if table.num_rows != want:
             raise OSError(errno.EIO, f"{table.num_rows} rows read, the footer says {want}")
