@@ -471,3 +471,54 @@ def test_s3_reads_by_row_group(files, corpus):
     finally:
         server.stop()
         mp.undo()
+
+
+def test_a_damaged_row_group_fails_its_samples_only(corpus, tmp_path):
+    """A row group whose pages are damaged (footer intact) fails each of its samples under
+    on_error, naming the file and row group; the other row groups' samples come through,
+    in thread workers too."""
+    blobs, labels = corpus
+    p = write_pyarrow(tmp_path / "damaged.parquet", blobs[:9], labels[:9], row_group_size=3)
+    col = pq.ParquetFile(p).metadata.row_group(1).column(0)
+    data = bytearray(p.read_bytes())
+    data[col.data_page_offset:col.data_page_offset + 24] = b"\xff" * 24  # the page header
+    p.write_bytes(bytes(data))
+    src = en.ParquetImages(p)
+    with pytest.raises(OSError, match=rf"{p}: row group 1 cannot be read"):
+        src.read(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with en.Loader(src, 3, image_size=16, workers=2, worker_mode="thread", seed=0,
+                       on_error="skip") as ld:
+            ids = sorted(int(i) for b in ld for i in b.sample_ids)
+    assert ids == [0, 1, 2, 6, 7, 8]
+    assert "row group 1 cannot be read" in " ".join(str(w.message) for w in caught)
+
+
+def test_dataset_dict_and_iterable_are_refused():
+    """A DatasetDict (pick a split) or an IterableDataset (no rows to index) is refused
+    at construction, saying what to pass."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"image": [b"x"], "label": [0]})
+    with pytest.raises(TypeError, match=r"a DatasetDict needs a split: dataset\['train'\]"):
+        en.ParquetImages(datasets.DatasetDict({"train": ds}))
+    with pytest.raises(TypeError, match="an IterableDataset has no rows to index"):
+        en.ParquetImages(ds.to_iterable_dataset())
+
+
+def test_a_given_fsspec_filesystem(files, corpus):
+    """filesystem= (any fsspec filesystem, here the in-memory one) lists and reads the
+    files through it: same bytes and labels, and it pickles to a worker."""
+    fsspec = pytest.importorskip("fsspec")
+    blobs, labels = corpus
+    fs = fsspec.filesystem("memory")
+    for f in files:
+        fs.pipe_file(f"/pqtest/{f.name}", f.read_bytes())
+    try:
+        src = en.ParquetImages("/pqtest", filesystem=fs)
+        assert read_all(src) == blobs and src.labels.tolist() == labels.tolist()
+        assert src.describe(0) == f"/pqtest/{files[0].name}: row group 0, row 0"
+        clone = pickle.loads(pickle.dumps(src))
+        assert bytes(clone.read(N - 1)) == blobs[N - 1]
+    finally:
+        fs.rm("/pqtest", recursive=True)
