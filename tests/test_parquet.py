@@ -522,3 +522,17 @@ def test_a_given_fsspec_filesystem(files, corpus):
         assert bytes(clone.read(N - 1)) == blobs[N - 1]
     finally:
         fs.rm("/pqtest", recursive=True)
+
+
+def test_ranks_share_an_epoch(files):
+    """Two ranks (no padding) read disjoint halves of the epoch that cover every sample,
+    in the source's order split as DistributedSampler splits it."""
+    src = en.ParquetImages(files, shuffle_buffer=5)
+    seen = []
+    for rank in range(2):
+        with en.Loader(src, 4, image_size=16, workers=1, worker_mode="thread", seed=9,
+                       shard=en.Shard(rank, 2, pad=False)) as ld:
+            ids = [int(i) for b in ld for i in b.sample_ids]
+        assert ids == src.epoch_order(9, 0)[rank::2].tolist()
+        seen += ids
+    assert sorted(seen) == list(range(N))
