@@ -433,7 +433,7 @@ def test_detection_objects_column(tmp_path):
 def test_s3_reads_by_row_group(files, corpus):
     """The same files in S3 (moto): same bytes, labels and class names; each row group is
     one range request of its image columns, fetched once per process however many samples
-    it holds; a Loader with process workers reads every sample once."""
+    it holds; a Loader reads every sample once; it pickles without its connections."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
     from test_remote import S3Server, s3fs_for
@@ -462,10 +462,12 @@ def test_s3_reads_by_row_group(files, corpus):
         assert [bytes(src.read(int(i))) for i in order] == [blobs[int(i)] for i in order]
         groups = len(src._index.group_starts) - 1
         assert server.requests - before == groups  # one GET per row group, none twice
-        with en.Loader(src, 6, image_size=16, workers=2, worker_mode="process",
-                       seed=1) as ld:
+        with en.Loader(src, 6, image_size=16, workers=2, worker_mode="thread", seed=1) as ld:
             ids = [int(i) for b in ld for i in b.sample_ids]
         assert sorted(ids) == list(range(N))
+        # As a process worker gets it: without the parent's connections, reading anew.
+        clone = pickle.loads(pickle.dumps(src))
+        assert bytes(clone.read(N - 1)) == blobs[N - 1]
         with pytest.raises(FileNotFoundError, match="does not exist"):
             en.ParquetImages("s3://parquet-bucket/train/nope.parquet", storage_options=opts, remote=fast)
     finally:
