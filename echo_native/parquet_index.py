@@ -230,6 +230,10 @@ class FileIndex:
             return self._list_fs(self.fs, p, lambda x: x)
         if _remote.is_url(p):
             protocol = p.split("://", 1)[0]
+            if protocol.lower() in ("http", "https"):
+                # No listing over HTTP (fsspec's would GET the file to look for links in
+                # it): a URL names one file.
+                return [p]
             fs, _ = self.store.filesystem(p)
             return self.store.retrying(
                 f"listing {_remote.redact(p)}",
@@ -270,15 +274,12 @@ class FileIndex:
 
     # -- footers ---------------------------------------------------------------------
     def _footers(self):
-        if not self.remote_any:
-            return [self._footer(f) for f in range(len(self.files))]
-        from concurrent.futures import ThreadPoolExecutor
+        return self._per_file(self._footer)
 
-        with ThreadPoolExecutor(min(16, len(self.files))) as pool:
-            return list(pool.map(self._footer, range(len(self.files))))
-
-    def _file_object(self, f, block_bytes=1 << 20):
-        """(an open binary file of file ``f``, its size)."""
+    def _file_object(self, f, block_bytes=64 << 10):
+        """(an open binary file of file ``f``, its size).  Remote: buffered in blocks of
+        ``block_bytes``, the size of the tail pyarrow reads first for the footer, so
+        that a footer or a small label column costs one request."""
         path = self.files[f]
         if self.fs is not None:
             return self.fs.open(path, "rb"), int(self.fs.size(path))
@@ -345,31 +346,40 @@ class FileIndex:
         return found[0]
 
     def _labels(self):
+        return np.concatenate(self._per_file(self._file_labels))
+
+    def _per_file(self, fn):
+        """``[fn(f) for f in files]``; on a pool when some are remote (a request or more
+        each), in order, the first error raised."""
+        if not self.remote_any or len(self.files) == 1:
+            return [fn(f) for f in range(len(self.files))]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(16, len(self.files))) as pool:
+            return list(pool.map(fn, range(len(self.files))))
+
+    def _file_labels(self, f):
         pa = pyarrow()
-        out = []
-        for f in range(len(self.files)):
-            fobj, _ = self._file_object(f, block_bytes=64 << 10)
-            with fobj:
-                try:
-                    col = pa.parquet.ParquetFile(fobj, metadata=self.meta[f]).read(
-                        columns=[self.label], use_threads=False).column(0)
-                except (_remote.RemoteReadError, FileNotFoundError):
-                    raise
-                except (OSError, ValueError) as e:
-                    raise ValueError(f"{self.names[f]}: its label column {self.label!r} "
-                                     f"cannot be read ({e})") from None
-            if col.null_count:
-                at = int(np.flatnonzero(~np.asarray(col.is_valid()))[0])
-                meta = self.meta[f]
-                rg = 0
-                while at >= meta.row_group(rg).num_rows:
-                    at -= meta.row_group(rg).num_rows
-                    rg += 1
-                raise ValueError(f"{self.names[f]}: row group {rg}, row {at}: the label "
-                                 f"{self.label!r} is null")
-            out.append(np.asarray(col.to_numpy(), np.int64) if len(col) else
-                       np.zeros(0, np.int64))
-        return np.concatenate(out)
+        fobj, _ = self._file_object(f)
+        with fobj:
+            try:
+                col = pa.parquet.ParquetFile(fobj, metadata=self.meta[f]).read(
+                    columns=[self.label], use_threads=False).column(0)
+            except (_remote.RemoteReadError, FileNotFoundError):
+                raise
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{self.names[f]}: its label column {self.label!r} "
+                                 f"cannot be read ({e})") from None
+        if col.null_count:
+            at = int(np.flatnonzero(~np.asarray(col.is_valid()))[0])
+            meta = self.meta[f]
+            rg = 0
+            while at >= meta.row_group(rg).num_rows:
+                at -= meta.row_group(rg).num_rows
+                rg += 1
+            raise ValueError(f"{self.names[f]}: row group {rg}, row {at}: the label "
+                             f"{self.label!r} is null")
+        return np.asarray(col.to_numpy(), np.int64) if len(col) else np.zeros(0, np.int64)
 
     # -- what a worker asks ------------------------------------------------------------
     def locate(self, i):
