@@ -27,9 +27,10 @@ Each pipeline is started once, warmed, and read epoch after epoch (full batches,
 neighbouring rounds on a shared machine; before a round every other pipeline has
 refilled its read-ahead (ring slots, a DataLoader's prefetch queue) and sleeps,
 the measured one's read-ahead is taken untimed, then ECHO_NATIVE_BENCH_PARQUET_BATCHES
-batches are timed: no side gets a head start or competes with another's refill.  The median img/s of each and the ratios
-parquet/hf (target >= 2.5), parquet/folder (target >= 0.95) and s3/folder are
-printed and written to ``benchmarks/results/parquet.json``.
+batches are timed: no side gets a head start or competes with another's refill.
+The median img/s of each and the ratios parquet/hf (target >= 2.5),
+parquet/folder (target >= 0.95) and s3/folder are printed and written to
+``benchmarks/results/parquet.json``.
 
 Environment:
   ECHO_NATIVE_BENCH_PARQUET_N       images (default 600)

@@ -21,7 +21,6 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 import echo_native as en  # noqa: E402
-from echo_native.source import ImageFolder  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -469,7 +468,8 @@ def test_s3_reads_by_row_group(files, corpus):
         clone = pickle.loads(pickle.dumps(src))
         assert bytes(clone.read(N - 1)) == blobs[N - 1]
         with pytest.raises(FileNotFoundError, match="does not exist"):
-            en.ParquetImages("s3://parquet-bucket/train/nope.parquet", storage_options=opts, remote=fast)
+            en.ParquetImages("s3://parquet-bucket/train/nope.parquet", storage_options=opts,
+                             remote=fast)
     finally:
         server.stop()
         mp.undo()
