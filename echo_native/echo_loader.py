@@ -11,8 +11,10 @@ gathered where they live (:mod:`echo_native.echo.pytree`).
 from __future__ import annotations
 
 import collections
+import copy
 import os
 import time
+import warnings
 
 import numpy as np
 
@@ -24,12 +26,11 @@ from echo_native.echo.auto import AutoEcho
 from echo_native.echo.counts import counts_from, echo_counts, echo_draws
 from echo_native.echo.pytree import PytreeExamples
 from echo_native.echo.spec import Echo, fold_echo
-from echo_native.echo.stages import BatchEcho, ExampleEcho, PassThrough, example_batches
+from echo_native.echo.stages import (BatchEcho, ExampleEcho, PassThrough, deferred_interrupts,
+                                     example_batches)
 from echo_native.echo.upstream import EpochEnd
-from echo_native.resume import check_epoch
+from echo_native.resume import check_epoch, check_state_values
 
-#: Wrapped states kept for a resume (batches back from the newest).
-_KEEP_STATES = 64
 #: A wait for the wrapped loader shorter than this share of the time between two of its
 #: batches says it kept up (the consumer did not wait for it).
 _WAIT_SHARE = 0.05
@@ -48,13 +49,17 @@ class IterableUpstream:
     workers = 1
     sharded = False
 
-    def __init__(self, iterable, keep_states=0):
+    def __init__(self, iterable, keep_states=False):
         self.iterable = iterable
         try:
             self.batches_per_epoch = len(iterable)
         except TypeError:
             self.batches_per_epoch = None
-        self.samples_per_epoch = _dataset_len(iterable)
+        self.samples_per_epoch = _samples_per_epoch(iterable)
+        self.largest = 0           # examples in the largest batch yet
+        #: Called for the oldest ticket a state may still need (the ledger's oldest
+        #: batch with an unsent example), None until the stage exists.
+        self.oldest_needed = None
         self.position = 0          # ticket of the next fresh batch
         self._epoch = 0
         self._index = 0            # the next fresh batch's number in its epoch
@@ -62,8 +67,9 @@ class IterableUpstream:
         self._it = None
         self._held = None
         self._last = None          # when the previous fresh batch arrived
-        self._keep = keep_states   # wrapped states kept, for state_at
+        self._keep = keep_states   # keep the wrapped states, for state_at
         self._states = collections.OrderedDict()
+        self._raised = None        # what the wrapped generator raised, ending it
 
     @property
     def epoch(self):
@@ -97,20 +103,49 @@ class IterableUpstream:
         try:
             batch = next(self._it)
         except StopIteration:
+            self._ended_early()
             self._next_epoch()
             raise EpochEnd from None
-        now = time.perf_counter()
-        waited, period = now - t0, now - (self._last if self._last is not None else t0)
-        self._last = now
-        n = _rows(batch)
-        ids = np.arange(self._next_id, self._next_id + n, dtype=np.int64)
-        fresh = Fresh(self.position, self._epoch, self._index, ids, np.ones(n, bool), batch,
-                      period if waited > _WAIT_SHARE * period and waited > 1e-4 else 0.0)
-        self._held, self.position = fresh, self.position + 1
-        self._index, self._next_id = self._index + 1, self._next_id + n
+        except Exception as err:
+            self._failed(err)
+            raise
+        # From here the batch is out of the wrapped loader: a Ctrl-C before it is held
+        # would lose it.
+        with deferred_interrupts():
+            now = time.perf_counter()
+            waited, period = now - t0, now - (self._last if self._last is not None else t0)
+            self._last = now
+            n = _rows(batch)
+            self.largest = max(self.largest, n)
+            ids = np.arange(self._next_id, self._next_id + n, dtype=np.int64)
+            fresh = Fresh(self.position, self._epoch, self._index, ids, np.ones(n, bool),
+                          batch,
+                          period if waited > _WAIT_SHARE * period and waited > 1e-4 else 0.0)
+            self._held, self.position = fresh, self.position + 1
+            self._index, self._next_id = self._index + 1, self._next_id + n
         if self._index == self.batches_per_epoch:
             self._end_of_iterator()
         return fresh
+
+    def _failed(self, err):
+        """The wrapped loader raised: a generator is finished by it, and its next
+        ``next()`` ends the epoch (said then, by :meth:`_ended_early`)."""
+        if self._it is not None and getattr(self._it, "gi_frame", 1) is None:
+            self._raised = f"{type(err).__name__}: {err}"
+
+    def _ended_early(self):
+        """Say so when an epoch ends short: after the wrapped generator raised, or before
+        the wrapped loader's len()."""
+        name = type(self.iterable).__name__
+        if self._raised is not None:
+            warnings.warn(f"EchoLoader: the wrapped {name} raised ({self._raised:.200}) after "
+                          f"{self._index} batches of epoch {self._epoch} and cannot go on "
+                          f"(a generator ends when it raises): the epoch ends there",
+                          RuntimeWarning, stacklevel=4)
+        elif self.batches_per_epoch is not None and self._index < self.batches_per_epoch:
+            warnings.warn(f"EchoLoader: the wrapped {name} ended epoch {self._epoch} after "
+                          f"{self._index} batches, short of its len() "
+                          f"({self.batches_per_epoch})", RuntimeWarning, stacklevel=4)
 
     def _end_of_iterator(self):
         """The epoch's last batch (by the wrapped loader's len()) is out: run its iterator
@@ -125,7 +160,7 @@ class IterableUpstream:
                            f"than its len() ({self.batches_per_epoch})")
 
     def _next_epoch(self):
-        self._it, self._last = None, None
+        self._it, self._last, self._raised = None, None, None
         self._epoch, self._index, self._next_id = self._epoch + 1, 0, 0
 
     def held(self):
@@ -137,25 +172,41 @@ class IterableUpstream:
 
     # -- resume ----------------------------------------------------------------------------
     def _snapshot(self):
-        """The wrapped loader's state before the next fresh batch, for a resume there."""
-        state = self.iterable.state_dict()
-        self._states[self.position] = {"ticket": self.position, "epoch": self._epoch,
-                                       "index": self._index, "first_id": self._next_id,
-                                       "wrapped": state}
-        while len(self._states) > self._keep:
+        """The wrapped loader's state before the next fresh batch, for a resume there: a
+        copy (a loader may hand out its live dict and change it as it reads), kept while
+        a state may need it (from the oldest batch with an example not yet emitted)."""
+        self._states[self.position] = self._here()
+        oldest = self.oldest_needed() if self.oldest_needed is not None else None
+        if oldest is None:
+            oldest = self.position if self.oldest_needed is not None else -1
+        while self._states and next(iter(self._states)) < oldest:
             self._states.popitem(last=False)
+
+    @property
+    def batch_size(self):
+        """The wrapped loader's batch size where it says, else its largest batch yet."""
+        return _declared_batch_size(self.iterable) or self.largest or None
+
+    def _here(self):
+        return {"ticket": self.position, "epoch": self._epoch, "index": self._index,
+                "first_id": self._next_id,
+                "wrapped": copy.deepcopy(self.iterable.state_dict())}
 
     def state_at(self, ticket):
         if ticket == self.position and ticket not in self._states:
-            return {"ticket": ticket, "epoch": self._epoch, "index": self._index,
-                    "first_id": self._next_id, "wrapped": self.iterable.state_dict()}
-        if ticket not in self._states:
+            state = self._here()
+        elif ticket not in self._states:
             raise RuntimeError(f"EchoLoader: the wrapped loader's state before batch {ticket} "
                                f"was not kept")
-        return dict(self._states[ticket])
+        else:
+            state = copy.deepcopy(self._states[ticket])
+        state.update(upstream_batches=self.batches_per_epoch,
+                     upstream_samples=self.samples_per_epoch,
+                     upstream_batch_size=self.batch_size)
+        return state
 
     def load(self, state):
-        self.iterable.load_state_dict(state["wrapped"])
+        self.iterable.load_state_dict(copy.deepcopy(state["wrapped"]))
         self._it, self._held, self._last = None, None, None
         self.position, self._epoch = int(state["ticket"]), int(state["epoch"])
         self._index, self._next_id = int(state["index"]), int(state["first_id"])
@@ -226,6 +277,35 @@ def _single_example_column(ds):
                 type(feature).__name__ not in ("List", "LargeList", "Sequence"):
             return name
     return None
+
+
+def _samples_per_epoch(iterable):
+    """Examples per epoch where the wrapped loader says: a torch DataLoader's, as its
+    ``len()`` counts batches (its batch sampler's sampler: a ``DistributedSampler``'s
+    share, a ``SubsetRandomSampler``'s subset), else its dataset's length.  None when
+    it cannot say (a custom batch sampler, batches straight from the dataset)."""
+    batch_sampler = getattr(iterable, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None)
+    if batch_sampler is not None and sampler is not None and \
+            hasattr(batch_sampler, "batch_size"):
+        try:
+            n = len(sampler)
+        except TypeError:   # an IterableDataset's: its own length, if it has one
+            return _dataset_len(iterable)
+        B = batch_sampler.batch_size
+        return n // B * B if getattr(batch_sampler, "drop_last", False) and B else n
+    if batch_sampler is not None or hasattr(iterable, "sampler"):
+        # A custom batch sampler, or a DataLoader(batch_size=None) whose dataset's items
+        # are the batches: the examples per epoch are not known in advance.
+        return None if batch_sampler is not None or getattr(iterable, "batch_size", 1) is None \
+            else _dataset_len(iterable)
+    return _dataset_len(iterable)
+
+
+def _declared_batch_size(iterable):
+    """The wrapped loader's batch size where it says (a DataLoader's), else None."""
+    b = getattr(iterable, "batch_size", None)
+    return int(b) if is_int(b) and b > 0 else None
 
 
 def _dataset_len(iterable):
@@ -309,13 +389,14 @@ class EchoLoader(Started):
         self.batch_size, self.drop_last, self.with_info = batch_size, bool(drop_last), with_info
         self._shuffle_buffer = shuffle_buffer
         self.examples = PytreeExamples(augment, self.seed, max_buffer_bytes)
-        resumable = hasattr(iterable, "state_dict") and hasattr(iterable, "load_state_dict")
-        # The wrapped states of the last batches, for a state at the oldest fresh batch
-        # with an example still unsent: more batches than any shuffle buffer holds back.
-        self.upstream = IterableUpstream(iterable, keep_states=_KEEP_STATES if resumable else 0)
+        self.resumable = hasattr(iterable, "state_dict") and hasattr(iterable, "load_state_dict")
+        # The wrapped states from the oldest fresh batch with an example still unsent on,
+        # for a state there: as many batches as the shuffle buffer holds back.
+        self.upstream = IterableUpstream(iterable, keep_states=self.resumable)
         self.iterable = iterable
         self.stage = None
         self._restored_skip = ()
+        self._reopen = None     # what close() left for the next iteration (see close)
         self._iteration = IterationGuard("EchoLoader")
 
     # -- the stage, made at the first batch (its size is the wrapped loader's) --------------
@@ -347,7 +428,13 @@ class EchoLoader(Started):
     def _ensure_stage(self):
         if self.stage is None:
             fresh = self.upstream.next_fresh()   # held: the stage takes it first
+            while not fresh.count and self.batch_size is None:
+                # An empty batch says nothing of the batch size: the first with examples
+                # does (and an empty batch has nothing to echo).
+                self.upstream.hand_off()
+                fresh = self.upstream.next_fresh()
             self.stage = self._make_stage(self.batch_size or fresh.count)
+            self.upstream.oldest_needed = self.stage.ledger.oldest
             if self._restored_skip:
                 self.stage.ledger.clear(self._restored_skip)
 
@@ -356,10 +443,12 @@ class EchoLoader(Started):
         return self._iteration.iterate(self._batches)
 
     def _batches(self):
+        self._reopened()
         try:
             self._ensure_stage()
         except EpochEnd:
             return  # the wrapped loader yielded nothing this epoch
+        self.stage.start()   # again after close(): the buffer it let go of
         for emitted in self.stage.batches():
             if self.with_info:
                 yield emitted.batch, {"sample_ids": emitted.sample_ids,
@@ -398,7 +487,13 @@ class EchoLoader(Started):
     def set_epoch(self, epoch):
         """As ``DistributedSampler.set_epoch``: the next iteration is ``epoch``; passed on
         to the wrapped loader (its own ``set_epoch``, or its sampler's)."""
-        epoch = check_epoch(epoch, 1)
+        epoch = check_epoch(epoch, self.upstream.batches_per_epoch or 1)
+        if epoch != self.epoch:
+            self._iteration.end()
+        self._reopen = None
+        self._to_epoch(epoch)
+
+    def _to_epoch(self, epoch):
         for target in (self.iterable, getattr(self.iterable, "sampler", None),
                        getattr(getattr(self.iterable, "batch_sampler", None), "sampler", None),
                        getattr(self.iterable, "dataset", None)):
@@ -406,7 +501,6 @@ class EchoLoader(Started):
                 target.set_epoch(epoch)
                 break
         if epoch != self.epoch:
-            self._iteration.end()
             if self.stage is not None:
                 self.stage.reset()
             self.upstream.set_epoch(epoch)
@@ -422,27 +516,70 @@ class EchoLoader(Started):
             raise TypeError(f"EchoLoader.state_dict needs a wrapped loader with state_dict() "
                             f"and load_state_dict() (e.g. torchdata's StatefulDataLoader); "
                             f"{type(self.iterable).__name__} has none")
-        if self.stage is None:
+        if self._reopen is not None and "wrapped" in self._reopen:
+            state = copy.deepcopy(self._reopen)   # closed: where the next iteration starts
+        elif self.stage is None:
             state = self.upstream.state_at(self.upstream.position)
-            state["skip"] = []
+            state["skip"] = sorted(self._restored_skip)
         else:
             state = self.stage.state()
         state.update(echo=self.spec.factor, placement=self.spec.placement, seed=self.seed)
         return state
 
     def load_state_dict(self, state):
-        if not isinstance(state, dict) or "wrapped" not in state:
-            raise TypeError("load_state_dict takes an EchoLoader.state_dict()")
-        for key, mine in (("seed", self.seed), ("placement", self.spec.placement)):
-            if state.get(key, mine) != mine:
-                raise ValueError(f"state was saved with {key}={state[key]!r}, this "
-                                 f"EchoLoader has {key}={mine!r}")
+        """Continue from a :meth:`state_dict` (of an EchoLoader over the same wrapped
+        loader: the same length, batch size and order).  Every value is checked, and
+        refused naming its key, before anything is loaded."""
+        self._check_state(state)
         self._iteration.end()
+        self._reopen = None
+        self._load(state)
+
+    def _check_state(self, state):
+        check_state_values(state, required=("ticket", "epoch", "index", "first_id", "wrapped",
+                                            "skip"), owner="an EchoLoader")
+        if not self.resumable:
+            raise TypeError(f"EchoLoader.load_state_dict needs a wrapped loader with "
+                            f"state_dict() and load_state_dict(); "
+                            f"{type(self.iterable).__name__} has none")
+        up = self.upstream
+        mine = {"seed": self.seed, "placement": self.spec.placement,
+                "upstream_batches": up.batches_per_epoch,
+                "upstream_samples": up.samples_per_epoch,
+                # Only a declared one: the largest batch yet differs from run to run.
+                "upstream_batch_size": _declared_batch_size(self.iterable)}
+        for key, value in mine.items():
+            theirs = state.get(key)
+            if theirs is not None and value is not None and theirs != value:
+                what = {"upstream_batches": "batches per epoch (len())",
+                        "upstream_samples": "examples per epoch",
+                        "upstream_batch_size": "batch size"}.get(key, key)
+                raise ValueError(f"state was saved with {key}={theirs!r}, this EchoLoader has "
+                                 f"{key}={value!r}: the wrapped loader's {what} differs, and "
+                                 f"its stream would not continue exactly (examples read twice "
+                                 f"or never)")
+        nb = up.batches_per_epoch
+        if nb is not None and state["index"] > nb:
+            raise ValueError(f"state['index'] is {state['index']}, past the wrapped loader's "
+                             f"{nb} batches per epoch")
+        n = up.samples_per_epoch
+        if n is not None and state["first_id"] > n:
+            raise ValueError(f"state['first_id'] is {state['first_id']}, past the wrapped "
+                             f"loader's {n} examples per epoch")
+        skip = {int(i) for i in state["skip"]}
+        if n is not None and state["first_id"] < n and \
+                set(range(state["first_id"], n)) <= skip:
+            raise ValueError(f"state['skip'] lists every example from {state['first_id']} to "
+                             f"the end of the epoch ({n}) as emitted, yet the state stands "
+                             f"before them: it is not a state_dict() of this EchoLoader")
+
+    def _load(self, state):
         self.upstream.load(state)
+        skip = tuple(int(i) for i in state.get("skip", ()))
         if self.stage is not None:
-            self.stage.reset(state.get("skip", ()))
+            self.stage.reset(skip)
         else:
-            self._restored_skip = tuple(state.get("skip", ()))
+            self._restored_skip = skip
 
     # -- books --------------------------------------------------------------------------------
     def stats(self):
@@ -453,11 +590,43 @@ class EchoLoader(Started):
         return {**self.stage.stats(), "buffer_bytes": self.examples.nbytes}
 
     def close(self):
-        """End iteration and let go of the wrapped loader's iterator (its workers)."""
+        """End iteration, let go of the wrapped loader's iterator (its workers) and of the
+        shuffle buffer.  Idempotent.  Iterating again starts where the stream stood
+        (as :class:`EchoRing`'s): closed mid-epoch, a wrapped loader with
+        ``state_dict()`` is read again from where :meth:`state_dict` says, so no
+        example is lost or repeated; one without reads its next epoch (a warning
+        says what was left unread), and an iterator (a generator) reads on."""
         self._iteration.end()
+        if self._reopen is None and self.stage is not None and self._mid_epoch():
+            self._reopen = self.state_dict() if self.resumable else {"epoch": self.epoch}
         self.upstream.close()
         if self.stage is not None:
             self.stage.close()
+
+    def _mid_epoch(self):
+        up = self.upstream
+        return up.held() is not None or up._index > 0 or self.stage._unfinished is not None
+
+    def _reopened(self):
+        """Iterating after close(): back where the stream stood (see :meth:`close`)."""
+        state, self._reopen = self._reopen, None
+        if state is None:
+            return
+        if "wrapped" in state:
+            self._load(state)
+            return
+        it = self.iterable
+        if iter(it) is it:   # an iterator reads on; what the buffer held is gone
+            what = "its examples held in the shuffle buffer are not emitted"
+            self.stage.reset()
+        else:
+            what = f"the rest of epoch {state['epoch']} is not read; epoch " \
+                   f"{state['epoch'] + 1} starts"
+            self._to_epoch(state["epoch"] + 1)
+        warnings.warn(f"EchoLoader was closed mid-epoch and the wrapped {type(it).__name__} "
+                      f"has no state_dict() to continue from: {what} (wrap a loader with "
+                      f"state_dict(), e.g. torchdata's StatefulDataLoader, to continue "
+                      f"exactly)", RuntimeWarning, stacklevel=3)
 
     def start(self):
         """Nothing to start before the first batch (the ``with`` block's entry)."""

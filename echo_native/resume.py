@@ -30,7 +30,7 @@ MAX_TICKET = 2**62
 #: The type of each key a state may hold, and the test its value must pass.
 _STATE_KEYS = {
     "ticket": ("an integer >= 0", lambda v: is_int(v) and 0 <= v <= MAX_TICKET),
-    "epoch": ("an integer >= 0", lambda v: is_int(v) and v >= 0),
+    "epoch": ("an integer in [0, 2**62]", lambda v: is_int(v) and 0 <= v <= MAX_TICKET),
     "batches_per_epoch": ("a positive integer", lambda v: is_int(v) and v >= 1),
     "total_samples": ("a positive integer", lambda v: is_int(v) and v >= 1),
     "batch_size": ("a positive integer", lambda v: is_int(v) and v >= 1),
@@ -40,22 +40,36 @@ _STATE_KEYS = {
     "shuffle": ("True or False", lambda v: isinstance(v, (bool, np.bool_))),
     "pad": ("True or False", lambda v: isinstance(v, (bool, np.bool_))),
     "drop_last": ("True or False", lambda v: isinstance(v, (bool, np.bool_))),
-    "skip": ("a list of sample ids", lambda v: isinstance(v, (list, tuple, np.ndarray))
-             and all(is_int(x) and x >= 0 for x in v)),
+    "skip": ("a list of distinct sample ids", lambda v: isinstance(v, (list, tuple, np.ndarray))
+             and all(is_int(x) and 0 <= x <= MAX_TICKET for x in v) and len(set(
+                 int(x) for x in v)) == len(v)),
     "resumed": ("a merged state or None", lambda v: v is None or isinstance(v, dict)),
+    # An EchoLoader's: where in its epoch the wrapped loader's state stands, and what
+    # the wrapped loader was (a state loaded into another would read examples twice or
+    # never).
+    "index": ("an integer in [0, 2**62]", lambda v: is_int(v) and 0 <= v <= MAX_TICKET),
+    "first_id": ("an integer in [0, 2**62]", lambda v: is_int(v) and 0 <= v <= MAX_TICKET),
+    "upstream_batches": ("a positive integer or None",
+                         lambda v: v is None or is_int(v) and 1 <= v <= MAX_TICKET),
+    "upstream_samples": ("an integer >= 0 or None",
+                         lambda v: v is None or is_int(v) and 0 <= v <= MAX_TICKET),
+    "upstream_batch_size": ("a positive integer or None",
+                            lambda v: v is None or is_int(v) and 1 <= v <= MAX_TICKET),
+    "placement": ("a placement name", lambda v: isinstance(v, str)),
 }
 
 
-def check_state_values(state):
-    """Refuse a state whose values are not what :meth:`Loader.state_dict` writes, naming
-    the key: a float, string or bool ticket, a negative or absurd one, a wrong type
-    anywhere (a state edited by hand, or from another program)."""
+def check_state_values(state, required=("ticket",), owner="a Loader or EchoRing"):
+    """Refuse a state whose values are not what :meth:`Loader.state_dict` (or
+    :meth:`EchoLoader.state_dict`) writes, naming the key: a float, string or bool
+    ticket, a negative or absurd one, a wrong type anywhere, a key missing (a state
+    edited by hand, or from another program).  Nothing is loaded before this passes."""
     if not isinstance(state, dict):
         raise TypeError(f"a state must be a dict from state_dict(), got "
                         f"{type(state).__name__}")
-    if "ticket" not in state:
-        raise ValueError("state has no 'ticket': it is not a state_dict() of a Loader or "
-                         "EchoRing")
+    for key in required:
+        if key not in state:
+            raise ValueError(f"state has no {key!r}: it is not a state_dict() of {owner}")
     for key, (what, ok) in _STATE_KEYS.items():
         if key in state and not ok(state[key]):
             raise ValueError(f"state[{key!r}] must be {what}, got {state[key]!r:.80}")

@@ -118,7 +118,10 @@ class ExampleBuffer:
             self.last[:] = False
 
     def clear(self):
-        self.retire(self.active())
+        """Every entry free (a new stream position), whatever was held or taken."""
+        self.remaining[:] = 0
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self.last[:] = False
 
 
 class BatchWindow:
@@ -135,22 +138,30 @@ class BatchWindow:
     def add(self, batch, count, ticket=None):
         self.batches.append([batch, int(count), 0, ticket])
 
-    def take(self, rng, fresh_first=False):
-        """A random batch of the window, not the one just emitted when there is a choice
-        (or, with ``fresh_first``, the oldest never emitted); returns (batch, echo index,
-        ticket)."""
+    def choose(self, rng, fresh_first=False):
+        """The entry :meth:`take` would emit, not yet booked (:meth:`book` it once its
+        emission is made): ``[batch, remaining, emitted, ticket]``."""
         unsent = [e for e in self.batches if e[2] == 0] if fresh_first else []
         if unsent:
-            entry = unsent[0]
-        else:
-            pool = [e for e in self.batches if e is not self._last] or self.batches
-            entry = pool[int(rng.integers(len(pool)))]
-        echo = entry[2]
+            return unsent[0]
+        pool = [e for e in self.batches if e is not self._last] or self.batches
+        return pool[int(rng.integers(len(pool)))]
+
+    def book(self, entry):
+        """One emission of ``entry`` (from :meth:`choose`) made."""
         entry[1] -= 1
         entry[2] += 1
         if entry[1] == 0:  # by identity: entries hold arrays, == would compare them
             self.batches = [e for e in self.batches if e is not entry]
         self._last = entry
+
+    def take(self, rng, fresh_first=False):
+        """A random batch of the window, not the one just emitted when there is a choice
+        (or, with ``fresh_first``, the oldest never emitted); returns (batch, echo index,
+        ticket)."""
+        entry = self.choose(rng, fresh_first)
+        echo = entry[2]
+        self.book(entry)
         return entry[0], echo, entry[3]
 
 

@@ -49,6 +49,18 @@ class FreshLedger:
                 self._sent[t].append(sid)
         self._forget()
 
+    def drop(self, ticket, count):
+        """``count`` examples of fresh batch ``ticket`` will never be emitted (the rest of
+        a batch dropped part way into the buffer)."""
+        if ticket in self._unsent:
+            self._unsent[ticket] = max(0, self._unsent[ticket] - int(count))
+            self._forget()
+
+    def oldest(self):
+        """The oldest fresh batch with an example still unsent, or None: a state taken
+        now reads from there, so the upstream keeps its state from there on."""
+        return min((t for t, left in self._unsent.items() if left), default=None)
+
     def _forget(self):
         """Drop batches that are fully sent and older than any partly sent one."""
         oldest = min((t for t, left in self._unsent.items() if left), default=None)

@@ -382,12 +382,13 @@ class PytreeExamples:
         self.buffers = None    # per leaf: the array of entries, a list, or the constant
         self.ops = None
         self.nbytes = 0
+        self._dtypes = None    # batch echo's: each array leaf's, from the first batch
 
     def allocate(self, capacity):
         self.capacity = int(capacity)
 
     def free(self):
-        self.buffers = self.ops = self.treedef = None
+        self.buffers = self.ops = self.treedef = self._dtypes = None
         self.nbytes = 0
 
     def _structure(self, fresh):
@@ -435,7 +436,9 @@ class PytreeExamples:
             else:
                 self.buffers.append(x)
 
-    def store(self, entries, fresh):
+    def store(self, entries, fresh, rows=None):
+        """Store fresh batch ``fresh`` into buffer ``entries`` (its ``rows`` only, when
+        given: a batch larger than the free entries goes in part by part)."""
         leaves = self._structure(fresh)
         if self.buffers is None:
             self._make_buffers(leaves)
@@ -452,9 +455,12 @@ class PytreeExamples:
                         f"{tuple(buf.shape[1:])} to {leaf.dtype} rows of shape "
                         f"{tuple(leaf.shape[1:])}: the shuffle buffer holds examples of one "
                         f"shape (pad variable-length fields to a fixed length)")
+                if rows is not None:
+                    leaf = self.ops[i].gather(leaf, rows)
                 self.buffers[i] = self.ops[i].store(buf, entries, leaf)
             elif kind == "list":
-                for e, value in zip(np.asarray(entries).tolist(), leaf):
+                values = leaf if rows is None else [leaf[r] for r in np.asarray(rows).tolist()]
+                for e, value in zip(np.asarray(entries).tolist(), values):
                     buf[e] = value
             elif kind == "table":
                 first = next((t for t in buf if t is not None), None)
@@ -463,7 +469,8 @@ class PytreeExamples:
                                      f"{first[0].schema} to {leaf.schema}: the tables of one "
                                      f"loader must share one")
                 # The rows stay in the batch's own table: an entry is (table, row).
-                for row, e in enumerate(np.asarray(entries).tolist()):
+                at = range(leaf.num_rows) if rows is None else np.asarray(rows).tolist()
+                for row, e in zip(at, np.asarray(entries).tolist()):
                     buf[e] = (leaf, row)
             elif not _same(leaf, buf):
                 raise ValueError(f"EchoLoader: {paths[i]} is {leaf!r} in one batch and {buf!r} "
@@ -497,13 +504,43 @@ class PytreeExamples:
         batch = self._augmented(batch, sample_ids, echo_index, epoch)
         return None, Emitted(batch, sample_ids, echo_index, fresh, epoch)
 
-    def pass_through(self, fresh):
-        zeros = np.zeros(fresh.count, np.int64)
-        batch = self._augmented(fresh.payload, fresh.sample_ids, zeros, fresh.epoch)
-        return Emitted(batch, fresh.sample_ids, zeros, fresh.ok, fresh.epoch), False
+    def pass_through(self, fresh, keep=None):
+        """A fresh batch as it comes, or only its rows ``keep`` (a mask)."""
+        payload, ids, ok = fresh.payload, fresh.sample_ids, fresh.ok
+        if keep is not None:
+            rows = np.flatnonzero(keep)
+            leaves = self._structure(fresh)
+            ops = self._ops(leaves)
+            picked = []
+            for leaf, o, kind in zip(leaves, ops, leaf_kinds(self.treedef)):
+                if kind == "array":
+                    picked.append(o.gather(leaf, rows))
+                elif kind == "list":
+                    picked.append(type(leaf)(leaf[r] for r in rows.tolist()))
+                elif kind == "table":
+                    picked.append(_take_rows([(leaf, r) for r in rows.tolist()])
+                                  if len(rows) else leaf.slice(0, 0))
+                else:
+                    picked.append(leaf)
+            payload, ids, ok = unflatten(self.treedef, picked), ids[rows], ok[rows]
+        zeros = np.zeros(len(ids), np.int64)
+        batch = self._augmented(payload, ids, zeros, fresh.epoch)
+        # "Copied": the upstream need not hold the batch (a wrapped loader's batch has no
+        # memory to give back), so its epoch moves on once the batch is delivered.
+        return Emitted(batch, ids, zeros, ok, fresh.epoch), True
 
     def keep(self, fresh):
         leaves = self._structure(fresh)
+        # Whole batches are kept, so their shapes may vary (sequences padded per batch);
+        # a dtype that changes is a loader's bug, refused as example echo refuses it.
+        dtypes = [_dtype_kind(x) if kind == "array" else None
+                  for x, kind in zip(leaves, leaf_kinds(self.treedef))]
+        if self._dtypes is None:
+            self._dtypes = dtypes
+        for path, was, now in zip(leaf_paths(self.treedef), self._dtypes, dtypes):
+            if was != now:
+                raise ValueError(f"EchoLoader: {path} changed from {was} to {now}: the "
+                                 f"batches of one loader must keep their dtypes")
         kept = [o.copy(x) if o is not None else x for x, o in zip(leaves, self._ops(leaves))]
         return Emitted(kept, fresh.sample_ids.copy(), np.zeros(fresh.count, np.int64),
                        fresh.ok.copy(), fresh.epoch)
@@ -558,6 +595,15 @@ def _host_fit(leaf, buf):
             return leaf, buf.astype(leaf.dtype)
         return leaf.astype(buf.dtype), buf
     return leaf, buf
+
+
+def _dtype_kind(x):
+    """An array's dtype, as batch echo holds it to: a host string column's width follows
+    its contents (Hugging Face's numpy format), so only its kind counts."""
+    dt = x.dtype
+    if isinstance(dt, np.dtype) and dt.kind in "US":
+        return f"{dt.kind} strings"
+    return str(dt)
 
 
 def _own(value):

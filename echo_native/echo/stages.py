@@ -56,6 +56,14 @@ def deferred_interrupts():
             raise KeyboardInterrupt
 
 
+def name_batch(err, fresh):
+    """Say in ``err``'s message which fresh batch it was about (once: the batch is
+    dropped), keeping its type for the caller's ``except``."""
+    if err.args and isinstance(err.args[0], str) and "(fresh batch " not in err.args[0]:
+        err.args = (f"{err.args[0]} (fresh batch {fresh.index} of epoch {fresh.epoch}: it is "
+                    f"dropped, and iterating again goes on after it)",) + err.args[1:]
+
+
 class Emission:
     """One emitted batch on its way to the consumer: the job making its pixels, the first
     emissions it carries (booked at hand-over), its parts for ``finish``, the batch
@@ -189,6 +197,11 @@ class Stage:
         books, auto = self.books, self.auto
         last = waited = echoed = None
         for batch in self.emit_epoch():
+            if not len(batch):
+                # Nothing to train on (every sample failed, or the upstream's batch was
+                # empty), and a 0-length batch breaks a training step: neither counted
+                # nor timed as one.
+                continue
             now = time.perf_counter()
             if auto is not None and last is not None:
                 auto.consumer(now - last - (books.wait_s - waited) -
@@ -267,12 +280,21 @@ class PassThrough(Stage):
             yield self._deliver(fresh)
 
     def _deliver(self, fresh):
-        self.book_fresh(np.count_nonzero(fresh.ok))
-        parts, copied = self.examples.pass_through(fresh)
-        if copied:  # the batch's pixels were copied out: the fresh batch goes back
-            self.release()
-        # else the batch is the fresh batch's memory; it goes back with the next one.
-        self._delivered = fresh.ticket
+        skip = self.ledger.skip
+        if skip:
+            # Resumed from a state saved with echo > 1: its examples emitted before the
+            # save (ahead of its position) are left out, never delivered fresh twice.
+            keep = ~np.isin(fresh.sample_ids, list(skip)) | ~fresh.ok
+            parts, copied = self.examples.pass_through(fresh, None if keep.all() else keep)
+        else:
+            keep = None
+            parts, copied = self.examples.pass_through(fresh)
+        with deferred_interrupts():
+            self.book_fresh(np.count_nonzero(fresh.ok if keep is None else fresh.ok & keep))
+            if copied:  # the batch's pixels were copied out: the fresh batch goes back
+                self.release()
+            # else the batch is the fresh batch's memory; it goes back with the next one.
+            self._delivered = fresh.ticket
         return self.finish(parts)
 
     def batches_in(self, epoch):
@@ -305,6 +327,7 @@ class ExampleEcho(Stage):
         self.capacity = int(capacity)
         self.buffer = None
         self._stash = []   # emissions made and not delivered by an iteration left early
+        self._part = None  # a fresh batch partly stored (see _add)
 
     def start(self):
         super().start()
@@ -315,11 +338,13 @@ class ExampleEcho(Stage):
     def reset(self, skip=()):
         super().reset(skip)
         self._drop_stash()
+        self._part = None
         if self.buffer is not None:
             self.buffer.clear()
 
     def close(self):
         self._drop_stash()
+        self._part = None
         self.buffer = None
         self.examples.free()
 
@@ -352,9 +377,10 @@ class ExampleEcho(Stage):
         bpe = up.batches_per_epoch
         fresh_left = math.inf if bpe is None else max(0, (epoch + 1) * bpe - up.position)
         held = up.held()
-        if held is not None:  # taken before an interruption (Ctrl-C)
+        if held is not None and (self._part is None or self._part[0] is not held):
+            # Taken before an interruption (Ctrl-C): stored already, or not yet.
             if held.ticket in self.ledger:
-                self.release()  # stored already
+                self.release()
             else:
                 self._add(held, draws)
         # A device that prepares ahead makes the next batch (re-augmented, or gathered
@@ -373,11 +399,15 @@ class ExampleEcho(Stage):
                     self.wait_for_device()  # _fill may reuse the entries it reads
                 moved, ended = self._fill(draws, fresh_left)
                 fresh_left = 0 if ended else fresh_left - moved
+                # Fresh examples still to join: batches to come, or the rest of one
+                # larger than the free entries (stored as entries free up).
+                coming = fresh_left > 0 or self._part is not None
                 # Distinct examples only: an example's repeats never share a batch, so
                 # the epoch's last batches may be short rather than hold one twice.
                 want = min(B, len(buf))
-                if want < B and fresh_left > 0:
-                    continue  # _fill blocks for more fresh data
+                if want < B and coming:
+                    continue  # _fill blocks for more fresh data (and with fewer than B
+                    # entries held, more than B are free: the rest of a batch fits)
                 if want == 0 or (want < B and self.drop_last):
                     while made:
                         batch = self._hand_over(made[0])
@@ -387,7 +417,7 @@ class ExampleEcho(Stage):
                         buf.clear()  # drop_last: the short last batch is not emitted
                     self.end_epoch()
                     return
-                made.append(self._emit(buf.choose(B, rng, closing=fresh_left == 0), epoch))
+                self._emit(buf.choose(B, rng, closing=not coming), epoch, made)
                 if auto is not None and auto.value != echo_now:
                     echo_now = auto.value
                     live = buf.active()
@@ -402,10 +432,18 @@ class ExampleEcho(Stage):
             self.device.synchronize()
 
     def _fill(self, draws, fresh_left):
-        """Move fresh batches into the buffer while a whole one fits: ``(moved, ended)``,
-        ended when the upstream said the epoch had no more."""
+        """Move fresh batches into the buffer while a whole batch's worth of entries is
+        free: ``(moved, ended)``, ended when the upstream said the epoch had no more.
+        A fresh batch of more examples than are free (the wrapped loader's batches
+        need not be the emitted size) goes in as entries free up."""
         buf, B, moved = self.buffer, self.batch_size, 0
-        while fresh_left - moved > 0 and buf.free >= B:
+        while True:
+            if self._part is not None:
+                if not self._store_part():
+                    return moved, False   # the buffer is full: emit first
+                continue
+            if fresh_left - moved <= 0 or buf.free < B:
+                return moved, False
             if self.auto is not None and buf.pending < B and not self.upstream.ready() and \
                     self.books.batches:  # the first fill is start-up, not a stall
                 self.auto.stalled()
@@ -413,49 +451,90 @@ class ExampleEcho(Stage):
                 fresh = self.take()
             except EpochEnd:
                 return moved, True
-            self._add(fresh, draws)
             moved += 1
-        return moved, False
+            self._add(fresh, draws)
 
     def _add(self, fresh, draws):
-        """A fresh batch into the buffer, its memory back upstream."""
-        buf, ids = self.buffer, fresh.sample_ids
-        k = self.counts(draws, ids)
+        """A fresh batch into the buffer (as much of it as fits), its memory back upstream
+        once it is all in."""
+        k = np.asarray(self.counts(draws, fresh.sample_ids), np.int32)
+        skip = self.ledger.skip
+        if skip:  # resumed: these had their fresh emission before the save
+            k[np.isin(fresh.sample_ids, list(skip)) & fresh.ok] = 0
+        # [fresh batch, its counts, its rows to store, rows stored so far]
+        self._part = [fresh, k, np.flatnonzero(k > 0), 0]
+        self._store_part()
+
+    def _store_part(self):
+        """Store the rows of the fresh batch in ``_part`` that fit; True once it is all in.
+
+        A store the examples refuse (a batch of another structure, dtype or shape)
+        gives its entries back and drops the batch: the error names it once, and
+        iterating again goes on after it."""
+        fresh, k, rows, done = self._part
+        buf = self.buffer
+        first = done == 0
+        whole = first and fresh.count <= buf.free
+        if whole:   # the whole batch at once (every store does this for ring slots)
+            take = np.arange(fresh.count)
+        else:       # its examples with emissions to make, as many as are free
+            take = rows[done:done + min(len(rows) - done, buf.free)]
+            if not len(take):
+                return False
         with deferred_interrupts():
-            entries = buf.allocate(len(ids))
-            self.examples.store(entries, fresh)
-            buf.sample_id[entries] = ids
-            buf.ok[entries] = fresh.ok
-            buf.remaining[entries] = k
+            entries = buf.allocate(len(take))
+            try:
+                if whole:
+                    self.examples.store(entries, fresh)
+                else:
+                    self.examples.store(entries, fresh, take)
+            except Exception as err:
+                buf.retire(entries)
+                if not first:   # its other rows will never be stored, nor sent
+                    self.ledger.drop(fresh.ticket, len(rows) - done)
+                self._part = None
+                self.release()
+                name_batch(err, fresh)
+                raise
+            buf.sample_id[entries] = fresh.sample_ids[take]
+            buf.ok[entries] = fresh.ok[take]
+            buf.remaining[entries] = k[take]
             buf.next_echo[entries] = 0
             buf.epoch[entries] = fresh.epoch
             buf.ticket[entries] = fresh.ticket
-            skip = self.ledger.skip
-            if skip:  # resumed: these had their fresh emission before the save
-                done = np.isin(ids, list(skip)) & fresh.ok
-                buf.remaining[entries[done]] = 0
-            zero = entries[buf.remaining[entries] == 0]
-            if len(zero):
-                buf.retire(zero)
-            live = entries[buf.remaining[entries] > 0]
-            self.ledger.add(fresh.ticket, len(live))
-            self.book_fresh(np.count_nonzero(buf.ok[live]))
+            if whole:
+                zero = entries[k == 0]
+                if len(zero):
+                    buf.retire(zero)
+            if first:
+                self.ledger.add(fresh.ticket, len(rows))
+                self.book_fresh(np.count_nonzero(fresh.ok[rows]))
+            done = len(rows) if whole else done + len(take)
+            self._part[3] = done
+            if done < len(rows):
+                return False
+            self._part = None
             self.release()
+        return True
 
-    def _emit(self, entries, epoch):
-        """Emit buffer ``entries``: book the echo and start making the pixels (a device
-        that prepares ahead makes them in the background)."""
+    def _emit(self, entries, epoch, made):
+        """Emit buffer ``entries`` into ``made``: start making the pixels (a device that
+        prepares ahead makes them in the background), then book the echo.  Booked
+        only once made: an emission that raises (an ``augment`` that fails) is chosen
+        again by the next iteration, and a Ctrl-C never parts the books from ``made``."""
         buf = self.buffer
         sample_ids, tickets = buf.sample_id[entries].copy(), buf.ticket[entries].copy()
-        with deferred_interrupts():
-            echo_index = buf.emit(entries)
+        echo_index = buf.next_echo[entries].astype(np.int64)
         first = echo_index == 0
         ok = buf.ok[entries]
         t0 = time.perf_counter()
         job, parts = self.examples.make(entries, sample_ids, echo_index, first & ok,
                                         buf.epoch[entries], epoch)
-        return Emission(job, (tickets[first], sample_ids[first], ok[first]), parts,
-                        time.perf_counter() - t0)
+        emission = Emission(job, (tickets[first], sample_ids[first], ok[first]), parts,
+                            time.perf_counter() - t0)
+        with deferred_interrupts():
+            buf.emit(entries)
+            made.append(emission)
 
     def _hand_over(self, emission):
         """The batch of an emission, ready for the consumer.  Its first emissions count
@@ -542,13 +621,22 @@ class BatchEcho(Stage):
                 self._window = None
                 self.end_epoch()
                 return
+            entry = window.choose(rng, fresh_first=self.auto is not None)
+            kept, echo, ticket = entry[0], entry[2], entry[3]
+            if self.drop_last and len(kept) < self.batch_size:
+                with deferred_interrupts():
+                    window.book(entry)
+                    if echo == 0:
+                        self.ledger.emitted_whole(ticket, kept.sample_ids[kept.fresh].tolist())
+                continue
+            # Made, then booked: an emission that raises (an augment that fails) is
+            # chosen again by the next iteration.
+            batch = self.finish(self.examples.repeat(kept, echo, epoch))
             with deferred_interrupts():
-                kept, echo, ticket = window.take(rng, fresh_first=self.auto is not None)
+                window.book(entry)
                 if echo == 0:
                     self.ledger.emitted_whole(ticket, kept.sample_ids[kept.fresh].tolist())
-            if self.drop_last and len(kept) < self.batch_size:
-                continue
-            yield self.finish(self.examples.repeat(kept, echo, epoch))
+            yield batch
 
     def _add(self, window, fresh, draws):
         """A fresh batch into the window, as a copy."""
@@ -556,8 +644,13 @@ class BatchEcho(Stage):
         if skip and np.isin(fresh.sample_ids[fresh.ok], list(skip)).all():
             self.release()  # resumed: this batch was emitted before the save
             return
+        try:
+            kept = self.examples.keep(fresh)  # owns its memory: the fresh batch goes back below
+        except Exception as err:
+            self.release()   # dropped: its error is raised once, and iteration goes on after it
+            name_batch(err, fresh)
+            raise
         self.book_fresh(np.count_nonzero(fresh.ok))
-        kept = self.examples.keep(fresh)  # owns its memory: the fresh batch goes back below
         with deferred_interrupts():
             self.release()
             window.add(kept, int(self.counts(draws, [fresh.index])[0]), fresh.ticket)
