@@ -5,12 +5,16 @@ batch from file bytes to the GPU; each imports only modules above it):
 
   errors      DecodeError and the other errors the pipeline raises;
               remote_errors (storage errors told apart, said without credentials)
+  memory      what the machine's memory allows: a ring, an echo buffer, an annotation
+              parse (the budget); /dev/shm names
   remote      objects in storage by URL: bounded, retried reads (fsspec);
               prefetch (reads ahead of the decode: samples, tar-shard blocks)
   targets     a detection sample's boxes and labels (Targets), their JSON form
   source      where the bytes come from: ImageFolder, FileList, Samples;
               tarindex (a tar shard's index), tarshards (TarShards),
-              coco (CocoDetection: a COCO-format folder with its annotations)
+              coco (CocoDetection: a COCO-format folder with its annotations),
+              parquet_index (Parquet footers and row groups), parquet (ParquetImages:
+              Parquet files and Hugging Face datasets)
   decode      bytes -> pixels: JPEG by the native kernel, other formats by Pillow;
               shards (the shard writer, which checks images with it)
   transforms  what each sample becomes: RandomResizedCrop, CenterCrop
@@ -21,7 +25,6 @@ batch from file bytes to the GPU; each imports only modules above it):
               TrivialAugmentWide, RandomErasing (in workers or per emission)
   plan        which samples each batch (ticket) holds: Plan, Shard
   failures    failed samples: the binary records a slot carries, and their warnings
-  memory      what a ring may take of the machine's memory (the budget), /dev/shm names
   ring        the shared-memory ring of batch slots (layout and atomics in C)
   workers     what a worker does: fill the slot of each ticket it takes
   pool        the supervisor: starts workers, replaces the dead, redoes their tickets
@@ -44,6 +47,7 @@ from echo_native.errors import DecodeError
 from echo_native.targets import Targets
 from echo_native.source import FileList, ImageFolder, Samples
 from echo_native.coco import CocoDetection
+from echo_native.parquet import ParquetImages, from_datasets
 from echo_native.tarshards import TarShards
 from echo_native.remote import RemoteOptions
 from echo_native.shards import write_shards
@@ -100,6 +104,7 @@ __all__ = [
     "Mix",
     "Objects",
     "Output",
+    "ParquetImages",
     "RandomErasing",
     "RandomGrayscale",
     "RandomHorizontalFlip",
@@ -125,6 +130,7 @@ __all__ = [
     "decode_center_crop",
     "decode_crop",
     "decode_random_crop",
+    "from_datasets",
     "image_size",
     "merge_states",
     "pick_scale",
@@ -132,4 +138,3 @@ __all__ = [
     "resize_crop",
     "write_shards",
 ]
-from echo_native.parquet import ParquetImages, from_datasets; __all__ += ["ParquetImages", "from_datasets"]  # noqa: E402,E702

@@ -163,7 +163,11 @@ def test_resume_twice_in_one_epoch(samples):
     after_first = _left(order, first)
     second, states = _save(lambda r, w: _loaded(make(r, w), states), 3, [1, 1, 1])
     assert set(second) <= set(after_first)
-    assert len(second) == len(set(second)) == 3 * B
+    # 3 ranks pad the rest of the epoch to a multiple of 3 with samples they share: those
+    # (and only those) may be fresh on two ranks, depending on where the echo stage puts
+    # them in its batches.
+    pad = -len(after_first) % 3
+    assert len(second) == 3 * B and len(second) - len(set(second)) <= pad
     assert len(json.dumps(states)) < 10_000  # the history of the first resume rides along
     resumed = _resume(make, 2, states)
     last = [i for _, rest, _ in resumed for i in _fresh(rest)]

@@ -27,7 +27,6 @@ running on CuPy.  What is here cannot be written against an array module:
 from __future__ import annotations
 
 import collections
-import math
 import sys
 import weakref
 
@@ -35,14 +34,23 @@ import numpy as np
 
 from echo_native import _kernel
 from echo_native.backends.array import ArrayDevice, SlotReturns
+from echo_native.backends.launch import (  # noqa: F401 - the launch shapes, named here too
+    MAX_BLOCK_THREADS,
+    MAX_GRID,
+    THREADS,
+    check_launch,
+    crop_resize_launch,
+    normalize_coefficients,
+    normalize_launch,
+    ops_pixel_launch,
+    ops_steps,
+    ops_table_launch,
+    to_bfloat16_launch,
+)
 from echo_native.output import BFloat16Array, DeviceArray, output_dtype
 
-THREADS = 256
 #: cudaHostRegisterPortable: the pinning is seen by every CUDA context.
 HOST_REGISTER_PORTABLE = 1
-#: CUDA's launch limits: gridDim.x, .y, .z, and threads per block.
-MAX_GRID = (2**31 - 1, 65535, 65535)
-MAX_BLOCK_THREADS = 1024
 #: NVRTC options of the backend's kernels, the one place they are set (the NVRTC
 #: test in tests/test_cuda_kernels.py compiles with them too).  ``--fmad=false``:
 #: no multiply-add is fused beyond the ``fmaf`` the source writes, the arithmetic
@@ -107,68 +115,6 @@ def _retire_stream(cupy, index, stream):
             stream.synchronize()
     except Exception:  # noqa: BLE001, S110 - at interpreter exit CUDA may be gone already
         pass
-
-
-def check_launch(grid, block):
-    """``(grid, block)``, or ValueError where CUDA would refuse the launch (an opaque
-    "invalid argument" at run time): a grid dimension outside 1 .. its limit, or
-    more than 1,024 threads per block."""
-    grid, block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
-    if not 1 <= len(grid) <= 3 or not 1 <= len(block) <= 3:
-        raise ValueError(f"a CUDA launch has 1 to 3 grid and block dimensions, got "
-                         f"{grid}, {block}")
-    for axis, (g, limit) in enumerate(zip(grid, MAX_GRID)):
-        if not 1 <= g <= limit:
-            raise ValueError(f"CUDA grid dimension {'xyz'[axis]} = {g:,} is outside 1 .. "
-                             f"{limit:,} (grid {grid}, block {block})")
-    if min(block) < 1 or math.prod(block) > MAX_BLOCK_THREADS:
-        raise ValueError(f"a CUDA block has 1 .. {MAX_BLOCK_THREADS} threads, got {block}")
-    return grid, block
-
-
-def crop_resize_launch(n, out_h, out_w):
-    """(grid, block) of ``crop_resize``: a thread per output pixel; each image has
-    ``ceil(out_h * out_w / THREADS)`` consecutive blocks on the x dimension, which
-    holds 2^31 - 1 of them (the y dimension would stop batches at 65,535 images)."""
-    return check_launch(((out_h * out_w + THREADS - 1) // THREADS * n,), (THREADS,))
-
-
-def normalize_launch(pixels):
-    """(grid, block) of ``normalize``: a thread per pixel."""
-    return check_launch(((pixels + THREADS - 1) // THREADS,), (THREADS,))
-
-
-def to_bfloat16_launch(count):
-    """(grid, block) of ``to_bfloat16``: a thread per value."""
-    return check_launch(((count + THREADS - 1) // THREADS,), (THREADS,))
-
-
-def ops_pixel_launch(n, h, w):
-    """(grid, block) of ``ops_histogram`` and ``ops_apply``: a thread per pixel of the
-    batch."""
-    return check_launch(((n * h * w + THREADS - 1) // THREADS,), (THREADS,))
-
-
-def ops_table_launch(n):
-    """(grid, block) of ``ops_tables``: a thread per (image, channel)."""
-    return check_launch(((3 * n + THREADS - 1) // THREADS,), (THREADS,))
-
-
-def ops_steps(codes):
-    """The launches of a program: (k, count, tables) for every step k that some row
-    runs an op in; ``count``: some row's op reads its histogram (``ops_histogram``
-    first), ``tables``: some row's op is a lookup table (``ops_tables``)."""
-    for k in range(codes.shape[1]):
-        column = set(np.unique(codes[:, k]).tolist())
-        if column - {_kernel.Op.NONE}:
-            yield k, bool(column & _kernel.OPS_COUNTING), bool(column & _kernel.OPS_TABLES)
-
-
-def normalize_coefficients(mean, std):
-    """float32 (scale[3], shift[3]) with x * scale + shift = (x / 255 - mean) / std."""
-    std = np.asarray(std, np.float64)
-    return np.concatenate([1.0 / (255.0 * std), -np.asarray(mean, np.float64) / std]).astype(
-        np.float32)
 
 
 #: Output kinds of the ``normalize`` kernel, by the name of the output dtype.
