@@ -9,7 +9,8 @@ batch from file bytes to the GPU; each imports only modules above it):
               parse (the budget); /dev/shm names
   remote      objects in storage by URL: bounded, retried reads (fsspec);
               prefetch (reads ahead of the decode: samples, tar-shard blocks)
-  targets     a detection sample's boxes and labels (Targets), their JSON form
+  targets     a detection sample's boxes and labels (Targets), their JSON form;
+              labels (a source's labels checked: one integer per sample)
   source      where the bytes come from: ImageFolder, FileList, Samples;
               tarindex (a tar shard's index), tarshards (TarShards),
               coco (CocoDetection: a COCO-format folder with its annotations),
