@@ -115,7 +115,7 @@ class IterableUpstream:
             now = time.perf_counter()
             waited, period = now - t0, now - (self._last if self._last is not None else t0)
             self._last = now
-            n = _rows(batch)
+            n = _rows(batch, self._index, self._epoch)
             self.largest = max(self.largest, n)
             ids = np.arange(self._next_id, self._next_id + n, dtype=np.int64)
             fresh = Fresh(self.position, self._epoch, self._index, ids, np.ones(n, bool),
@@ -231,13 +231,18 @@ def _nothing():
     pass
 
 
-def _rows(batch):
+def _rows(batch, index, epoch):
     from echo_native.echo.pytree import batch_size
 
-    n = batch_size(batch)
+    where = f"(fresh batch {index} of epoch {epoch}: it is dropped, and iterating again " \
+            f"goes on after it)"
+    try:
+        n = batch_size(batch)
+    except ValueError as err:
+        raise ValueError(f"{err} {where}") from None
     if n is None:
         raise ValueError(f"EchoLoader: a batch must hold an array (or a list) with one row per "
-                         f"example, got {type(batch).__name__}")
+                         f"example, got {type(batch).__name__} {where}")
     return n
 
 
@@ -346,7 +351,8 @@ class EchoLoader(Started):
     augment : callable(batch, keys) or None
         Before augmentation: run on every emitted batch (each repeat is augmented
         afresh); ``keys`` is a host (B, 4) int64 array of (seed, epoch, example id,
-        echo index) per row to draw its randomness from.  Return the augmented
+        echo index) per row (a seed >= 2**63 as its 64 bits: ``keys[:, 0].view(np.uint64)``
+        is the seed) to draw its randomness from.  Return the augmented
         batch (or None after changing it in place).
     seed : int, default 0
         Echo counts and the order of emissions are pure functions of it.
@@ -385,6 +391,10 @@ class EchoLoader(Started):
             if v is not None and (not is_int(v) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.spec = _placed(fold_echo("EchoLoader", echo), augment)
+        if batch_size is not None and self.spec.placement == "batch" and not self.spec.off:
+            raise ValueError("batch_size= does not apply to batch echo, which repeats the "
+                             "wrapped loader's batches whole: set the wrapped loader's batch "
+                             "size instead")
         self.augment, self.seed = augment, int(seed)
         self.batch_size, self.drop_last, self.with_info = batch_size, bool(drop_last), with_info
         self._shuffle_buffer = shuffle_buffer
@@ -472,10 +482,16 @@ class EchoLoader(Started):
         if echo.placement == "batch":
             return int(echo_counts(self.seed, epoch, nb, e).sum())
         n = up.samples_per_epoch
-        B = self.batch_size or getattr(self.iterable, "batch_size", None)
-        if n is None or B is None:
-            raise TypeError("EchoLoader: the wrapped loader does not say how many examples "
-                            "an epoch has (give batch_size=, or wrap a DataLoader)")
+        if n is None:
+            raise TypeError(f"EchoLoader: len() needs the examples per epoch, and the wrapped "
+                            f"{type(self.iterable).__name__} does not say how many (a "
+                            f"DataLoader over a dataset with len() does)")
+        B = self.batch_size or _declared_batch_size(self.iterable) or \
+            (self.stage.batch_size if self.stage is not None else None)
+        if B is None:
+            raise TypeError(f"EchoLoader: len() needs the emitted batch size, and the wrapped "
+                            f"{type(self.iterable).__name__} does not say it: give "
+                            f"batch_size=, or take a batch first")
         counts = counts_from(echo_draws(self.seed, epoch, n), e)
         return example_batches(int(counts.sum()), int(counts.max(initial=0)), n, B,
                                self.drop_last)
@@ -558,20 +574,27 @@ class EchoLoader(Started):
                                  f"{key}={value!r}: the wrapped loader's {what} differs, and "
                                  f"its stream would not continue exactly (examples read twice "
                                  f"or never)")
-        nb = up.batches_per_epoch
-        if nb is not None and state["index"] > nb:
-            raise ValueError(f"state['index'] is {state['index']}, past the wrapped loader's "
-                             f"{nb} batches per epoch")
-        n = up.samples_per_epoch
-        if n is not None and state["first_id"] > n:
-            raise ValueError(f"state['first_id'] is {state['first_id']}, past the wrapped "
-                             f"loader's {n} examples per epoch")
-        skip = {int(i) for i in state["skip"]}
-        if n is not None and state["first_id"] < n and \
-                set(range(state["first_id"], n)) <= skip:
-            raise ValueError(f"state['skip'] lists every example from {state['first_id']} to "
-                             f"the end of the epoch ({n}) as emitted, yet the state stands "
-                             f"before them: it is not a state_dict() of this EchoLoader")
+        # Where the state stands must be inside an epoch of this wrapped loader: ids are
+        # positions in the epoch's stream, at most B per batch.
+        nb, B = up.batches_per_epoch, _declared_batch_size(self.iterable)
+        index, first = state["index"], state["first_id"]
+        if nb is not None and index > nb:
+            raise ValueError(f"state['index'] is {index}, past the wrapped loader's {nb} "
+                             f"batches per epoch")
+        n = up.samples_per_epoch or (nb * B if nb and B else None)
+        if (n is not None and first > n) or (B is not None and first > index * B):
+            raise ValueError(f"state['first_id'] is {first}, more examples than "
+                             f"{index} batches of the wrapped loader hold"
+                             + (f" (an epoch has {n})" if n is not None else ""))
+        if n is not None:
+            skip = [int(i) for i in state["skip"]]
+            if skip and max(skip) >= n:
+                raise ValueError(f"state['skip'] lists example {max(skip)}, past the "
+                                 f"{n} of an epoch of the wrapped loader")
+            if first < n and sum(i >= first for i in skip) >= n - first:
+                raise ValueError(f"state['skip'] lists every example from {first} to the end "
+                                 f"of the epoch ({n}) as emitted, yet the state stands before "
+                                 f"them: it is not a state_dict() of this EchoLoader")
 
     def _load(self, state):
         self.upstream.load(state)

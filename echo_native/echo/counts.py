@@ -16,7 +16,10 @@ _TAG_BATCH = 0x62617463  # "batc"
 
 
 def _generator(seed, tag, epoch, extra=0):
-    return np.random.Generator(np.random.Philox(key=[seed, tag], counter=[epoch, extra, 0, 0]))
+    # The key as uint64: a plain list of a seed >= 2**63 would go through float64 (so
+    # 2**63 and 2**63 + 1 drew alike); below 2**63 the key, and so the draws, are the same.
+    key = np.array([int(seed), tag], np.uint64)
+    return np.random.Generator(np.random.Philox(key=key, counter=[epoch, extra, 0, 0]))
 
 
 def echo_draws(seed, epoch, num):

@@ -104,6 +104,21 @@ def _named(x):
     return out
 
 
+def _too_deep(fn):
+    """A batch nested past Python's recursion limit is refused by name, not with a raw
+    RecursionError from somewhere inside the walk."""
+    def walk(batch, *args, **kw):
+        try:
+            return fn(batch, *args, **kw)
+        except RecursionError:
+            raise ValueError(f"EchoLoader: the batch ({type(batch).__name__}) is nested "
+                             f"deeper than Python's recursion limit: a batch is a shallow "
+                             f"nest of dicts, lists and tuples of arrays") from None
+    walk.__name__, walk.__doc__ = fn.__name__, fn.__doc__
+    return walk
+
+
+@_too_deep
 def batch_size(batch):
     """The number of examples in ``batch``, from the strongest evidence it holds (the
     rule in this module's docstring); None when it holds no list, array or table."""
@@ -135,6 +150,7 @@ def _collated(seq, n):
                _is_record(v) and batch_size(v) == n for v in seq)
 
 
+@_too_deep
 def flatten(batch, n=None, like=None, path="batch"):
     """``(leaves, treedef)``: the arrays, tables and per-example lists of ``batch`` (of
     ``n`` examples, :func:`batch_size` by default) in a fixed order, and what
@@ -283,14 +299,16 @@ class _TorchOps:
         return self.torch.as_tensor(np.asarray(entries, np.int64), device=device)
 
     def store(self, buf, entries, values):
-        buf.index_copy_(0, self._index(entries, buf.device), values.to(buf.device))
+        # Detached: a batch that requires grad would pull the buffer (and every batch
+        # gathered from it) into its autograd graph, a chain that grows with each store.
+        buf.index_copy_(0, self._index(entries, buf.device), values.detach().to(buf.device))
         return buf
 
     def gather(self, buf, entries):
         return buf.index_select(0, self._index(entries, buf.device))
 
     def copy(self, x):
-        return x.clone()
+        return x.detach().clone()
 
     def itemsize(self, x):
         return x.element_size()
@@ -397,6 +415,10 @@ class PytreeExamples:
         for leaf, kind, path in zip(leaves, leaf_kinds(treedef), leaf_paths(treedef)):
             rows = len(leaf) if kind == "list" else (_rows(leaf) if kind in ("array", "table")
                                                      else None)
+            if kind == "array" and rows is None:
+                raise ValueError(f"EchoLoader: {path} is a 0-d array (one value, not one row "
+                                 f"per example): give it the batch dimension first, or make "
+                                 f"it a Python scalar if it is the same for every batch")
             if kind != "const" and rows != n:
                 raise ValueError(f"EchoLoader: {path} has {rows} rows where the batch has "
                                  f"{n} examples: every array in a batch must hold one row per "
@@ -494,7 +516,9 @@ class PytreeExamples:
         if self.augment is None:
             return batch
         keys = np.empty((len(sample_ids), 4), np.int64)
-        keys[:, 0], keys[:, 1] = self.seed, epoch
+        # A seed >= 2**63 goes in as its 64 bits (keys[:, 0].view(np.uint64) gives it
+        # back): int64 keys, for every framework, over the whole [0, 2**64) range.
+        keys[:, 0], keys[:, 1] = _as_int64_bits(self.seed), epoch
         keys[:, 2], keys[:, 3] = sample_ids, echo_index
         out = self.augment(batch, keys)
         return batch if out is None else out
@@ -503,6 +527,10 @@ class PytreeExamples:
         batch = self._gather(entries)
         batch = self._augmented(batch, sample_ids, echo_index, epoch)
         return None, Emitted(batch, sample_ids, echo_index, fresh, epoch)
+
+    def check(self, fresh):
+        """Refuse a batch that example echo would refuse (rows per example, structure)."""
+        self._structure(fresh)
 
     def pass_through(self, fresh, keep=None):
         """A fresh batch as it comes, or only its rows ``keep`` (a mask)."""
@@ -595,6 +623,12 @@ def _host_fit(leaf, buf):
             return leaf, buf.astype(leaf.dtype)
         return leaf.astype(buf.dtype), buf
     return leaf, buf
+
+
+def _as_int64_bits(seed):
+    """``seed`` in [0, 2**64) as the int64 of the same 64 bits."""
+    seed = int(seed)
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def _dtype_kind(x):

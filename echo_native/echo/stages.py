@@ -280,6 +280,14 @@ class PassThrough(Stage):
             yield self._deliver(fresh)
 
     def _deliver(self, fresh):
+        check = getattr(self.examples, "check", None)
+        if check is not None:
+            try:
+                check(fresh)
+            except Exception as err:
+                self.release()  # dropped: named once, and iteration goes on after it
+                name_batch(err, fresh)
+                raise
         skip = self.ledger.skip
         if skip:
             # Resumed from a state saved with echo > 1: its examples emitted before the

@@ -142,6 +142,10 @@ def test_a_refused_batch_is_named_once_dropped_and_iteration_goes_on(kind, echo)
 @pytest.mark.parametrize("echo", [2, 3, en.Echo(2, placement="batch")])
 def test_any_batch_size_is_echoed_exactly(sizes, batch_size, echo):
     n = sum(sizes)
+    if batch_size is not None and isinstance(echo, en.Echo):
+        with pytest.raises(ValueError, match="batch_size= does not apply to batch echo"):
+            en.EchoLoader(Batches(rows(sizes)), echo=echo, batch_size=batch_size)
+        return
     el = en.EchoLoader(Batches(rows(sizes)), echo=echo, batch_size=batch_size, seed=3)
     e = 2 if isinstance(echo, en.Echo) else echo
     for epoch in range(2):
@@ -185,14 +189,19 @@ def test_iterating_after_a_with_block_starts_where_the_stream_stood(echo):
     assert counts([b for b, _ in el], 96) == [e] * 96 and el.epoch == 3
 
 
-def test_a_loader_without_state_reads_its_next_epoch_after_close_mid_epoch():
-    el = en.EchoLoader(Plain(rows([8] * 12)), echo=2, seed=5)
+@pytest.mark.parametrize("echo", [2, 1, en.Echo(2, placement="batch")])
+def test_a_loader_without_state_reads_its_next_epoch_after_close_mid_epoch(echo):
+    """A DataLoader-like loader (each iteration a new pass, no state_dict()) cannot be read
+    on from the middle: the next epoch, whole, with a warning saying so (was a false
+    "yielded more batches than its len()", or an AttributeError)."""
+    e = 1 if echo == 1 else 2
+    el = en.EchoLoader(Plain(rows([8] * 12)), echo=echo, seed=5)
     it = iter(el)
     [next(it) for _ in range(5)]
     el.close()
     with pytest.warns(RuntimeWarning, match="rest of epoch 0 is not read; epoch 1 starts"):
         got = list(el)
-    assert counts(got, 96) == [2] * 96 and el.epoch == 2
+    assert counts(got, 96) == [e] * 96 and el.epoch == 2
 
 
 # -- item 4: augment raising -----------------------------------------------------------------
@@ -269,3 +278,246 @@ def test_the_kept_states_stay_bounded_by_the_buffer():
     for _ in el:
         most = max(most, len(el.upstream._states))
     assert 32 <= most < 300
+
+
+# -- item 8: a state saved with echo > 1, loaded at echo = 1 ---------------------------------
+@pytest.mark.parametrize("saved_echo", [2, 3])
+def test_a_state_saved_with_echo_loads_at_echo_1_without_repeats(saved_echo):
+    el = en.EchoLoader(Batches(rows([16] * 25)), echo=saved_echo, seed=7, with_info=True)
+    it = iter(el)
+    before = [next(it) for _ in range(9)]
+    state = el.state_dict()
+    assert state["skip"]   # emitted ahead of the state's position
+    el.close()
+    one = en.EchoLoader(Batches(rows([16] * 25)), echo=1, seed=7, with_info=True)
+    one.load_state_dict(state)
+    after = list(one)
+    fresh = [int(i) for b, info in before + after for i in b["x"][info["fresh"]]]
+    assert sorted(fresh) == list(range(400))
+    assert all(info["fresh"].all() for _, info in after)
+
+
+# -- item 11: the state validator -------------------------------------------------------------
+class Watched(Batches):
+    """Records load_state_dict calls: a bad state must be refused before any."""
+
+    batch_size = 16
+
+    def __init__(self, batches):
+        super().__init__(batches)
+        self.loaded = 0
+
+    def load_state_dict(self, state):
+        self.loaded += 1
+        super().load_state_dict(state)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("ticket", -5, "state['ticket']"), ("epoch", -3, "state['epoch']"),
+    ("ticket", 2**70, "state['ticket']"), ("epoch", 2**70, "state['epoch']"),
+    ("ticket", "3", "state['ticket']"), ("ticket", 3.0, "state['ticket']"),
+    ("ticket", True, "state['ticket']"), ("index", -1, "state['index']"),
+    ("index", 26, "state['index']"), ("first_id", "0", "state['first_id']"),
+    ("first_id", 10**6, "state['first_id']"), ("skip", "all", "state['skip']"),
+    ("skip", [1.5], "state['skip']"), ("skip", [3, 3], "state['skip']"),
+    ("skip", list(range(400)), "state['skip']"), ("seed", 8, "seed=8"),
+    ("placement", "batch", "placement='batch'"), ("seed", 2**64, "state['seed']"),
+])
+def test_a_bad_state_is_refused_by_name_before_anything_is_loaded(key, value, says):
+    el = en.EchoLoader(Watched(rows([16] * 25)), echo=2, seed=7)
+    it = iter(el)
+    [next(it) for _ in range(3)]
+    state = el.state_dict()
+    state[key] = value
+    fresh = en.EchoLoader(Watched(rows([16] * 25)), echo=2, seed=7)
+    with pytest.raises((ValueError, TypeError)) as err:
+        fresh.load_state_dict(state)
+    assert says in str(err.value), str(err.value)
+    assert fresh.iterable.loaded == 0
+
+
+@pytest.mark.parametrize("missing", ["ticket", "epoch", "index", "first_id", "wrapped", "skip"])
+def test_a_state_missing_a_key_is_refused_naming_it(missing):
+    el = en.EchoLoader(Watched(rows([16] * 25)), echo=2)
+    state = el.state_dict()
+    del state[missing]
+    with pytest.raises(ValueError, match=f"state has no {missing!r}"):
+        en.EchoLoader(Watched(rows([16] * 25)), echo=2).load_state_dict(state)
+
+
+def test_a_valid_state_still_loads_and_the_rest_is_exact():
+    el = en.EchoLoader(Watched(rows([16] * 25)), echo=2, seed=7, with_info=True)
+    it = iter(el)
+    before = [next(it) for _ in range(6)]
+    state = el.state_dict()
+    again = en.EchoLoader(Watched(rows([16] * 25)), echo=2, seed=7, with_info=True)
+    again.load_state_dict(state)
+    fresh = [int(i) for b, info in before + list(again) for i in b["x"][info["fresh"]]]
+    assert sorted(fresh) == list(range(400)) and again.iterable.loaded == 1
+
+
+# -- item 12: a state from another wrapped loader; a live state dict --------------------------
+@pytest.mark.parametrize("other", [
+    lambda: Watched(rows([16] * 20)),                       # another length
+    lambda: type("W8", (Watched,), {"batch_size": 8})(rows([8] * 25)),   # another batch size
+])
+def test_a_state_of_another_wrapped_loader_is_refused(other):
+    el = en.EchoLoader(Watched(rows([16] * 25)), echo=2)
+    it = iter(el)
+    [next(it) for _ in range(3)]
+    state = el.state_dict()
+    target = en.EchoLoader(other(), echo=2)
+    with pytest.raises(ValueError, match="would not continue exactly"):
+        target.load_state_dict(state)
+    assert target.iterable.loaded == 0
+
+
+class Live(Batches):
+    """A loader whose state_dict() hands out its live dict, changed as it reads."""
+
+    def __init__(self, batches):
+        super().__init__(batches)
+        self._state = {"pos": 0}
+
+    def __iter__(self):
+        while self._state["pos"] < len(self.batches):
+            b = self.batches[self._state["pos"]]
+            self._state["pos"] += 1
+            yield b
+        self._state["pos"] = 0
+
+    def state_dict(self):
+        return self._state
+
+    def load_state_dict(self, state):
+        self._state = state   # kept by reference, as a careless loader would
+
+
+def test_a_live_state_dict_is_copied_not_kept_by_reference():
+    el = en.EchoLoader(Live(rows([16] * 25)), echo=2, seed=3, with_info=True)
+    it = iter(el)
+    before = [next(it) for _ in range(8)]
+    state = el.state_dict()
+    again = en.EchoLoader(Live(rows([16] * 25)), echo=2, seed=3, with_info=True)
+    again.load_state_dict(state)
+    after = list(again)
+    fresh = [int(i) for b, info in before + after for i in b["x"][info["fresh"]]]
+    assert sorted(fresh) == list(range(400))
+    assert state["wrapped"]["pos"] < 25   # the saved state did not move on with the loader
+
+
+# -- item 9: len() with a sampler that is not the whole dataset ------------------------------
+def test_len_counts_the_samplers_examples():
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, DistributedSampler, SubsetRandomSampler
+
+    data = torch.utils.data.TensorDataset(torch.arange(1000))
+    shard = DistributedSampler(data, num_replicas=4, rank=1, shuffle=True, seed=0)
+    subset = SubsetRandomSampler(list(range(0, 1000, 10)),
+                                 generator=torch.Generator().manual_seed(0))
+    for sampler, n in ((shard, 250), (subset, 100)):
+        for echo, drop_last in ((2, False), (2, True), (1, False),
+                                (en.Echo(2, placement="batch"), False)):
+            dl = DataLoader(data, batch_size=16, sampler=sampler, drop_last=drop_last)
+            el = en.EchoLoader(dl, echo=echo, seed=1)
+            expected = len(el)
+            got = list(el)
+            assert len(got) == expected, (sampler, echo, drop_last)
+            assert el.upstream.samples_per_epoch == (n // 16 * 16 if drop_last else n)
+
+
+# -- item 13: a wrapped generator that raises mid-epoch ---------------------------------------
+def test_a_generator_that_raises_mid_epoch_says_the_epoch_ends_there():
+    def gen():
+        for i, b in enumerate(rows([16] * 25)):
+            if i == 7:
+                raise OSError("disk gone")
+            yield b
+
+    el = en.EchoLoader(gen(), echo=2)
+    with pytest.raises(OSError, match="disk gone"):
+        list(el)
+    with pytest.warns(RuntimeWarning, match=r"raised \(OSError: disk gone\) after 7 batches"):
+        rest = list(el)
+    assert counts(rest, 112).count(2) <= 112
+
+
+def test_a_loader_shorter_than_its_len_is_named():
+    class Short(Batches):
+        def __len__(self):
+            return 30
+
+    with pytest.warns(RuntimeWarning, match=r"after 25 batches, short of its len\(\) \(30\)"):
+        list(en.EchoLoader(Short(rows([16] * 25)), echo=1))
+
+
+# -- item 16b: seeds past 2**63 ----------------------------------------------------------------
+def test_seeds_past_2_63_augment_and_draw_by_the_whole_seed():
+    from echo_native.echo.counts import echo_draws, shuffle_rng
+
+    seen = {}
+
+    def augment(batch, keys):
+        seen.setdefault("seed", keys[0, 0].view(np.uint64) if keys.dtype == np.int64 else None)
+        return batch
+
+    for seed in (2**63, 2**64 - 1):
+        seen.clear()
+        list(en.EchoLoader(Batches(rows([8] * 4)), echo=2, augment=augment, seed=seed))
+        assert int(seen["seed"]) == seed
+    a, b = echo_draws(2**63, 0, 64), echo_draws(2**63 + 1, 0, 64)
+    assert not np.array_equal(a, b)
+    assert not np.array_equal(shuffle_rng(2**63, 0).random(8), shuffle_rng(2**63 + 1, 0).random(8))
+
+
+def test_seeds_below_2_63_keep_their_draws():
+    from echo_native.echo.counts import echo_draws
+
+    for seed in (0, 7, 2**40 + 3, 2**63 - 1):
+        old = np.random.Generator(np.random.Philox(key=[seed, 0x6563686F],
+                                                   counter=[3, 0, 0, 0])).random(32)
+        assert np.array_equal(echo_draws(seed, 3, 32), old)
+
+
+# -- item 17: batches that require grad --------------------------------------------------------
+@pytest.mark.parametrize("echo", [2, en.Echo(2, placement="batch")])
+def test_batches_that_require_grad_never_pull_the_buffer_into_autograd(echo):
+    torch = pytest.importorskip("torch")
+    w = torch.ones(1, requires_grad=True)
+
+    def batches():
+        for i in range(40):
+            yield {"x": torch.arange(i * 8, i * 8 + 8), "v": torch.ones(8, 3) * w}
+
+    for b in en.EchoLoader(batches(), echo=echo):
+        assert b["v"].grad_fn is None and not b["v"].requires_grad
+
+
+# -- item 19: messages and edges -----------------------------------------------------------
+@pytest.mark.parametrize("echo", [2, 1])
+def test_a_0d_leaf_is_named_as_such_in_every_mode(echo):
+    batches = rows([16] * 4)
+    batches[0]["v"] = np.ones((), np.float32)
+    with pytest.raises(ValueError, match=r"batch\['v'\] is a 0-d array"):
+        list(en.EchoLoader(Batches(batches), echo=echo))
+
+
+def test_a_batch_nested_3000_deep_is_refused_by_name():
+    deep = {"x": np.arange(4)}
+    for _ in range(3000):
+        deep = {"d": deep}
+    with pytest.raises(ValueError, match="nested deeper than Python's recursion limit"):
+        list(en.EchoLoader(iter([deep]), echo=2))
+
+
+def test_len_of_a_plain_iterable_says_what_is_missing():
+    class Sized:
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            return iter(rows([8] * 4))
+
+    with pytest.raises(TypeError, match="does not say how many") as err:
+        len(en.EchoLoader(Sized(), echo=2, batch_size=8))
+    assert "give batch_size=" not in str(err.value)
