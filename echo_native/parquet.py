@@ -317,7 +317,9 @@ class ParquetImages:
             return _Cells(arr, objects)
         except _remote.StoreUnavailableError:
             raise  # the store, not this row group: it stops the run, whatever on_error says
-        except (OSError, ValueError, MemoryError) as e:  # pyarrow's errors are both kinds
+        except (OSError, ValueError, MemoryError, pyarrow().ArrowException) as e:
+            # pyarrow's errors are of many kinds (ArrowInvalid is a ValueError,
+            # ArrowNotImplementedError is not): all are this row group's.
             text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             return _Broken(f"{index.group_name(g)} cannot be read: {text}")
 

@@ -308,7 +308,9 @@ class FileIndex:
                 return pf.metadata, size, pf.schema_arrow
             except (_remote.RemoteReadError, FileNotFoundError):
                 raise
-            except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError
+            except (OSError, ValueError, pyarrow().ArrowException) as e:
+                # Every Arrow error: a damaged footer can raise ArrowNotImplementedError
+                # ("integers with more than 64 bits"), not only ArrowInvalid.
                 raise ValueError(f"{self.names[f]}: not a Parquet file pyarrow can read "
                                  f"({e})") from None
 
@@ -367,7 +369,7 @@ class FileIndex:
                     columns=[self.label], use_threads=False).column(0)
             except (_remote.RemoteReadError, FileNotFoundError):
                 raise
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, pa.ArrowException) as e:
                 raise ValueError(f"{self.names[f]}: its label column {self.label!r} "
                                  f"cannot be read ({e})") from None
         if col.null_count:
