@@ -366,8 +366,11 @@ class EchoLoader(Started):
         end an epoch with one more short batch, when its last fresh examples' repeats
         outnumber the batches left.
     max_buffer_bytes : int, default 4 GiB
-        The most the shuffle buffer may hold; more is a MemoryError at the first
-        batch naming the setting to lower.
+        The most the shuffle buffer (batch echo: its window of batch copies) may
+        hold; more is a MemoryError at the first batch naming the setting to lower.
+        A buffer in host memory is also checked then against the memory available
+        (``MemAvailable``, the memory cgroup's headroom), as :class:`EchoRing`'s
+        is: ``RingMemoryError`` naming ``shuffle_buffer``, never the OOM killer.
     drop_last : bool, default False
         Drop the epoch's short batches (its last, when short).
     with_info : bool, default False
@@ -427,6 +430,7 @@ class EchoLoader(Started):
             stage = PassThrough(*args, **kw)
         elif echo.placement == "batch":
             stage = BatchEcho(*args, window=max(2, capacity // B), **kw)
+            self.examples.window = stage.window_size
         else:
             stage = ExampleEcho(*args, capacity=capacity, **kw)
         stage.start()

@@ -353,3 +353,23 @@ def _check_budget(layout, budget, backing):
         if available is not None and layout.total_bytes > available:
             raise _too_big(layout, backing, available, where, budget=MemoryBudget())
     return available, where
+
+
+def check_buffer(owner, what, nbytes, setting):
+    """Refuse a host buffer of ``nbytes`` (an echo stage's shuffle buffer or batch window)
+    that, with the consumer's margin, does not fit the memory available (the same
+    :class:`MemoryBudget` and :func:`memory_available` a ring is checked against):
+    :class:`RingMemoryError` naming the bytes, where the figure comes from and the
+    ``setting`` that sizes the buffer, never the OOM killer later."""
+    budget = MemoryBudget.for_pipeline(extra=((what, int(nbytes), setting),))
+    needed = budget.needed(0)
+    available, where = memory_available("memfd")
+    if available is None or needed <= available:
+        return
+    err = RingMemoryError(
+        f"{owner}: {what} needs {int(nbytes):,} bytes ({_gib(nbytes)}), with the consumer's "
+        f"margin {needed:,} bytes ({_gib(needed)}), but only {available:,} bytes "
+        f"({_gib(available)}) are available ({where}): lower {setting}", needed, available,
+        where)
+    err.parts = [p for p in budget.parts(0) if p[1]]
+    raise err

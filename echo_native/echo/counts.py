@@ -32,6 +32,15 @@ def echo_draws(seed, epoch, num):
     return _generator(seed, _TAG_COUNTS, epoch).random(num)
 
 
+def echo_draws_at(seed, epoch, start, num):
+    """``echo_draws(seed, epoch, start + num)[start:]``, without drawing the first
+    ``start``: Philox makes its outputs four to a counter block, so the generator skips
+    ``start // 4`` blocks and the rest of the way."""
+    g = _generator(seed, _TAG_COUNTS, epoch)
+    g.bit_generator.advance(start // 4)
+    return g.random(num + start % 4)[start % 4:]
+
+
 def counts_from(draws, echo):
     """floor(echo) emissions each, plus one where the draw falls below frac(echo)."""
     base = int(math.floor(echo))

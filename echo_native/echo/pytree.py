@@ -47,6 +47,7 @@ import dataclasses
 import numpy as np
 
 from echo_native.echo.buffer import buffer_bytes
+from echo_native.memory import check_buffer
 
 
 # ---- the structure of a batch ----------------------------------------------------------
@@ -401,6 +402,7 @@ class PytreeExamples:
         self.ops = None
         self.nbytes = 0
         self._dtypes = None    # batch echo's: each array leaf's, from the first batch
+        self.window = 0        # batch echo's window of batches, checked at the first
 
     def allocate(self, capacity):
         self.capacity = int(capacity)
@@ -449,6 +451,10 @@ class PytreeExamples:
                 f"{buffer_bytes(self.capacity, per_example)} ({per_example:,} bytes per "
                 f"example), over max_buffer_bytes={self.max_bytes:,}: lower shuffle_buffer "
                 f"(to at least 2 x the batch size) or raise max_buffer_bytes")
+        host = sum(int(np.prod(x.shape[1:], dtype=np.int64)) * o.itemsize(x)
+                   for x, o in zip(leaves, ops) if o is not None and _on_host(x))
+        check_buffer("EchoLoader", f"the shuffle buffer of {self.capacity} examples",
+                     host * self.capacity, "shuffle_buffer (to at least 2 x the batch size)")
         self.buffers = []
         for x, o, kind in zip(leaves, ops, leaf_kinds(self.treedef)):
             if kind == "array":
@@ -559,6 +565,8 @@ class PytreeExamples:
 
     def keep(self, fresh):
         leaves = self._structure(fresh)
+        if self._dtypes is None and self.window:
+            self._check_window(leaves)
         # Whole batches are kept, so their shapes may vary (sequences padded per batch);
         # a dtype that changes is a loader's bug, refused as example echo refuses it.
         dtypes = [_dtype_kind(x) if kind == "array" else None
@@ -572,6 +580,24 @@ class PytreeExamples:
         kept = [o.copy(x) if o is not None else x for x, o in zip(leaves, self._ops(leaves))]
         return Emitted(kept, fresh.sample_ids.copy(), np.zeros(fresh.count, np.int64),
                        fresh.ok.copy(), fresh.epoch)
+
+    def _check_window(self, leaves):
+        """Batch echo holds ``window`` copies of whole batches (and one emission more):
+        checked at the first, against ``max_buffer_bytes`` and the memory available."""
+        ops = self._ops(leaves)
+        each = sum(_nbytes(x, o) for x, o in zip(leaves, ops) if o is not None)
+        host = sum(_nbytes(x, o) for x, o in zip(leaves, ops) if o is not None and _on_host(x))
+        n = self.window + 1
+        self.nbytes = each * n
+        if self.max_bytes is not None and self.nbytes > self.max_bytes:
+            raise MemoryError(
+                f"EchoLoader: batch echo's window of {self.window} batches (and the one being "
+                f"emitted) needs {buffer_bytes(n, each)} ({each:,} bytes per batch), over "
+                f"max_buffer_bytes={self.max_bytes:,}: lower shuffle_buffer (the window is "
+                f"shuffle_buffer // batch size batches, at least 2) or the wrapped loader's "
+                f"batch size, or raise max_buffer_bytes")
+        check_buffer("EchoLoader", f"batch echo's window of {self.window} batches", host * n,
+                     "shuffle_buffer or the wrapped loader's batch size")
 
     def repeat(self, kept, echo, epoch):
         # A copy per emission: a consumer that changes its batch in place must not
@@ -623,6 +649,26 @@ def _host_fit(leaf, buf):
             return leaf, buf.astype(leaf.dtype)
         return leaf.astype(buf.dtype), buf
     return leaf, buf
+
+
+def _on_host(x):
+    """Whether array ``x`` lives in host memory (what the memory available bounds)."""
+    if isinstance(x, np.ndarray):
+        return True
+    device = getattr(x, "device", None)
+    kind = getattr(device, "type", None)          # torch
+    if kind is not None:
+        return kind == "cpu"
+    if hasattr(x, "devices"):                     # JAX
+        try:
+            return all(d.platform == "cpu" for d in x.devices())
+        except Exception:
+            return False
+    return False                                  # CuPy: device memory
+
+
+def _nbytes(x, ops):
+    return int(np.prod(x.shape, dtype=np.int64)) * ops.itemsize(x)
 
 
 def _as_int64_bits(seed):

@@ -27,7 +27,8 @@ import numpy as np
 
 from echo_native.batch import Books
 from echo_native.echo.buffer import BatchWindow, ExampleBuffer
-from echo_native.echo.counts import counts_from, echo_counts, echo_draws, shuffle_rng
+from echo_native.echo.counts import (counts_from, echo_counts, echo_draws, echo_draws_at,
+                                     shuffle_rng)
 from echo_native.echo.ledger import FreshLedger
 from echo_native.echo.upstream import EpochEnd
 
@@ -59,6 +60,8 @@ def deferred_interrupts():
 def name_batch(err, fresh):
     """Say in ``err``'s message which fresh batch it was about (once: the batch is
     dropped), keeping its type for the caller's ``except``."""
+    if isinstance(err, MemoryError):
+        return  # the buffer's size, not this batch, is what it is about
     if err.args and isinstance(err.args[0], str) and "(fresh batch " not in err.args[0]:
         err.args = (f"{err.args[0]} (fresh batch {fresh.index} of epoch {fresh.epoch}: it is "
                     f"dropped, and iterating again goes on after it)",) + err.args[1:]
@@ -84,22 +87,28 @@ class EpochDraws:
     (``order``, the ids this rank reads in the epoch), so that every rank emits the
     same total and takes the same number of steps under a fractional e."""
 
+    #: Ids past the epoch's known size are drawn in windows of at least this many: an
+    #: endless stream's ids grow without bound, and its draws must not be kept from 0.
+    WINDOW = 1 << 16
+
     def __init__(self, seed, epoch, size, order=None):
         self.seed, self.epoch = seed, epoch
         self._d = echo_draws(seed, epoch, size)
+        self._lo = 0   # the id of self._d[0]
         self._sharded = order is not None
         if self._sharded:
             self._d[order] = echo_draws(seed, epoch, len(order))
 
     def __getitem__(self, ids):
         ids = np.asarray(ids, np.int64)
-        if len(ids) and ids.max() >= len(self._d):
+        if len(ids) and (ids.max() >= self._lo + len(self._d) or ids.min() < self._lo):
             if self._sharded:
                 raise IndexError(f"sample id {ids.max()} is outside the {len(self._d)} ids of "
                                  f"the sharded data")
-            self._d = echo_draws(self.seed, self.epoch, max(int(ids.max()) + 1,
-                                                            2 * len(self._d)))
-        return self._d[ids]
+            lo, hi = int(ids.min()), int(ids.max()) + 1
+            self._lo = lo
+            self._d = echo_draws_at(self.seed, self.epoch, lo, max(2 * (hi - lo), self.WINDOW))
+        return self._d[ids - self._lo]
 
 
 class Stage:

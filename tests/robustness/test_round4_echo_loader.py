@@ -521,3 +521,52 @@ def test_len_of_a_plain_iterable_says_what_is_missing():
     with pytest.raises(TypeError, match="does not say how many") as err:
         len(en.EchoLoader(Sized(), echo=2, batch_size=8))
     assert "give batch_size=" not in str(err.value)
+
+
+# -- items 7 and 14: the memory budget, and max_buffer_bytes for batch echo --------------------
+def _big(n_batches=6, B=16, row_bytes=64 << 10):
+    return [{"x": np.arange(i * B, i * B + B), "v": np.zeros((B, row_bytes), np.uint8)}
+            for i in range(n_batches)]
+
+
+def test_a_buffer_over_the_memory_available_is_refused_at_the_first_batch(monkeypatch):
+    from echo_native import memory
+
+    monkeypatch.setattr(memory, "memory_available",
+                        lambda backing="memfd", shm_dir=None: (100 << 20, "memory cgroup "
+                                                               "limit 104,857,600 bytes in /x"))
+    el = en.EchoLoader(Batches(_big()), echo=2, shuffle_buffer=1024)   # 64 MiB
+    with pytest.raises(en.RingMemoryError) as err:
+        next(iter(el))
+    msg = str(err.value)
+    assert "shuffle_buffer" in msg and "memory cgroup limit" in msg, msg
+    assert err.value.available == 100 << 20 and err.value.needed > 100 << 20
+    ok = en.EchoLoader(Batches(_big()), echo=2, shuffle_buffer=256)    # 16 MiB: fits
+    assert counts(list(ok), 96) == [2] * 96
+
+
+def test_batch_echo_window_is_held_to_max_buffer_bytes_and_the_memory_available(monkeypatch):
+    from echo_native import memory
+
+    batch = en.Echo(2, placement="batch")
+    with pytest.raises(MemoryError, match="max_buffer_bytes=4,194,304"):
+        next(iter(en.EchoLoader(Batches(_big()), echo=batch, max_buffer_bytes=4 << 20)))
+    monkeypatch.setattr(memory, "memory_available",
+                        lambda backing="memfd", shm_dir=None: (80 << 20, "MemAvailable"))
+    with pytest.raises(en.RingMemoryError, match="batch echo's window"):
+        next(iter(en.EchoLoader(Batches(_big()), echo=batch, shuffle_buffer=16 * 32)))
+    assert counts(list(en.EchoLoader(Batches(_big()), echo=batch)), 96) == [2] * 96
+
+
+# -- item 15: an endless stream ---------------------------------------------------------------
+def test_the_draws_of_an_endless_epoch_stay_bounded_and_exact():
+    from echo_native.echo.counts import echo_draws
+    from echo_native.echo.stages import EpochDraws
+
+    d = EpochDraws(9, 2, 0)
+    for start in range(0, 5_000_000, 250_000):
+        ids = np.arange(start, start + 64)
+        got = d[ids]
+        assert len(d._d) <= 2 * EpochDraws.WINDOW
+    assert np.array_equal(got, echo_draws(9, 2, start + 64)[start:])
+    assert np.array_equal(d[np.arange(10, 20)], echo_draws(9, 2, 20)[10:])   # back again
