@@ -19,7 +19,7 @@ import numpy as np
 
 from echo_native import _kernel
 from echo_native.batch import Batch
-from echo_native.boxes import DROPPED, SourceObjects
+from echo_native.boxes import DROPPED, Objects, SourceObjects
 from echo_native.detection import BoxCrop, inner_rect
 
 
@@ -214,10 +214,20 @@ class ImageExamples:
                      echo_index=np.zeros(n, np.int64), crop_boxes=slot.boxes[:n],
                      flips=flips, epoch=fresh.epoch, objects=objects)
 
-    def pass_through(self, fresh):
-        """``(parts, copied)``: the parts of a fresh batch as delivered, and whether its
-        pixels were copied out (else the parts are views of the slot)."""
+    def pass_through(self, fresh, keep=None):
+        """``(parts, copied)``: the parts of a fresh batch as delivered (only its rows
+        ``keep``, a mask, when given: a resume at e = 1 from a state saved with echo
+        leaves out what was emitted before the save), and whether its pixels were
+        copied out (else the parts are views of the slot)."""
         b = self._views(fresh)
+        if keep is not None:
+            rows = np.flatnonzero(keep)
+            o = b.objects
+            b = Batch(b.images[rows], b.labels[rows], b.sample_ids[rows], b.fresh[rows],
+                      b.echo_index[rows], b.crop_boxes[rows], b.flips[rows], b.epoch,
+                      objects=None if o is None else Objects(
+                          o.boxes[rows], o.labels[rows], o.valid[rows], o.iscrowd[rows],
+                          o.canvas_size))
         copied = not self.device.host_resident
         if copied:
             # The slot goes back once its pixels are copied: keep what else it holds.

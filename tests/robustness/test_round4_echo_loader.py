@@ -297,6 +297,30 @@ def test_a_state_saved_with_echo_loads_at_echo_1_without_repeats(saved_echo):
     assert all(info["fresh"].all() for _, info in after)
 
 
+def test_a_ring_state_saved_with_echo_loads_at_echo_1_without_repeats():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import echo_helpers as eh
+
+    data = (eh.photo_jpegs(96, 16, 16, seed=3), np.arange(96) % 4)
+    kw = dict(batch_size=8, image_size=8, workers=1, seed=2)
+    with eh.small_ring(data, echo=2.0, **kw) as ring:
+        it = iter(ring)
+        before = []
+        for _ in range(7):
+            b = next(it)
+            before.append((b.sample_ids.copy(), b.fresh.copy()))
+        state = ring.state_dict()
+    assert state["skip"]
+    with eh.small_ring(data, echo=1, **kw) as one:
+        one.load_state_dict(state)
+        after = [(b.sample_ids.copy(), b.fresh.copy()) for b in one]
+    fresh = [int(i) for ids, f in before + after for i in ids[f]]
+    assert sorted(fresh) == list(range(96))
+
+
 # -- item 11: the state validator -------------------------------------------------------------
 class Watched(Batches):
     """Records load_state_dict calls: a bad state must be refused before any."""
