@@ -7,6 +7,7 @@ batch from file bytes to the GPU; each imports only modules above it):
               remote_errors (storage errors told apart, said without credentials)
   memory      what the machine's memory allows: a ring, an echo buffer, an annotation
               parse (the budget); /dev/shm names
+  protocol    what a source is: Source (len, labels, read) and its optional hooks
   remote      objects in storage by URL: bounded, retried reads (fsspec);
               prefetch (reads ahead of the decode: samples, tar-shard blocks)
   targets     a detection sample's boxes and labels (Targets), their JSON form;
@@ -45,6 +46,7 @@ The lab (benchmark corpus, peers, demo) is :mod:`echo_native.lab`; the library
 never imports it.
 """
 from echo_native.errors import DecodeError
+from echo_native.protocol import Source
 from echo_native.targets import Targets
 from echo_native.source import FileList, ImageFolder, Samples
 from echo_native.coco import CocoDetection
@@ -118,6 +120,7 @@ __all__ = [
     "SampleFailureWarning",
     "Samples",
     "SanitizeBoundingBoxes",
+    "Source",
     "Shard",
     "TarShards",
     "Targets",

@@ -38,6 +38,7 @@ from echo_native.source import _source_name, as_source, check_labels
 from echo_native.targets import source_targets
 from echo_native.specs import check_batch_size, fold
 from echo_native.pool import WorkerPool, ship
+from echo_native.protocol import hook
 
 #: Object slots per detection sample (``max_objects``): COCO's most crowded image has 93.
 DEFAULT_MAX_OBJECTS = 128
@@ -234,7 +235,7 @@ class Loader(Started):
         """What the pipeline needs besides the ring: its worker processes (a remote
         source's block cache and prefetch in each), the consumer's margin, and what
         the stages after the loader declared (:attr:`memory_extra`)."""
-        options = getattr(getattr(self.source, "_store", None), "options", None)
+        options = hook(self.source, "remote_options")
         remote = options.cache_bytes + options.prefetch_bytes if options else 0
         processes = self.workers if self._worker_mode == "process" else 0
         return MemoryBudget.for_pipeline(workers=processes, extra=self.memory_extra,

@@ -210,6 +210,13 @@ class ParquetImages:
         classes = "" if self.classes is None else f", {len(self.classes)} classes"
         return f"ParquetImages({self._index.what}, {len(self)} samples{classes})"
 
+    @property
+    def remote_options(self):
+        """The RemoteOptions of the object store the files are in, or None (a hook of
+        :class:`echo_native.Source`: worker caches count against the memory budget)."""
+        store = getattr(self._index, "store", None)   # a Dataset's index reads no store
+        return store.options if store is not None else None
+
     def describe(self, i) -> str:
         return self._index.describe(int(i))
 

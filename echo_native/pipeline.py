@@ -25,6 +25,7 @@ from echo_native.loader import DEFAULT_MAX_OBJECTS, Loader
 from echo_native.mix import Mix
 from echo_native.output import SHORTHANDS as output_shorthands
 from echo_native.output import fold_output
+from echo_native.protocol import hook
 from echo_native.resume import check_epoch
 from echo_native.source import as_source
 from echo_native.specs import check_batch_size, fold
@@ -363,7 +364,7 @@ class EchoRing(Started):
 
 
 def _num_classes(source):
-    classes = getattr(source, "classes", None)
+    classes = hook(source, "classes")
     if classes is not None and len(classes):
         return len(classes)
     labels = np.asarray(source.labels)

@@ -19,6 +19,7 @@ import numpy as np
 
 from echo_native import _kernel
 from echo_native.decode import DecodeLimits
+from echo_native.protocol import hook
 
 #: What a sample that cannot be read or decoded becomes (see :class:`echo_native.Loader`).
 ON_ERROR = ("replace", "skip", "raise")
@@ -131,8 +132,9 @@ class Plan:
         """The epoch's order over all samples: a pure function of (seed, epoch)."""
         if not self.shuffle:
             return np.arange(self.total_samples, dtype=np.int64)
-        if source is not None and hasattr(source, "epoch_order"):
-            return np.asarray(source.epoch_order(self.seed, epoch), dtype=np.int64)
+        own = hook(source, "epoch_order") if source is not None else None
+        if own is not None:
+            return np.asarray(own(self.seed, epoch), dtype=np.int64)
         # The key as uint64 explicitly: numpy reads [2**63, tag] as float64, which made
         # the seeds past 2**63 share orders; below 2**63 the bits are the same as ever.
         key = np.array([int(self.seed), 0x6F72646572], np.uint64)

@@ -24,6 +24,7 @@ from echo_native import prefetch as _prefetch
 from echo_native import remote as _remote
 from echo_native._checks import IMAGE_EXTENSIONS
 from echo_native.errors import ReadLimitError
+from echo_native.protocol import Source
 from echo_native.labels import (  # noqa: F401 - check_labels and _source_name: named here too
     _not_a_label,
     _not_integral,
@@ -161,6 +162,12 @@ class _Files:
 
     def __len__(self):
         return len(self.labels)
+
+    @property
+    def remote_options(self):
+        """The RemoteOptions of the object store some paths name, or None (a hook of
+        :class:`echo_native.Source`: worker caches count against the memory budget)."""
+        return self._store.options if self._store is not None else None
 
     def path(self, i) -> str:
         p = self._paths[i]
@@ -564,8 +571,8 @@ def as_source(source, owner="EchoRing"):
         raise TypeError(f"{owner}: source {path!r} is a file, not a folder; a file is read "
                         f"by en.FileList({path!r}, root=...) (a 'path,label' list) or "
                         f"en.TarShards([{path!r}]) (a tar shard)")
-    missing = [name for name in ("__len__", "labels", "read") if not hasattr(source, name)]
-    if missing:
+    if not isinstance(source, Source):
+        missing = [name for name in ("__len__", "labels", "read") if not hasattr(source, name)]
         raise TypeError(f"{owner}: source must be {_SOURCE_KINDS}, or an object with len(), "
                         f"labels and read(i) (and optionally describe(i)); got "
                         f"{type(source).__name__} (no {', '.join(missing)})")

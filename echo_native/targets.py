@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from echo_native.protocol import hook
+
 __all__ = ["MAX_JSON_BYTES", "Targets", "as_targets", "source_targets", "targets_from_json",
            "targets_to_json"]
 
@@ -283,7 +285,7 @@ def source_targets(source):
     """``source.targets`` (a callable ``i -> Targets or dict``) when the source carries
     targets: it has a callable ``targets`` and its ``has_targets`` is not False
     (built-in sources with optional targets say whether they are on); else None."""
-    fn = getattr(source, "targets", None)
-    if not callable(fn) or getattr(source, "has_targets", True) is False:
+    fn = hook(source, "targets")
+    if not callable(fn) or hook(source, "has_targets", True) is False:
         return None
     return fn

@@ -261,6 +261,12 @@ class TarShards:
             except OSError:
                 pass
 
+    @property
+    def remote_options(self):
+        """The RemoteOptions of the object store the shards are in, or None (a hook of
+        :class:`echo_native.Source`: worker caches count against the memory budget)."""
+        return self._store.options if self._store is not None else None
+
     def describe(self, i) -> str:
         return f"{self._names[self._shard[i]]}:{self._keys[i]}"
 

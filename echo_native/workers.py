@@ -26,6 +26,7 @@ import numpy as np
 from echo_native.decode import Decoder
 from echo_native.errors import DecodeError, ReadLimitError
 from echo_native.plan import Plan
+from echo_native.protocol import hook
 from echo_native.targets import as_targets, source_targets
 from echo_native.remote import StoreUnavailableError
 from echo_native.failures import NO_SAMPLE, Failure
@@ -56,8 +57,11 @@ class _EpochCache:
 # ---- filling one slot -----------------------------------------------------------
 def describe(source, sid):
     """``source.describe(sid)``, or a stand-in naming the source when that fails too."""
+    fn = hook(source, "describe")
+    if fn is None:
+        return f"sample {sid}"
     try:
-        return str(source.describe(sid))
+        return str(fn(sid))
     except Exception as e:  # noqa: BLE001 - a custom source's describe() may be broken
         return f"<sample {sid} of {type(source).__name__}; describe() raised {e!r}>"
 
@@ -78,7 +82,7 @@ class _Filler:
         self.max_objects = ring.layout.max_objects
         self._takes_targets = getattr(plan.transform, "takes_targets", False)
         self.current = None           # the sample being read and decoded, for error reports
-        self.prefetch = getattr(source, "prefetch", None)
+        self.prefetch = hook(source, "prefetch")
         self._ahead = _takes_upcoming(self.prefetch)  # also hint the batch likely next
         self._last_ticket = None
 
