@@ -26,6 +26,7 @@ class IterationGuard:
         self._lock = threading.Lock()
         self._token = None      # the live iterator's
         self._source = None     # its generator of batches, to close on take-over
+        self._deferred = None   # what stop() left for the stepping thread to run
 
     def iterate(self, make):
         """Batches of the generator ``make()`` returns, guarded."""
@@ -58,6 +59,33 @@ class IterationGuard:
                     self._token = None
                 finally:
                     self._lock.release()
+            self.run_deferred()
+
+    def stop(self, then=None):
+        """End every live iterator, from any thread (a watchdog's ``close()``): True when
+        done here (as :meth:`end`); False when another thread is inside a ``next()``
+        (blocked in the stream): its iterator is ended all the same, and that thread,
+        once its step returns, delivers what it took and raises at its next ``next()``,
+        running ``then`` (the rest of the owner's close) as its iteration ends."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_source()
+                self._token = None
+            finally:
+                self._lock.release()
+            return True
+        self._deferred = then
+        self._token = None
+        return False
+
+    def run_deferred(self):
+        then, self._deferred = self._deferred, None
+        if then is not None:
+            then()
+
+    def busy(self):
+        """Whether a thread is inside a ``next()`` now."""
+        return self._lock.locked()
 
     def end(self):
         """End every live iterator (close())."""

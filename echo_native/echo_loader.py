@@ -226,6 +226,14 @@ class IterableUpstream:
         # Dropping the iterator lets a loader with worker processes shut them down.
         self._it, self._held = None, None
 
+    def interrupt(self):
+        """From another thread, while the consumer waits in the wrapped iterator: stop its
+        worker processes where it has them (a torch DataLoader's iterator), which ends
+        the wait with the loader's own error."""
+        shutdown = getattr(self._it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
 
 def _nothing():
     pass
@@ -508,6 +516,10 @@ class EchoLoader(Started):
         """As ``DistributedSampler.set_epoch``: the next iteration is ``epoch``; passed on
         to the wrapped loader (its own ``set_epoch``, or its sampler's)."""
         epoch = check_epoch(epoch, self.upstream.batches_per_epoch or 1)
+        if self._iteration.busy():
+            raise RuntimeError("EchoLoader.set_epoch while another thread is inside next(): "
+                               "call it from the iterating thread between epochs; to stop a "
+                               "loader stuck in the wrapped loader, close() it (any thread)")
         if epoch != self.epoch:
             self._iteration.end()
         self._reopen = None
@@ -623,7 +635,13 @@ class EchoLoader(Started):
         ``state_dict()`` is read again from where :meth:`state_dict` says, so no
         example is lost or repeated; one without reads its next epoch (a warning
         says what was left unread), and an iterator (a generator) reads on."""
-        self._iteration.end()
+        if not self._iteration.stop(then=self.close):
+            # Another thread is inside next(), blocked in the wrapped loader (a watchdog
+            # stopping a stuck loader): a loader with worker processes is told to stop
+            # them, which ends that wait with its error; the rest of close() runs in that
+            # thread as its iteration ends.
+            self.upstream.interrupt()
+            return
         if self._reopen is None and self.stage is not None and self._mid_epoch():
             self._reopen = self.state_dict() if self.resumable else {"epoch": self.epoch}
         self.upstream.close()

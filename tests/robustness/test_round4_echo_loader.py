@@ -15,6 +15,7 @@ a second.
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 
 import numpy as np
@@ -594,3 +595,101 @@ def test_the_draws_of_an_endless_epoch_stay_bounded_and_exact():
         assert len(d._d) <= 2 * EpochDraws.WINDOW
     assert np.array_equal(got, echo_draws(9, 2, start + 64)[start:])
     assert np.array_equal(d[np.arange(10, 20)], echo_draws(9, 2, 20)[10:])   # back again
+
+
+# -- item 18: close() from a watchdog thread -------------------------------------------------
+class Stuck(Batches):
+    """A resumable loader whose batch ``stick_at`` never comes until its workers are shut
+    down (``_shutdown_workers``, as a torch DataLoader iterator's), which makes the
+    waiting ``next()`` raise, as a DataLoader whose workers exited does."""
+
+    def __init__(self, batches, stick_at):
+        super().__init__(batches)
+        self.stick_at = stick_at
+        self.inside = threading.Event()
+        self.released = threading.Event()
+
+    def __iter__(self):
+        return StuckIter(self)
+
+
+class StuckIter:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        lo = self.loader
+        if lo.pos == lo.stick_at and not lo.released.is_set():
+            lo.inside.set()
+            if not lo.released.wait(timeout=30):
+                raise AssertionError("never released")
+            raise RuntimeError("DataLoader worker (pid 123) exited unexpectedly")
+        if lo.pos >= len(lo.batches):
+            lo.pos = 0
+            raise StopIteration
+        lo.pos += 1
+        return lo.batches[lo.pos - 1]
+
+    def _shutdown_workers(self):
+        self.loader.released.set()
+
+
+def test_a_watchdog_thread_can_close_a_loader_stuck_in_the_wrapped_loader():
+    loader = Stuck(rows([8] * 12), stick_at=6)
+    el = en.EchoLoader(loader, echo=2, seed=1, with_info=True)
+    got, errors = [], []
+
+    def consume():
+        try:
+            for b in el:
+                got.append(b)
+        except Exception as err:   # what the consumer sees: the loader's error, or closed
+            errors.append(err)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert loader.inside.wait(timeout=30)
+    with pytest.raises(RuntimeError, match="set_epoch while another thread is inside next"):
+        el.set_epoch(3)
+    el.close()                    # from this (watchdog) thread: no error
+    t.join(timeout=30)
+    assert not t.is_alive() and len(errors) == 1, errors
+    assert el.stage.buffer is None   # the rest of close() ran in the consumer's thread
+    rest = list(el)               # and iterating again reads on
+    fresh = [int(i) for b, info in got + rest for i in b["x"][info["fresh"]]]
+    assert sorted(fresh) == list(range(96))
+
+
+def test_close_from_another_thread_while_a_batch_is_read_ends_that_iterator():
+    gate, inside = threading.Event(), threading.Event()
+
+    def slow():
+        for i, b in enumerate(rows([8] * 6)):
+            if i == 2:
+                inside.set()
+                assert gate.wait(timeout=30)
+            yield b
+
+    el = en.EchoLoader(slow(), echo=1)
+    it = iter(el)
+    got, errors = [], []
+
+    def consume():
+        try:
+            for b in it:
+                got.append(b)
+        except RuntimeError as err:
+            errors.append(err)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert inside.wait(timeout=30)
+    el.close()
+    gate.set()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert len(errors) == 1 and "closed" in str(errors[0]), errors
+    assert len(got) == 3   # the batch in flight was delivered, then the iterator ended
