@@ -209,6 +209,12 @@ EXTENSIONS = [
     ),
     ext("echo_native._ring", ["src/ring/_ring.pyx", "src/ring/en_ring.c"], ["rt"]),
     ext("echo_native._dlpack", ["src/dlpack/_dlpack.pyx"]),
+    # en_seek.c compiles the kernel's en_jpeg.c into itself (its static stages plan and
+    # decode the sub-image exactly as a crop of the original).
+    ext("echo_native._seek",
+        ["src/seek/_seek.pyx", "src/seek/en_seek.c", "src/seek/en_transcode.c",
+         "src/kernel/en_resize.c", "src/kernel/en_augment.c"],
+        libraries=["jpeg", "m"], include_dirs=["src/kernel"]),
     ext("echo_native.lab._bench", ["src/bench/_bench.pyx", "src/bench/roi_ceiling.c"], ["jpeg"]),
 ]
 
