@@ -1,0 +1,434 @@
+"""Decode on a Ray cluster, echo on the trainer, resume exactly (extra ``[ray]``).
+
+Switching between local and cluster decode is one import::
+
+    from echo_native.ray import EchoRing      # instead of: from echo_native import EchoRing
+
+- :func:`dataset`: a ``ray.data.Dataset`` of decoded examples, planned by the
+  project's own :class:`~echo_native.plan.Plan` (seed, epoch, shard), decoded in
+  ``map_batches`` by an actor class holding the fused kernel
+  (:class:`~echo_native.ray_decode.TicketDecoder`).  Its input rows are tickets
+  (batch numbers), its output rows samples keyed by ``sample_id``.
+- :class:`EchoRing`: :class:`echo_native.EchoRing`'s interface and echo stages,
+  whose upstream (:class:`RayLoader`) reads that dataset's stream instead of a
+  shared-memory ring.  Before augmentation the cluster ships each example's
+  DCT-scaled canvas and the trainer re-crops every emission; after augmentation
+  and batch echo it ships crops.
+
+Why tickets and not Ray's own order: Ray's iterators neither follow a seed's
+order nor resume mid-epoch (ray-project/ray#37633).  Here every ticket's ids,
+crops and echo counts are pure functions of the plan, so the trainer can put
+the stream back in order, drop a row Ray delivers twice after a retry (counted
+in ``stats()["duplicates"]``), and after ``load_state_dict`` plan the rest of an
+epoch on the cluster with no id repeated or lost, for any number of ranks.
+
+Ranks: each rank makes its own ``EchoRing(..., rank=r, world_size=n)``, whose
+dataset holds that rank's share of the plan.  (``streaming_split(n)`` hands
+blocks to whichever split asks first: the order would be Ray's, not the plan's.)
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from types import SimpleNamespace
+
+import numpy as np
+
+try:
+    import ray
+    import ray.data
+except ImportError as _e:  # pragma: no cover - the extra is missing
+    raise ImportError("echo_native.ray needs Ray Data: pip install 'echo_native[ray]' "
+                      "(or pip install 'ray[data]>=2.60')") from _e
+
+from echo_native.batch import Fresh
+from echo_native.loader import Loader, WorkerError, _shutdown
+from echo_native.pipeline import EchoRing as _LocalEchoRing
+from echo_native.pool import ship
+from echo_native.ring import OK, WAIT_CLOSED, WAIT_OK, WAIT_TIMEOUT
+from echo_native.ray_decode import COLUMNS, OBJECT_COLUMNS, HostSlot, TicketDecoder, meta_of
+
+__all__ = ["EchoRing", "RayLoader", "dataset"]
+
+#: Epochs one trainer-side dataset covers (fewer when they hold over MAX_TICKETS
+#: tickets): a new dataset starts a new actor pool.
+EPOCHS_PER_DATASET = 8
+MAX_TICKETS = 100_000
+
+
+def _concurrency(concurrency):
+    """Decoding actors: as given, else one per CPU of the cluster ``ray.init()`` joined."""
+    if concurrency is not None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, (int, np.integer)) \
+                or concurrency < 1:
+            raise ValueError(f"concurrency must be a positive integer (decoding actors) or "
+                             f"None (one per CPU of the cluster), got {concurrency!r}")
+        return int(concurrency)
+    if not ray.is_initialized():
+        ray.init()
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def build_dataset(plan, source, tickets, *, concurrency, max_objects=0, trainer=False,
+                  job=None):
+    """The Dataset of ``tickets`` of ``plan``: one input row per ticket, its samples out.
+
+    ``preserve_order`` is set on this dataset's own context (not the process's), so
+    Ray delivers the tickets in the plan's order; the trainer puts them in order
+    anyway, and this keeps how far it must look ahead to one ticket."""
+    tickets = [int(t) for t in tickets]
+    if not tickets:
+        raise ValueError("no tickets to read")
+    if job is None:
+        job = ship(plan, source)
+    ctx = ray.data.DataContext.get_current()
+    progress = ctx.enable_progress_bars
+    ds = ray.data.from_items([{"ticket": t} for t in tickets],
+                             override_num_blocks=len(tickets))
+    ds = ds.map_batches(TicketDecoder, batch_size=1,
+                        compute=ray.data.ActorPoolStrategy(size=concurrency), num_cpus=1,
+                        fn_constructor_kwargs=dict(job=job, max_objects=max_objects,
+                                                   trainer=trainer),
+                        batch_format="numpy", zero_copy_batch=True)
+    ds.context.execution_options.preserve_order = True
+    ds.context.enable_progress_bars = progress and not trainer
+    return ds
+
+
+class RayStream:
+    """The trainer's end of one Ray stream: what :class:`Loader` reads as its ring
+    (``wait_filled``, ``read_meta``, ``release``, ...) and supervises as its pool
+    (``check``, ``waiting_on``, ``close``).
+
+    A thread reads Ray's batches, from ticket ``first`` on, and assembles
+    each ticket's rows into a :class:`~echo_native.ray_decode.HostSlot`; it holds
+    at most ``nslots`` tickets (assembling, or complete and not yet given back),
+    which bounds the trainer's memory as the ring's slots do.  A row seen before
+    (Ray retried its task after a fault) is dropped and counted.
+    """
+
+    restarts = 0
+
+    def __init__(self, loader, first, nslots, concurrency, start=True):
+        self.plan, self.source = loader._work, loader.source
+        self.bpe, self.first = self.plan.batches_per_epoch, int(first)
+        self.concurrency, self.max_objects = concurrency, loader.max_objects
+        transform = self.plan.transform
+        self.fixed = getattr(transform, "size", None) is not None
+        self.layout = SimpleNamespace(nslots=int(nslots), max_objects=self.max_objects)
+        self.name = f"ray-stream-{os.getpid()}-{id(self):x}"
+        B = self.plan.batch_size
+        self._free = [HostSlot(B, transform.sample_bytes, self.max_objects)
+                      for _ in range(int(nslots))]
+        self._cond = threading.Condition()
+        self._partial = {}     # ticket -> [slot, rows seen (bool[B]), meta or None, bytes]
+        self._done = {}        # ticket -> (slot, Meta, fill_s, warned, bytes)
+        self._complete = set()  # tickets assembled (a later copy of their rows is a repeat)
+        self._stop, self._error = False, None
+        self.duplicates = self.bytes = self.rows = 0
+        self.job = ship(self.plan, self.source)
+        self.reading = None    # the epoch whose dataset is being read
+        self._thread = threading.Thread(target=self._pull, daemon=True,
+                                        name="echo_native-ray-stream")
+        if start:
+            self._thread.start()
+
+    # -- the thread ---------------------------------------------------------------------
+    def _pull(self):
+        ticket = self.first
+        try:
+            while not self._stop:
+                # Several epochs per dataset: each new one starts its actor pool (seconds),
+                # and training reads epoch after epoch.
+                epochs = max(1, min(EPOCHS_PER_DATASET, MAX_TICKETS // self.bpe))
+                end = (ticket // self.bpe + epochs) * self.bpe
+                ds = build_dataset(self.plan, self.source, range(ticket, end),
+                                   concurrency=self.concurrency, max_objects=self.max_objects,
+                                   trainer=True, job=self.job)
+                self.reading = (ticket, end)
+                batches = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
+                                               prefetch_batches=2))
+                try:
+                    for cols in batches:
+                        if self._stop or not self._take(cols):
+                            return
+                finally:
+                    batches.close()   # stops the dataset's execution and its actors
+                ticket = end
+        except BaseException as e:  # noqa: BLE001 - raised to the consumer by check()
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _take(self, cols):
+        """Assemble a batch of Ray's rows into their tickets' slots; False once stopped."""
+        tickets, rows = np.asarray(cols["ticket"]), np.asarray(cols["row"])
+        # Booked when the consumer takes the ticket: what crossed for what it used.
+        per_row = sum(_nbytes(v) for v in cols.values()) / max(1, len(tickets))
+        for t in np.unique(tickets):
+            sel, t = np.flatnonzero(tickets == t), int(t)
+            with self._cond:
+                if t < self.first or t in self._complete:
+                    self.duplicates += len(sel)
+                    continue
+                entry = self._partial.get(t)
+                while entry is None and not self._free and not self._stop:
+                    self._cond.wait(0.25)
+                if self._stop:
+                    return False
+                if entry is None:
+                    entry = self._partial[t] = [self._free.pop(), None, None, 0.0]
+                    entry[1] = np.zeros(len(entry[0].labels), bool)
+                entry[3] += per_row * len(sel)
+            slot, seen = entry[0], entry[1]
+            r = rows[sel]
+            new = ~seen[r]
+            self.duplicates += int(np.count_nonzero(~new))
+            sel, r = sel[new], r[new]
+            seen[r] = True
+            self.rows += len(r)
+            self._copy(cols, sel, r, slot)
+            at0 = sel[r == 0]
+            if len(at0):
+                j = int(at0[0])
+                entry[2] = (meta_of(cols["count"][j], cols["error"][j], cols["failures"][j],
+                                    cols["report"][j]),
+                            float(cols["fill_s"][j]), int(cols["warned"][j]))
+            if entry[2] is not None and seen[:max(entry[2][0].count, 1)].all():
+                with self._cond:
+                    del self._partial[t]
+                    self._complete.add(t)
+                    self._done[t] = [slot, *entry[2], entry[3]]
+                    self._cond.notify_all()
+        return True
+
+    def _copy(self, cols, sel, r, slot):
+        slot.sample_ids[r] = cols["sample_id"][sel]
+        slot.labels[r] = cols["label"][sel]
+        for name in COLUMNS[2:] + (OBJECT_COLUMNS if self.max_objects else ()):
+            getattr(slot, name)[r] = cols[name][sel]
+        if self.fixed:
+            slot.pixels[r] = np.asarray(cols["image"][sel]).reshape(len(sel), -1)
+        else:
+            canvas = cols["canvas"]
+            for j, row in zip(sel, r):
+                data = canvas[j]
+                slot.pixels[row, :len(data)] = np.frombuffer(data, np.uint8)
+
+    # -- the ring's face (Loader reads these) ----------------------------------------------
+    def wait_filled(self, ticket, timeout):
+        with self._cond:
+            ok = self._cond.wait_for(lambda: ticket in self._done or self._error is not None
+                                     or self._stop, timeout)
+            if self._stop:
+                return WAIT_CLOSED
+            return WAIT_OK if ok and ticket in self._done else WAIT_TIMEOUT
+
+    def is_published(self, ticket):
+        return ticket in self._done
+
+    def read_meta(self, ticket):
+        return self._done[ticket][1]
+
+    def fill_seconds(self, ticket):
+        return self._done[ticket][2]
+
+    def warned(self, ticket):
+        return self._done[ticket][3]
+
+    def slot_of(self, ticket):
+        return self._done[ticket][0]
+
+    def book(self, ticket):
+        """The consumer took ``ticket``: what crossed for it counts (once)."""
+        done = self._done[ticket]
+        self.bytes += done[4]
+        done[4] = 0.0
+
+    def release(self, ticket):
+        with self._cond:
+            done = self._done.pop(ticket, None)
+            if done is not None:
+                self._free.append(done[0])
+                self._cond.notify_all()
+            if len(self._complete) > 4 * self.bpe + 64:
+                # Only tickets a retry could still send again need remembering.
+                self._complete = {t for t in self._complete if t >= ticket - self.bpe}
+
+    def unlink(self):
+        """Nothing shared to remove: the slots are this process's memory."""
+
+    # -- the pool's face -----------------------------------------------------------------
+    def check(self, ticket):
+        err = self._error
+        if err is not None:
+            raise WorkerError(f"the Ray stream failed while the trainer waited for batch "
+                              f"{ticket} (epoch {ticket // self.bpe}): {type(err).__name__}: "
+                              f"{err}") from err
+
+    def waiting_on(self, ticket):
+        return (f"the Ray cluster has not delivered it ({self.concurrency} decoding actors, "
+                f"reading tickets [{self.reading[0]}, {self.reading[1]}) of "
+                f"{self.bpe} per epoch, {len(self._partial)} batches in assembly)"
+                if self.reading else "the Ray dataset has not started")
+
+    def pids(self):
+        return []
+
+    def close(self, timeout=30.0):
+        """Stop reading: the thread closes Ray's iterator (which stops the dataset and
+        its actors) when it returns from the batch it waits for, if any."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+def _nbytes(column):
+    if isinstance(column, np.ndarray) and column.dtype != object:
+        return column.nbytes
+    return sum(len(v) if isinstance(v, (bytes, bytearray)) else np.asarray(v).nbytes
+               for v in column)
+
+
+class RayLoader(Loader):
+    """:class:`~echo_native.loader.Loader` whose tickets are filled on a Ray cluster.
+
+    Everything that depends on the plan is the Loader's own (order, shards,
+    ``state_dict``, ``load_state_dict``, elastic resume, ``on_error``, failure
+    reports); only where a ticket's samples come from changes: a
+    :class:`RayStream` in place of the ring and its workers."""
+
+    concurrency = None
+    #: What the streams of this loader delivered: rows Ray sent twice (dropped), bytes
+    #: and rows received.  A stream's books join them when it stops.
+    _ray_totals = None
+
+    @classmethod
+    def adopt(cls, loader, concurrency=None):
+        """Turn a Loader that has not started into a RayLoader (same plan and books)."""
+        if loader.ring is not None:
+            raise RuntimeError("adopt() takes a loader that has not started")
+        loader.__class__ = cls
+        loader.concurrency = None if concurrency is None else _concurrency(concurrency)
+        loader._ray_totals = {"duplicates": 0, "bytes": 0, "rows": 0}
+        return loader
+
+    def _stop(self):
+        stream = self._ring
+        try:
+            super()._stop()
+        finally:
+            if stream is not None:
+                for k in self._ray_totals:
+                    self._ray_totals[k] += getattr(stream, k)
+
+    def start(self):
+        if self._ring is not None:
+            return self
+        concurrency = _concurrency(self.concurrency)
+        self.workers = concurrency   # auto echo divides a ticket's fill time by them
+        stream = RayStream(self, self._ticket, self.slots, concurrency)
+        self._ring = self._pool = stream
+        self._owner_pid = os.getpid()
+        # Device watchers are not called: Ray's batches are not a ring to page-lock, and
+        # a GPU backend stages its copies from the slots instead.
+        self._finalizer = weakref.finalize(self, _shutdown, self._owner_pid, stream, stream,
+                                           ())
+        self._stats.start()
+        return self
+
+    def _fresh(self, ticket, count):
+        stream = self._ring
+        slot = stream.slot_of(ticket)
+        return Fresh(ticket, ticket // len(self), ticket % len(self), slot.sample_ids[:count],
+                     slot.status[:count] == OK, slot, stream.fill_seconds(ticket))
+
+    def next_fresh(self):
+        fresh = super().next_fresh()
+        self._ring.book(fresh.ticket)
+        return fresh
+
+    def ready(self):
+        return self._ring is not None and self._ring.is_published(self._ticket)
+
+    def dataset(self, epoch=None):
+        """The ``ray.data.Dataset`` of the samples of ``epoch`` (default: the current
+        one, from the current position: the rest of an epoch resumed mid-way)."""
+        bpe = self.plan.batches_per_epoch
+        epoch = self.epoch if epoch is None else int(epoch)
+        first = max(self._ticket, epoch * bpe) if epoch == self.epoch else epoch * bpe
+        return build_dataset(self._work, self.source, range(first, (epoch + 1) * bpe),
+                             concurrency=_concurrency(self.concurrency),
+                             max_objects=self.max_objects)
+
+    def stats(self):
+        out = super().stats()
+        s = self._ring
+        books = {k: v + (getattr(s, k) if s is not None else 0)
+                 for k, v in self._ray_totals.items()}
+        books["concurrency"] = s.concurrency if s is not None else self.concurrency
+        out["ray"] = books
+        return out
+
+
+class EchoRing(_LocalEchoRing):
+    """:class:`echo_native.EchoRing`, decoding on the Ray cluster ``ray.init()`` joined.
+
+    Parameters
+    ----------
+    source, and every keyword of :class:`echo_native.EchoRing`
+        The same meaning; ``workers=`` sets only the trainer's slots (how many
+        batches it assembles ahead: ``Workers(slots=...)``) and the timeout.
+    concurrency : int, optional
+        Decoding actors (one native decoder and one CPU each); default one per CPU
+        of the cluster.
+
+    ``stats()`` adds ``duplicates`` (rows Ray delivered twice after a retry,
+    dropped), ``ray_bytes`` (what crossed from the cluster) and
+    ``ray_bytes_per_fresh``.
+    """
+
+    def __init__(self, source, batch_size=256, *, concurrency=None, **kwargs):
+        super().__init__(source, batch_size, **kwargs)
+        # Nothing has started: the loader becomes the Ray stream's reader, and the echo
+        # stage built over it reads through it unchanged.
+        RayLoader.adopt(self.loader, concurrency)
+
+    def dataset(self, epoch=None):
+        """The ``ray.data.Dataset`` this ring reads for ``epoch`` (see :func:`dataset`)."""
+        return self.loader.dataset(epoch)
+
+    def stats(self):
+        out = super().stats()
+        ray_books = self.loader.stats()["ray"]
+        out["duplicates"] = ray_books["duplicates"]
+        out["ray_bytes"] = ray_books["bytes"]
+        out["ray_bytes_per_fresh"] = ray_books["bytes"] / out["fresh"] if out["fresh"] else 0.0
+        out["concurrency"] = ray_books["concurrency"]
+        return out
+
+
+def dataset(source, batch_size=256, *, epoch=0, concurrency=None, **kwargs):
+    """A ``ray.data.Dataset`` of the decoded examples of ``epoch``, in the plan's order.
+
+    Takes :class:`echo_native.EchoRing`'s keywords (``augment``, ``seed``,
+    ``shuffle``, ``on_error``, ``rank``/``world_size``, ``echo``/``placement``,
+    ...): the rows are what that ring's workers would make for the epoch.  Rows
+    are samples: ``sample_id``, ``label``, ``epoch``, ``ticket`` (the batch of
+    the plan), ``status`` (0 the sample asked for, 1 a stand-in for a failed
+    one), ``flip``, ``boxes`` (the crop in the original), ``shapes``, and
+    ``image`` (H, W, 3) uint8, or, echoing before augmentation, ``canvas`` (the
+    DCT-scaled canvas's bytes, ``shapes`` high and wide) with ``source_hw`` and
+    ``canvas_scale``; detection sources add ``obj_*``.  ``batch_size`` is the
+    plan's batch (a ticket's size), not Ray's.
+    """
+    kwargs.setdefault("device", "cpu")
+    ring = EchoRing(source, batch_size, concurrency=concurrency, **kwargs)
+    try:
+        ring.loader.set_epoch(epoch)
+        return ring.dataset(epoch)
+    finally:
+        ring.close()

@@ -1,0 +1,171 @@
+"""The Ray side of :mod:`echo_native.ray`: what a decoding actor does with a ticket.
+
+A Ray Dataset's input rows are *tickets* (batch numbers of the project's
+:class:`~echo_native.plan.Plan`); its output rows are samples, keyed by sample id.
+Each actor holds one :class:`~echo_native.workers._Filler` (one native decoder),
+and fills a ticket exactly as a local worker fills a ring slot: the same ids from
+the plan, the same crop, DCT scale, ops and detection window, keyed by (seed,
+epoch, sample id, echo index), the same ``on_error`` policy.  The slot it fills
+is host memory (:class:`HostSlot`) instead of shared memory, and leaves the actor
+as columns of a NumPy batch.
+
+This module imports no Ray: the actor class is plain Python, which Ray's
+``map_batches`` instantiates on the cluster.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+from types import SimpleNamespace
+
+import numpy as np
+
+from echo_native.failures import NO_SAMPLE, Failure, decode_failures, encode_failures
+from echo_native.ring import ERR_WORKER, REASON_NONE, REPORT_BYTES, Meta
+from echo_native.workers import _Filler, describe
+
+# The per-sample arrays of a slot (see echo_native.ring): name, dtype, shape per sample.
+_FIELDS = (("labels", np.int64, ()), ("sample_ids", np.int64, ()), ("status", np.uint8, ()),
+           ("reason", np.uint8, ()), ("flip", np.uint8, ()), ("boxes", np.float32, (4,)),
+           ("shapes", np.uint16, (2,)), ("source_hw", np.int32, (2,)),
+           ("canvas_scale", np.float32, (2,)), ("obj_count", np.uint16, ()))
+_OBJECT_FIELDS = (("obj_boxes", np.float32, (4,)), ("obj_labels", np.int64, ()),
+                  ("obj_flags", np.uint8, ()))
+#: Columns of a trainer-bound batch besides the pixels, one per slot array.
+COLUMNS = tuple(name for name, _, _ in _FIELDS)
+OBJECT_COLUMNS = tuple(name for name, _, _ in _OBJECT_FIELDS)
+
+
+class HostSlot:
+    """A ring slot's arrays in plain host memory: what a worker's transform writes and
+    what an echo stage reads (``pixels`` is (batch, sample_bytes) uint8)."""
+
+    def __init__(self, batch_size, sample_bytes, max_objects=0):
+        B, M = int(batch_size), int(max_objects)
+        for name, dtype, shape in _FIELDS:
+            setattr(self, name, np.zeros((B,) + shape, dtype))
+        for name, dtype, shape in _OBJECT_FIELDS:
+            setattr(self, name, np.zeros((B, M) + shape, dtype))
+        self.pixels = np.empty((B, int(sample_bytes)), np.uint8)
+
+
+class _OneSlot:
+    """The part of :class:`~echo_native.ring.Ring` a :class:`_Filler` writes to: one
+    slot, and the meta of the ticket filled last."""
+
+    def __init__(self, batch_size, sample_bytes, max_objects):
+        self.layout = SimpleNamespace(nslots=1, max_objects=int(max_objects))
+        self.shape = (batch_size, sample_bytes, max_objects)
+        self.slots = [HostSlot(*self.shape)]
+        self.meta = None
+
+    def fresh_slot(self):
+        # The batch a slot becomes may be a view of it (Arrow takes NumPy memory as it
+        # is): each ticket gets its own, never one an earlier batch still points into.
+        self.slots[0] = HostSlot(*self.shape)
+
+    def write_meta(self, ticket, count, error, failures_total, records=(), fill_s=0.0,
+                   warned=0):
+        report, dropped = encode_failures(records, REPORT_BYTES)
+        self.meta = (int(count), int(error), int(failures_total), report, float(fill_s),
+                     int(warned))
+        return dropped
+
+    def set_reading(self, worker, sample_id=None):
+        """Only for the shared ring's supervisor: there is none here."""
+
+
+class TicketDecoder:
+    """``map_batches`` callable class: a batch of tickets in, their samples out.
+
+    Parameters
+    ----------
+    job : bytes
+        ``echo_native.pool.ship(plan, source)``: the plan (its transform, seed,
+        shard, ``on_error``, decode limits) and the source, as every worker gets them.
+    max_objects : int
+        Object slots per sample (a detection source), else 0.
+    trainer : bool
+        True: every ticket also carries its meta (count, error kind, failure
+        records, fill time), at least one row per ticket, for the trainer's
+        upstream to tell that a ticket is complete and what failed.  False: only
+        the samples (the public :func:`echo_native.ray.dataset`).
+    """
+
+    def __init__(self, job, max_objects=0, trainer=True):
+        self.plan, self.source = pickle.loads(job)
+        self.trainer = bool(trainer)
+        transform = self.plan.transform
+        self.size = getattr(transform, "size", None)   # None: a canvas, variable size
+        self.ring = _OneSlot(self.plan.batch_size, transform.sample_bytes, max_objects)
+        self.max_objects = int(max_objects)
+        self.filler = _Filler(self.ring, self.plan, self.source)
+
+    def fill(self, ticket):
+        """Fill one ticket: ``(slot, meta)``, meta as :meth:`_OneSlot.write_meta` keeps it.
+        A source that raises (a bug, not a bad sample) becomes the ticket's worker
+        error with its traceback, as a local worker reports it."""
+        if self.size is not None:
+            self.ring.fresh_slot()
+        self.ring.meta = None
+        t0 = time.perf_counter()
+        try:
+            self.filler.fill(ticket)
+        except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
+            sid, where = self.filler.current, ""
+            if sid is not None:
+                where = f" on sample {sid} ({describe(self.source, sid)})"
+            self.filler.current = None
+            self.ring.write_meta(ticket, 0, ERR_WORKER, 0, [Failure(
+                NO_SAMPLE, REASON_NONE, "",
+                f"Ray actor (pid {os.getpid()}){where}:\n{traceback.format_exc()}")],
+                time.perf_counter() - t0)
+        return self.ring.slots[0], self.ring.meta
+
+    def __call__(self, batch):
+        parts = [self._rows(int(t)) for t in np.asarray(batch["ticket"]).reshape(-1)]
+        return {k: _concat([p[k] for p in parts]) for k in parts[0]}
+
+    def _rows(self, ticket):
+        slot, (count, error, failures, report, fill_s, warned) = self.fill(ticket)
+        epoch = ticket // self.plan.batches_per_epoch
+        # The trainer needs a row even for a ticket that kept no sample (its meta).
+        n = max(count, 1) if self.trainer else count
+        out = {"sample_id": slot.sample_ids[:n].copy(), "label": slot.labels[:n].copy(),
+               "epoch": np.full(n, epoch, np.int64), "ticket": np.full(n, ticket, np.int64)}
+        if self.trainer:
+            out["row"] = np.arange(n, dtype=np.int32)
+            out["count"] = np.full(n, count, np.int32)
+            out["error"] = np.full(n, error, np.uint8)
+            out["failures"] = np.full(n, failures, np.int32)
+            out["fill_s"] = np.full(n, fill_s, np.float64)
+            out["warned"] = np.full(n, warned, np.int32)
+            reports = np.empty(n, object)
+            reports[:] = b""
+            if n:
+                reports[0] = bytes(report)
+            out["report"] = reports
+        for name in COLUMNS[2:] + (OBJECT_COLUMNS if self.max_objects else ()):
+            out[name] = getattr(slot, name)[:n].copy()
+        if self.size is not None:
+            out["image"] = slot.pixels[:n].reshape(n, *self.size, 3)
+        else:
+            # A canvas ships the pixels it has, not the budget reserved for the largest.
+            canvas = np.empty(n, object)
+            for i in range(n):
+                h, w = (int(v) for v in slot.shapes[i])
+                canvas[i] = slot.pixels[i, :h * w * 3].tobytes() if i < count else b""
+            out["canvas"] = canvas
+        return out
+
+
+def _concat(arrays):
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def meta_of(count, error, failures, report):
+    """The :class:`~echo_native.ring.Meta` of a ticket from its shipped columns."""
+    records = decode_failures(np.frombuffer(report, np.uint8)) if len(report) else []
+    return Meta(int(count), int(error), int(failures), records)

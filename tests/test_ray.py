@@ -1,0 +1,357 @@
+"""echo_native.ray: decode on a Ray cluster, echo on the trainer, resume exactly.
+
+Every test but the first starts (or reuses) a local Ray instance and is marked
+slow: ``python -m pytest -n 0 tests/test_ray.py -m "slow or not slow"``.  Each
+compares the Ray ring with a local ring of the same seed, batch for batch: the
+pixels, ids and order must be the same, which is what makes switching one import
+safe.  Everything skips where Ray is not installed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="echo_native.ray needs the [ray] extra (ray[data])")
+pytest.importorskip("ray.data", reason="echo_native.ray needs ray[data]")
+cloudpickle = pytest.importorskip("cloudpickle")
+
+import echo_native as en  # noqa: E402
+import echo_native.ray as er  # noqa: E402
+from echo_native.ray_decode import TicketDecoder  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import ring_helpers as rh  # noqa: E402
+
+# The test's own sources (a slow one, one that records its pid) reach Ray's workers by
+# value: the tests folder is not on their path.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SIZE = 32
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return rh.make_corpus(tmp_path_factory.mktemp("ray") / "corpus", 48, seed=1, classes=3)
+
+
+@pytest.fixture(scope="module")
+def _session():
+    """One local Ray instance for the module (2 CPUs: the machine's), shut down after it;
+    a test that needs Ray down (its own cluster) shuts it, and the next one restarts it."""
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def cluster(_session):
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    yield
+    assert not _leaked_threads(), "a RayStream thread outlived its ring"
+
+
+def _leaked_threads():
+    import threading
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        alive = [t for t in threading.enumerate() if t.name == "echo_native-ray-stream"]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def _epochs(ring, n=1):
+    out = []
+    for epoch in range(n):
+        ring.set_epoch(epoch)
+        out.append([b.copy() for b in ring])
+    return out
+
+
+def _same(local, remote):
+    assert [len(e) for e in local] == [len(e) for e in remote]
+    for le, re_ in zip(local, remote):
+        for a, b in zip(le, re_):
+            np.testing.assert_array_equal(a.sample_ids, b.sample_ids)
+            np.testing.assert_array_equal(a.labels, b.labels)
+            np.testing.assert_array_equal(a.echo_index, b.echo_index)
+            np.testing.assert_array_equal(a.fresh, b.fresh)
+            np.testing.assert_array_equal(a.images, b.images)
+
+
+# -- no cluster: the trainer's assembly of Ray's rows ----------------------------------------
+def test_rows_ray_sends_twice_are_dropped_and_counted(corpus):
+    """A retried task may deliver rows again: each ticket is assembled once, the repeats
+    are dropped and counted, and a ticket is complete only with all its rows (meta
+    included), whatever order they come in."""
+    ring = er.EchoRing(corpus, BATCH, image_size=SIZE, seed=3, echo=1, concurrency=1)
+    loader = ring.loader
+    stream = er.RayStream(loader, 0, 4, 1, start=False)
+    decoder = TicketDecoder(stream.job, trainer=True)
+    cols = decoder({"ticket": np.array([0, 1])})
+    first = {k: v[:5] for k, v in cols.items()}          # ticket 0, rows 0-4
+    rest = {k: v[3:] for k, v in cols.items()}           # rows 3-7 of 0 (3, 4 again), all of 1
+    stream._take(rest)
+    assert not stream.is_published(0) and stream.is_published(1)  # 0 lacks rows 0-2
+    stream._take(first)
+    assert stream.is_published(0)
+    assert stream.duplicates == 2
+    stream._take(cols)                                   # all of it again: all repeats
+    assert stream.duplicates == 2 + 2 * BATCH
+    slot = stream.slot_of(0)
+    np.testing.assert_array_equal(slot.sample_ids, cols["sample_id"][:BATCH])
+    np.testing.assert_array_equal(slot.pixels.reshape(BATCH, SIZE, SIZE, 3),
+                                  cols["image"][:BATCH])
+    assert stream.read_meta(0).count == BATCH and stream.read_meta(0).error == 0
+    stream.close()
+    ring.close()
+
+
+# -- on a local cluster -----------------------------------------------------------------------
+@pytest.mark.slow
+def test_dataset_rows_are_the_plans_samples_with_the_local_pixels(corpus, cluster):
+    """dataset(): one row per sample, in the plan's order for (seed, epoch), the pixels
+    a local ring's workers make."""
+    local = en.EchoRing(corpus, BATCH, image_size=SIZE, seed=5, echo=1, workers=1)
+    with local:
+        local.set_epoch(1)
+        want = [b.copy() for b in local]
+    ds = er.dataset(corpus, BATCH, image_size=SIZE, seed=5, echo=1, epoch=1, concurrency=2)
+    rows = ds.take_all()
+    assert [r["sample_id"] for r in rows] == np.concatenate(
+        [b.sample_ids for b in want]).tolist()
+    assert sorted(r["sample_id"] for r in rows) == list(range(48))
+    np.testing.assert_array_equal(np.stack([r["image"] for r in rows]),
+                                  np.concatenate([b.images for b in want]))
+    assert {r["epoch"] for r in rows} == {1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(echo=1), dict(echo=2.0, placement="after_augment"),
+                                dict(echo=2.0, placement="batch"), dict(echo=2.0),
+                                dict(echo=1.5, augment=[en.RandomResizedCrop(SIZE),
+                                                        en.ColorJitter(0.4, 0.4)])],
+                         ids=["echo1", "after", "batch", "before", "before-ops"])
+def test_every_placement_delivers_the_local_rings_batches(corpus, cluster, kw):
+    """Two epochs, batch for batch identical to a local EchoRing of the same seed: crops
+    shipped (echo=1, after augmentation, batch echo), or canvases re-cropped on the
+    trainer (before augmentation, ops drawn per emission); each id fresh once per
+    epoch; what crossed the network is counted per fresh example."""
+    kw = dict(kw)
+    if "augment" not in kw:
+        kw["image_size"] = SIZE
+    local = en.EchoRing(corpus, BATCH, seed=11, workers=1, **kw)
+    remote = er.EchoRing(corpus, BATCH, seed=11, concurrency=2, **kw)
+    with local, remote:
+        want, got = _epochs(local, 2), _epochs(remote, 2)
+        stats = remote.stats()
+    _same(want, got)
+    for epoch in got:
+        fresh = np.concatenate([b.sample_ids[b.fresh] for b in epoch])
+        assert sorted(fresh.tolist()) == list(range(48))
+    assert stats["fresh"] == 96 and stats["duplicates"] == 0
+    before = kw.get("placement", "before_augment") == "before_augment" and kw["echo"] != 1
+    per = stats["ray_bytes_per_fresh"]
+    if before:   # a canvas is at least SIZE on its shorter side, more than the crop
+        assert per > SIZE * SIZE * 3
+    else:        # the crop and its row of metadata, not the canvas
+        assert SIZE * SIZE * 3 <= per < 2 * SIZE * SIZE * 3
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_continues_exactly(corpus, cluster):
+    """state_dict() mid-epoch; a new Ray ring loading it delivers what the first one
+    would have delivered after it: no fresh id repeated or lost, the same batches a
+    local ring resumed from the same state delivers."""
+    kw = dict(image_size=SIZE, seed=2, echo=2.0)
+    first = er.EchoRing(corpus, BATCH, concurrency=2, **kw)
+    with first:
+        it = iter(first)
+        head = [next(it).copy() for _ in range(5)]
+        state = first.state_dict()
+        del it
+    json.dumps(state)  # plain values
+    local = en.EchoRing(corpus, BATCH, workers=1, **kw)
+    remote = er.EchoRing(corpus, BATCH, concurrency=2, **kw)
+    local.load_state_dict(state)
+    remote.load_state_dict(state)
+    with local, remote:
+        want, tail = [b.copy() for b in local], [b.copy() for b in remote]
+    _same([want], [tail])
+    fresh = np.concatenate([b.sample_ids[b.fresh] for b in head + tail])
+    assert sorted(fresh.tolist()) == list(range(48))
+
+
+@pytest.mark.slow
+def test_elastic_resume_from_two_ranks_to_three(corpus, cluster):
+    """Two ranks save mid-epoch; three ranks resume from both states: every id of the
+    epoch is read fresh once across the five streams, none twice."""
+    kw = dict(image_size=SIZE, seed=4, echo=1, shuffle=True)
+    states, seen = [], []
+    for rank in range(2):
+        ring = er.EchoRing(corpus, 4, rank=rank, world_size=2, concurrency=1, **kw)
+        with ring:
+            it = iter(ring)
+            for _ in range(2):
+                seen.append(next(it).sample_ids.copy())
+            states.append(ring.state_dict())
+            del it
+    for rank in range(3):
+        ring = er.EchoRing(corpus, 4, rank=rank, world_size=3, concurrency=1, **kw)
+        ring.load_state_dict(states)
+        with ring:
+            seen += [b.sample_ids[b.fresh].copy() for b in ring]
+    ids = np.concatenate(seen)
+    assert len(set(ids.tolist())) == 48   # every id, the padding's repeats aside
+    assert len(ids) - 48 < 3              # a rank's padding wraps at most one id each
+
+
+class PidSource:
+    """Samples read slowly, each reader's pid written to ``pids``: the actors to kill."""
+
+    def __init__(self, root, pids, delay):
+        self.inner, self.pids, self.delay = en.ImageFolder(root), str(pids), delay
+
+    def __len__(self):
+        return len(self.inner)
+
+    @property
+    def labels(self):
+        return self.inner.labels
+
+    def describe(self, i):
+        return self.inner.describe(i)
+
+    def read(self, i):
+        with open(self.pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(self.delay)
+        return self.inner.read(i)
+
+
+@pytest.mark.slow
+def test_an_actor_killed_mid_epoch_loses_and_repeats_nothing(corpus, cluster, tmp_path):
+    """SIGKILL a decoding actor after the first batch: Ray restarts it and retries its
+    ticket, and the trainer still delivers every id exactly once per epoch, in the
+    local ring's batches (a repeat Ray sends is dropped and counted)."""
+    pids = tmp_path / "pids"
+    src = PidSource(corpus, pids, 0.03)
+    kw = dict(image_size=SIZE, seed=8, echo=2.0, placement="after_augment")
+    local = en.EchoRing(en.ImageFolder(corpus), BATCH, workers=1, **kw)
+    remote = er.EchoRing(src, BATCH, concurrency=2, **kw)
+    with local, remote:
+        want = _epochs(local, 1)
+        it = iter(remote)
+        got = [next(it).copy()]
+        victims = {int(p) for p in pids.read_text().split()}
+        assert victims and os.getpid() not in victims
+        os.kill(victims.pop(), signal.SIGKILL)
+        got += [b.copy() for b in it]
+        stats = remote.stats()
+    _same(want, [got])
+    fresh = np.concatenate([b.sample_ids[b.fresh] for b in got])
+    assert sorted(fresh.tolist()) == list(range(48))
+    assert stats["duplicates"] >= 0 and stats["fresh"] == 48
+
+
+@pytest.mark.slow
+def test_a_bad_file_follows_on_error_as_locally(corpus, cluster, tmp_path):
+    """A truncated file: replaced (counted, named) exactly as by local workers; with
+    on_error='raise' the DecodeError names the file."""
+    import shutil
+
+    root = tmp_path / "bad"
+    shutil.copytree(corpus, root)
+    victim = sorted(root.rglob("*.jpg"))[5]
+    victim.write_bytes(victim.read_bytes()[:200])
+    kw = dict(image_size=SIZE, seed=1, echo=1)
+    local = en.EchoRing(root, BATCH, workers=1, **kw)
+    remote = er.EchoRing(root, BATCH, concurrency=2, **kw)
+    with pytest.warns(en.SampleFailureWarning, match=victim.name):
+        with local, remote:
+            want, got = _epochs(local), _epochs(remote)
+            stats = remote.stats()
+    _same(want, got)
+    assert stats["failures"] == local.stats()["failures"] and sum(stats["failures"].values())
+    strict = er.EchoRing(root, BATCH, concurrency=2, on_error="raise", **kw)
+    with strict, pytest.raises(en.DecodeError, match=victim.name):
+        for _ in strict:
+            pass
+
+
+@pytest.mark.slow
+def test_tar_shards_and_a_detection_source_on_the_cluster(corpus, cluster, tmp_path):
+    """The project's other sources decode on the cluster alike: TarShards (pixels as
+    the local ring's) and CocoDetection (boxes follow every emission's crop)."""
+    shards = en.write_shards(en.ImageFolder(corpus), tmp_path / "shards", max_count=20)
+    kw = dict(image_size=SIZE, seed=6, echo=2.0)
+    local = en.EchoRing(en.TarShards(shards), BATCH, workers=1, **kw)
+    remote = er.EchoRing(en.TarShards(shards), BATCH, concurrency=2, **kw)
+    with local, remote:
+        _same(_epochs(local), _epochs(remote))
+
+    import echo_helpers
+    from test_coco import SIZES, coco_doc
+
+    doc = coco_doc()
+    images = tmp_path / "coco"
+    for k, ((h, w), im) in enumerate(zip(SIZES, doc["images"])):
+        path = images / im["file_name"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(echo_helpers.photo_jpegs(1, h, w, seed=k)[0])
+    ann = tmp_path / "instances.json"
+    ann.write_text(json.dumps(doc))
+    kw = dict(image_size=SIZE, seed=6, echo=2.0, shuffle=False)
+    local = en.EchoRing(en.CocoDetection(images, ann), 2, workers=1, **kw)
+    remote = er.EchoRing(en.CocoDetection(images, ann), 2, concurrency=1, **kw)
+    with local, remote:
+        want, got = _epochs(local), _epochs(remote)
+    _same(want, got)
+    for a, b in zip(want[0], got[0]):
+        np.testing.assert_array_equal(a.objects.boxes, b.objects.boxes)
+        np.testing.assert_array_equal(a.objects.labels, b.objects.labels)
+
+
+@pytest.mark.slow
+def test_the_example_trains_on_a_two_node_cluster(corpus, _session, tmp_path):
+    """examples/train_ray.py on a local 2-node cluster (ray.cluster_utils.Cluster): it
+    connects by address, decodes on both nodes, echoes on the trainer, and says every
+    id was delivered fresh once per epoch."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()   # the module's instance: this test runs its own cluster
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
+                                                      "include_dashboard": False})
+    try:
+        c.add_node(num_cpus=1)
+        c.wait_for_nodes(timeout=60)
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "train_ray.py"), str(corpus),
+             "--address", c.address, "--epochs", "2", "--batch-size", "8",
+             "--image-size", "32", "--expect-nodes", "2"],
+            capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    finally:
+        c.shutdown()
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["epoch"] for r in lines] == [0, 1]
+    for r in lines:
+        assert r["fresh_ids"] == 48 and r["each_once"] and r["nodes"] == 2
+        assert np.isfinite(r["loss"])
