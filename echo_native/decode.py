@@ -21,6 +21,7 @@ import numpy as np
 from echo_native import _kernel
 from echo_native._checks import CENTER_CROP_FRACTION, is_int
 from echo_native.errors import DecodeError
+from echo_native.seekable import SeekDecoder, is_seekable
 
 DEFAULT_MAX_PIXELS = _kernel.DEFAULT_MAX_PIXELS
 DEFAULT_MAX_SCANS = _kernel.DEFAULT_MAX_SCANS
@@ -108,6 +109,7 @@ class Decoder:
         self.kernel = _kernel.Decoder()
         self._pillow = _PillowDecoder(self.kernel)
         self._last = self.kernel
+        self._seek = None  # made on the first seekable file (echo_native.seekable)
         self.limits = None
         self.set_limits(limits)
 
@@ -117,12 +119,29 @@ class Decoder:
                                    limits.max_memory)
             self._pillow.max_pixels = limits.max_pixels
             self._pillow.max_memory = limits.max_memory
+            if self._seek is not None:
+                self._seek.set_limits(limits.max_pixels, limits.max_scans, limits.strict,
+                                      limits.max_memory)
             self.limits = limits
 
     def _for(self, data):
-        # The only place that tells formats apart.
-        self._last = self.kernel if is_jpeg(data) else self._pillow
+        # The only place that tells formats apart.  A seekable JPEG's index is its first
+        # segment (APP9, echo_native.seekable): two byte compares keep plain JPEGs on the
+        # kernel with no further cost.
+        if not is_jpeg(data):
+            self._last = self._pillow
+        elif len(data) > 14 and data[3] == 0xE9 and data[2] == 0xFF and is_seekable(data):
+            self._last = self._seeker()
+        else:
+            self._last = self.kernel
         return self._last
+
+    def _seeker(self):
+        if self._seek is None:
+            self._seek = SeekDecoder(self.kernel)
+            lim = self.limits
+            self._seek.set_limits(lim.max_pixels, lim.max_scans, lim.strict, lim.max_memory)
+        return self._seek
 
     @property
     def warnings(self) -> int:
