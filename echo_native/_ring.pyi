@@ -36,6 +36,8 @@ HEADER_STRUCT_BYTES: int
 SLOT_HEADER_BYTES: int
 FAILURE_HEADER_BYTES: int
 
+# A sample's record in a slot: (name, dtype, rows: "sample" | "object", width) per column.
+COLUMNS: tuple[tuple[str, str, str, int], ...]
 # name -> (offset, size, element width) of each field of the C struct
 HEADER_FIELDS: dict[str, tuple[int, int, int]]
 SLOT_FIELDS: dict[str, tuple[int, int, int]]

@@ -113,6 +113,12 @@ def _saturate(name, value):
 
 
 # ---- layout -----------------------------------------------------------------------------
+#: A sample's record in a slot, the one definition (EN_RING_COLUMNS in en_ring.h):
+#: ``(name, dtype, rows, width)`` per column, in slot order; ``rows`` is "sample" (a row
+#: per sample) or "object" (``max_objects`` rows per sample), ``width`` a row's elements.
+COLUMNS = _ring.COLUMNS
+
+
 def _offset(name):
     return property(lambda self: self._c[name], doc=f"byte offset of {name} (see en_ring.h)")
 
@@ -132,18 +138,24 @@ class Layout:
         object.__setattr__(self, "_c", _ring.layout(self.nslots, self.batch_size,
                                                     self.sample_bytes, self.max_objects))
 
-    # Offsets in a slot of: labels i64[B], sample ids i64[B], status u8[B], failure
-    # reason u8[B], flip u8[B], boxes f32[B, 4], image shape u16[B, 2], source shape
-    # i32[B, 2], canvas scale f32[B, 2], pixels u8[B, S] (page-aligned); and the bytes
-    # of a slot (a page multiple) and of the whole segment.
-    labels, sample_ids, status, reason, flip, boxes, shapes, source_hw, canvas_scale, \
-        obj_count, obj_boxes, obj_labels, obj_flags, pixels, slot_bytes, total_bytes = map(
-            _offset, ("labels", "sample_ids", "status", "reason", "flip", "boxes", "shapes",
-                      "source_hw", "canvas_scale", "obj_count", "obj_boxes", "obj_labels",
-                      "obj_flags", "pixels", "slot_bytes", "total_bytes"))
+    # The offset in a slot of each column of COLUMNS (an attribute of its name, set
+    # below), of the pixels (u8[B, sample_bytes], page-aligned); and the bytes of a slot
+    # (a page multiple) and of the whole segment.
+    pixels, slot_bytes, total_bytes = map(_offset, ("pixels", "slot_bytes", "total_bytes"))
 
     def slot(self, i):
         return HEADER_BYTES + (i % self.nslots) * self.slot_bytes
+
+    def column_shape(self, rows, width):
+        """The shape of a column's array in one slot: (B,) or (B, max_objects), and the
+        row's width when it is more than one element."""
+        shape = (self.batch_size,) if rows == "sample" else (self.batch_size,
+                                                              self.max_objects)
+        return shape + ((width,) if width > 1 else ())
+
+
+for _name, *_ in COLUMNS:
+    setattr(Layout, _name, _offset(_name))
 
 
 class Meta(NamedTuple):
@@ -179,24 +191,11 @@ class SlotView:
     def __init__(self, buf, layout: Layout, index: int):
         b, B, base = buf, layout.batch_size, layout.slot(index)
         self.base = base
-        self.labels = np.frombuffer(b, np.int64, B, base + layout.labels)
-        self.sample_ids = np.frombuffer(b, np.int64, B, base + layout.sample_ids)
-        self.status = np.frombuffer(b, np.uint8, B, base + layout.status)
-        self.reason = np.frombuffer(b, np.uint8, B, base + layout.reason)
-        self.flip = np.frombuffer(b, np.uint8, B, base + layout.flip)
-        self.boxes = np.frombuffer(b, np.float32, 4 * B, base + layout.boxes).reshape(B, 4)
-        self.shapes = np.frombuffer(b, np.uint16, 2 * B, base + layout.shapes).reshape(B, 2)
-        self.source_hw = np.frombuffer(b, np.int32, 2 * B, base + layout.source_hw).reshape(B, 2)
-        self.canvas_scale = np.frombuffer(b, np.float32, 2 * B,
-                                          base + layout.canvas_scale).reshape(B, 2)
-        M = layout.max_objects
-        self.obj_count = np.frombuffer(b, np.uint16, B, base + layout.obj_count)
-        self.obj_boxes = np.frombuffer(b, np.float32, B * M * 4,
-                                       base + layout.obj_boxes).reshape(B, M, 4)
-        self.obj_labels = np.frombuffer(b, np.int64, B * M,
-                                        base + layout.obj_labels).reshape(B, M)
-        self.obj_flags = np.frombuffer(b, np.uint8, B * M,
-                                       base + layout.obj_flags).reshape(B, M)
+        # One view per column of the record (COLUMNS), named as in C.
+        for name, dtype, rows, width in COLUMNS:
+            shape = layout.column_shape(rows, width)
+            setattr(self, name, np.frombuffer(b, dtype, int(np.prod(shape)),
+                                              base + getattr(layout, name)).reshape(shape))
         self.pixels = np.frombuffer(b, np.uint8, layout.sample_bytes * B,
                                     base + layout.pixels).reshape(B, layout.sample_bytes)
         self.report_area = np.frombuffer(b, np.uint8, REPORT_BYTES, base + _S["report"])

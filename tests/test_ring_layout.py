@@ -143,6 +143,31 @@ def test_python_offsets_equal_the_c_struct_offsets(demo, geometry):
     assert {k: getattr(layout, k) for k in c["layout"]} == c["layout"]
 
 
+@pytest.mark.parametrize("geometry", [(2, 3, 8), (3, 5, 100, 7), (2, 1, 0, 0)])
+def test_a_slot_view_is_the_record_table(geometry):
+    """The record is defined once (EN_RING_COLUMNS): each of its columns is a SlotView
+    array of the table's dtype and shape at the layout's offset, in the table's order,
+    none overlapping the next, all before the pixels."""
+    ring = Ring.create(*geometry[:3], max_objects=geometry[3] if len(geometry) > 3 else 0)
+    try:
+        layout, view = ring.layout, ring.slots[1]
+        names = [name for name, *_ in rg.COLUMNS]
+        assert names[:2] == ["labels", "sample_ids"] and "obj_flags" in names
+        end = 0
+        for name, dtype, rows, width in rg.COLUMNS:
+            array = getattr(view, name)
+            assert array.dtype == np.dtype(dtype), name
+            assert array.shape == layout.column_shape(rows, width), name
+            start = array.__array_interface__["data"][0] - \
+                np.frombuffer(ring.buf, np.uint8, 1, layout.slot(1)).__array_interface__["data"][0]
+            assert start == getattr(layout, name) >= end, name
+            assert start % np.dtype(dtype).itemsize == 0, name
+            end = start + array.nbytes
+        assert end <= layout.pixels
+    finally:
+        ring.unlink()
+
+
 def test_slot_meta_lands_where_c_reads_it():
     """write_meta stores count, error, failures, ticket, fill time, warned count and report
     length at the C offsets."""

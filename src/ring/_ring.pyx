@@ -51,10 +51,15 @@ cdef extern from "en_ring.h" nogil:
         uint32_t batch
         uint64_t sample_bytes
         uint32_t max_objects
-        size_t labels, sample_ids, status, reason, flip
-        size_t boxes, shapes, source_hw, canvas_scale
-        size_t obj_count, obj_boxes, obj_labels, obj_flags
+        # the columns' offsets: read through en_ring_columns (EN_RING_COLUMNS)
         size_t pixels, slot_bytes, total_bytes
+    ctypedef struct en_ring_column:
+        const char *name
+        const char *dtype
+        uint32_t rows, width
+        size_t layout_field
+    const en_ring_column en_ring_columns[]
+    int EN_RING_ROWS_SAMPLE, EN_RING_ROWS_OBJECT
     ctypedef struct en_ring_field:
         const char *name
         size_t offset, size, width
@@ -116,14 +121,35 @@ SLOT_FIELDS = _fields(en_ring_slot_fields)
 FAILURE_FIELDS = _fields(en_ring_failure_fields)
 
 
+cdef tuple _columns():
+    cdef list out = []
+    cdef size_t i = 0
+    while en_ring_columns[i].name != NULL:
+        c = en_ring_columns[i]
+        out.append((c.name.decode(), c.dtype.decode(),
+                    "sample" if c.rows == EN_RING_ROWS_SAMPLE else "object", int(c.width)))
+        i += 1
+    return tuple(out)
+
+
+#: A sample's record in a slot, as C lays it out (EN_RING_COLUMNS in en_ring.h): one
+#: ``(name, dtype, rows, width)`` per column, in slot order; ``rows`` is "sample" (one
+#: row per sample of the batch) or "object" (max_objects rows per sample), ``width``
+#: the elements of a row.
+COLUMNS = _columns()
+
+
 cdef dict _layout_dict(const en_ring_layout *l):
-    return {"nslots": l.nslots, "batch": l.batch, "sample_bytes": l.sample_bytes,
-            "labels": l.labels, "sample_ids": l.sample_ids, "status": l.status,
-            "reason": l.reason, "flip": l.flip, "boxes": l.boxes, "shapes": l.shapes,
-            "source_hw": l.source_hw, "canvas_scale": l.canvas_scale, "pixels": l.pixels,
-            "max_objects": l.max_objects, "obj_count": l.obj_count, "obj_boxes": l.obj_boxes,
-            "obj_labels": l.obj_labels, "obj_flags": l.obj_flags,
-            "slot_bytes": l.slot_bytes, "total_bytes": l.total_bytes}
+    cdef dict d = {"nslots": l.nslots, "batch": l.batch, "sample_bytes": l.sample_bytes,
+                   "max_objects": l.max_objects, "pixels": l.pixels,
+                   "slot_bytes": l.slot_bytes, "total_bytes": l.total_bytes}
+    cdef size_t i = 0
+    cdef const char *base = <const char *>l
+    while en_ring_columns[i].name != NULL:
+        d[en_ring_columns[i].name.decode()] = \
+            (<const size_t *>(base + en_ring_columns[i].layout_field))[0]
+        i += 1
+    return d
 
 
 cdef en_ring_layout _compute(object nslots, object batch, object sample_bytes,

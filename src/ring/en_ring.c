@@ -48,6 +48,11 @@ const en_ring_field en_ring_failure_fields[] = {
 #undef F
 #undef END
 
+#define EN_RING_COLUMN(name, type, dtype, align, rows, width) \
+    {#name, dtype, EN_RING_ROWS_##rows, width, offsetof(en_ring_layout, name)},
+const en_ring_column en_ring_columns[] = {EN_RING_COLUMNS(EN_RING_COLUMN) {NULL, NULL, 0, 0, 0}};
+#undef EN_RING_COLUMN
+
 /* *at = align(*at, a) + n * width, refusing overflow; returns the aligned start. */
 static int place(size_t *at, size_t align, size_t n, size_t width, size_t *start) {
     size_t s, bytes;
@@ -67,17 +72,14 @@ int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_byte
                         .max_objects = max_objects};
     size_t at = sizeof(en_ring_slot), end, objects;
     if (__builtin_mul_overflow((size_t)batch, (size_t)max_objects, &objects)) return -1;
-    /* Each array on its element's natural alignment (boxes on 16, for SIMD
-     * loads of a whole box), pixels on a page so that they can be pinned or
-     * mapped for a device on their own. */
-    if (place(&at, 8, batch, 8, &l.labels) || place(&at, 8, batch, 8, &l.sample_ids) ||
-        place(&at, 1, batch, 1, &l.status) || place(&at, 1, batch, 1, &l.reason) ||
-        place(&at, 1, batch, 1, &l.flip) || place(&at, 16, batch, 16, &l.boxes) ||
-        place(&at, 2, batch, 4, &l.shapes) || place(&at, 8, batch, 8, &l.source_hw) ||
-        place(&at, 8, batch, 8, &l.canvas_scale) || place(&at, 2, batch, 2, &l.obj_count) ||
-        place(&at, 16, objects, 16, &l.obj_boxes) || place(&at, 8, objects, 8, &l.obj_labels) ||
-        place(&at, 1, objects, 1, &l.obj_flags) ||
-        place(&at, EN_RING_PAGE, batch, (size_t)sample_bytes, &l.pixels) ||
+    /* The record's columns in their order, each on its alignment; pixels on a page
+     * so that they can be pinned or mapped for a device on their own. */
+    const size_t rows[] = {[EN_RING_ROWS_SAMPLE] = batch, [EN_RING_ROWS_OBJECT] = objects};
+#define EN_RING_PLACE(name, type, dtype, align, r, width) \
+    if (place(&at, align, rows[EN_RING_ROWS_##r], (width) * sizeof(type), &l.name)) return -1;
+    EN_RING_COLUMNS(EN_RING_PLACE)
+#undef EN_RING_PLACE
+    if (place(&at, EN_RING_PAGE, batch, (size_t)sample_bytes, &l.pixels) ||
         place(&at, EN_RING_PAGE, 0, 0, &end))
         return -1;
     l.slot_bytes = end;

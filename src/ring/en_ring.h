@@ -158,6 +158,33 @@ _Static_assert(sizeof(en_ring_failure) == 24, "unexpected padding in en_ring_fai
 _Static_assert(sizeof(en_ring_failure) % EN_RING_FAILURE_ALIGN == 0, "records stay aligned");
 _Static_assert(EN_RING_REPORT_BYTES % EN_RING_FAILURE_ALIGN == 0, "records stay aligned");
 
+/* A sample's record in a slot: one column per field, each an array over the batch,
+ * in this order after the slot's header words.  The one place the record is spelled
+ * out: the layout, the binding's views and the consumer's batches all iterate it.
+ *
+ *   X(name, C type, NumPy dtype, alignment, rows, width)
+ *
+ * rows: SAMPLE (one row per sample of the batch) or OBJECT (max_objects rows per
+ * sample); width: elements of the type per row.  Alignment is the array's: boxes on
+ * 16 bytes, for SIMD loads of a whole box.  Pixels (page-aligned, sample_bytes a
+ * sample) follow the columns. */
+#define EN_RING_COLUMNS(X) \
+    X(labels,       int64_t,  "i8", 8,  SAMPLE, 1) /* the sample's class */            \
+    X(sample_ids,   int64_t,  "i8", 8,  SAMPLE, 1) /* its index in the source */       \
+    X(status,       uint8_t,  "u1", 1,  SAMPLE, 1) /* OK or a failure's code */        \
+    X(reason,       uint8_t,  "u1", 1,  SAMPLE, 1) /* EN_RING_REASON_* of a failure */  \
+    X(flip,         uint8_t,  "u1", 1,  SAMPLE, 1) /* mirrored by the crop */          \
+    X(boxes,        float,    "f4", 16, SAMPLE, 4) /* crop box (top, left, h, w) */    \
+    X(shapes,       uint16_t, "u2", 2,  SAMPLE, 2) /* pixels' (height, width) */       \
+    X(source_hw,    int32_t,  "i4", 8,  SAMPLE, 2) /* the decoded image's size */      \
+    X(canvas_scale, float,    "f4", 8,  SAMPLE, 2) /* source px per canvas px */       \
+    X(obj_count,    uint16_t, "u2", 2,  SAMPLE, 1) /* objects of the sample */         \
+    X(obj_boxes,    float,    "f4", 16, OBJECT, 4) /* xyxy in source pixels */         \
+    X(obj_labels,   int64_t,  "i8", 8,  OBJECT, 1)                                     \
+    X(obj_flags,    uint8_t,  "u1", 1,  OBJECT, 1) /* EN_RING_OBJ_* */
+
+enum { EN_RING_ROWS_SAMPLE = 0, EN_RING_ROWS_OBJECT = 1 };
+
 /* Where the per-sample arrays of a slot lie, for one geometry.  Offsets are
  * from the start of a slot. */
 typedef struct en_ring_layout {
@@ -165,13 +192,24 @@ typedef struct en_ring_layout {
     uint32_t batch;
     uint64_t sample_bytes;
     uint32_t max_objects;
-    size_t labels, sample_ids, status, reason, flip;
-    size_t boxes, shapes, source_hw, canvas_scale;
-    size_t obj_count, obj_boxes, obj_labels, obj_flags;
+#define EN_RING_OFFSET_FIELD(name, type, dtype, align, rows, width) size_t name;
+    EN_RING_COLUMNS(EN_RING_OFFSET_FIELD)
+#undef EN_RING_OFFSET_FIELD
     size_t pixels;         /* page-aligned */
     size_t slot_bytes;     /* a page multiple */
     size_t total_bytes;    /* header page + every slot */
 } en_ring_layout;
+
+/* One column of EN_RING_COLUMNS, for bindings: its name, NumPy dtype, rows
+ * (EN_RING_ROWS_*), width, and where en_ring_layout keeps its offset. */
+typedef struct en_ring_column {
+    const char *name;
+    const char *dtype;
+    uint32_t rows;
+    uint32_t width;
+    size_t layout_field;   /* offsetof(en_ring_layout, <name>) */
+} en_ring_column;
+extern const en_ring_column en_ring_columns[];   /* ends with a NULL name */
 
 /* Fill *out for a geometry; 0 on success, -1 (out untouched) for one that
  * cannot exist: no slots, an empty batch, more than EN_RING_MAX_OBJECTS
