@@ -3,11 +3,105 @@ read twice: one iteration at a time, ``with`` blocks, and no pickling."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 
 NOT_PICKLABLE = ("a {0} cannot be pickled: it owns worker processes and shared memory "
                  "that only its own process may use. Pickle (or send) its source and specs "
                  "instead, and build a new {0} from them where it is needed")
+
+
+class _Sigint:
+    """The state of the SIGINT handler :func:`deferred_interrupts` installs."""
+
+    installed = False   # our handler is in place (the outermost block put it there)
+    caught = False      # a Ctrl-C came while it was, and is held
+    open = 0            # inside an interruptible() wait: a Ctrl-C raises at once
+    second = 0          # inside a second_press() wait: a second Ctrl-C raises at once
+    pressed = False     # a Ctrl-C came during that wait
+
+
+def _hold(signum, frame):
+    if _Sigint.open or (_Sigint.second and _Sigint.pressed):
+        _Sigint.caught = _Sigint.pressed = False
+        raise KeyboardInterrupt
+    _Sigint.caught = True
+    _Sigint.pressed = bool(_Sigint.second)
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Hold a Ctrl-C until the block is done.
+
+    The block moves batches or examples between an upstream, an echo buffer and
+    the consumer; a KeyboardInterrupt in its middle would lose one or hand it out
+    twice, and a training loop may catch the interrupt and iterate on.  Inside
+    the block, an :func:`interruptible` wait (for the upstream's next batch)
+    still raises at once, so a stuck upstream can be interrupted.  Only the main
+    thread receives KeyboardInterrupt, and only there can the handler be
+    swapped; a handler the user installed is left alone.  Blocks nest: an inner
+    one holds a Ctrl-C even inside an outer interruptible wait.
+    """
+    if _Sigint.installed:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        outer, _Sigint.open = _Sigint.open, 0
+        try:
+            yield
+        finally:
+            _Sigint.open = outer
+        if outer and _Sigint.caught:   # back in an interruptible wait: raise it now
+            _Sigint.caught = False
+            raise KeyboardInterrupt
+        return
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    _Sigint.caught, _Sigint.open = False, 0
+    signal.signal(signal.SIGINT, _hold)
+    _Sigint.installed = True
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _Sigint.installed = False
+        if _Sigint.caught:
+            _Sigint.caught = False
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interruptible():
+    """A wait inside :func:`deferred_interrupts` (for the upstream's next batch) that a
+    Ctrl-C ends at once, as it would outside: nothing has been taken yet."""
+    if not _Sigint.installed or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if _Sigint.caught:
+        _Sigint.caught = False
+        raise KeyboardInterrupt
+    _Sigint.open += 1
+    try:
+        yield
+    finally:
+        _Sigint.open -= 1
+
+
+@contextlib.contextmanager
+def second_press():
+    """Inside :func:`deferred_interrupts`, a wait in code that a KeyboardInterrupt would
+    break for good (a wrapped generator dies of one): the first Ctrl-C is held until
+    the wait is over, a second one raises at once (a stuck loader can still be
+    stopped)."""
+    _Sigint.second += 1
+    _Sigint.pressed = False   # one held from before the wait is not the first press
+    try:
+        yield
+    finally:
+        _Sigint.second -= 1
+        _Sigint.pressed = False
 
 
 class IterationGuard:
@@ -21,12 +115,20 @@ class IterationGuard:
     consumer works on its batch.
     """
 
-    def __init__(self, owner):
+    def __init__(self, owner, hold_interrupts=False):
         self._owner = owner
+        # Hold a Ctrl-C while a step moves a batch out of the source (but for the
+        # source's interruptible() waits): a caught Ctrl-C then neither loses nor repeats
+        # a batch.  For sources whose waits are marked so (the echo stages' takes).
+        self.hold_interrupts = hold_interrupts
         self._lock = threading.Lock()
         self._token = None      # the live iterator's
         self._source = None     # its generator of batches, to close on take-over
         self._deferred = None   # what stop() left for the stepping thread to run
+        # A batch taken from the source and not yet handed to the consumer (a Ctrl-C came
+        # between the two): the next iteration hands it out first.
+        self._ready = None
+        self._handed = False    # _ready reached the consumer
 
     def iterate(self, make):
         """Batches of the generator ``make()`` returns, guarded."""
@@ -43,12 +145,26 @@ class IterationGuard:
                             f"this {self._owner} iterator was superseded: the {self._owner} "
                             f"was closed, or iterated again, since it was taken (one "
                             f"iteration at a time; start a new `for` loop over it)")
-                    try:
-                        batch = next(source)
-                    except StopIteration:
-                        self._token = self._source = None
-                        return
-                yield batch
+                    if self._ready is None or self._handed:
+                        self._ready, self._handed = None, False
+                        # A Ctrl-C while the source moves a batch (but for its waits on
+                        # the upstream) is held until the batch is kept in _ready.
+                        with deferred_interrupts() if self.hold_interrupts else \
+                                contextlib.nullcontext():
+                            try:
+                                self._ready = next(source)
+                            except StopIteration:
+                                self._token = self._source = None
+                                return
+                # No signal is handled between this store and the yield (no call, no
+                # jump back): _handed is True exactly when the consumer has the batch.
+                self._handed = True
+                try:
+                    yield self._ready
+                except BaseException:
+                    self._ready = None   # raised at the yield: the consumer had it
+                    raise
+                self._ready = None
         finally:
             # Left early (break, an exception): the stream stops here, and a later
             # iteration continues from it.  (Only this generator can hold the lock
@@ -88,10 +204,10 @@ class IterationGuard:
         return self._lock.locked()
 
     def end(self):
-        """End every live iterator (close())."""
+        """End every live iterator (close(), a new stream position)."""
         with self._step():
             self._close_source()
-            self._token = None
+            self._token = self._ready = None
 
     def _close_source(self):
         source, self._source = self._source, None

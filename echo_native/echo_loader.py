@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 
 from echo_native._checks import is_int
-from echo_native._iteration import IterationGuard, Started
+from echo_native._iteration import IterationGuard, Started, second_press
 from echo_native.backends.array import ArrayDevice
 from echo_native.batch import Fresh
 from echo_native.echo.auto import AutoEcho
@@ -100,18 +100,20 @@ class IterableUpstream:
         if self._it is None:
             self._it = iter(self.iterable)
         t0 = time.perf_counter()
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self._ended_early()
-            self._next_epoch()
-            raise EpochEnd from None
-        except Exception as err:
-            self._failed(err)
-            raise
-        # From here the batch is out of the wrapped loader: a Ctrl-C before it is held
-        # would lose it.
+        # A Ctrl-C inside the wrapped loader would kill a generator, and one after its
+        # batch is out and before it is held would lose the batch: the first is held
+        # until the batch is, a second raises at once (to stop a stuck loader).
         with deferred_interrupts():
+            try:
+                with second_press():
+                    batch = next(self._it)
+            except StopIteration:
+                self._ended_early()
+                self._next_epoch()
+                raise EpochEnd from None
+            except Exception as err:
+                self._failed(err)
+                raise
             now = time.perf_counter()
             waited, period = now - t0, now - (self._last if self._last is not None else t0)
             self._last = now
@@ -418,7 +420,7 @@ class EchoLoader(Started):
         self.stage = None
         self._restored_skip = ()
         self._reopen = None     # what close() left for the next iteration (see close)
-        self._iteration = IterationGuard("EchoLoader")
+        self._iteration = IterationGuard("EchoLoader", hold_interrupts=True)
 
     # -- the stage, made at the first batch (its size is the wrapped loader's) --------------
     def _make_stage(self, B):

@@ -17,44 +17,18 @@ first emissions that makes a resume exact.  Subclasses, one per placement:
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
-import signal
-import threading
 import time
 
 import numpy as np
 
+from echo_native._iteration import deferred_interrupts, interruptible
 from echo_native.batch import Books
 from echo_native.echo.buffer import BatchWindow, ExampleBuffer
 from echo_native.echo.counts import (counts_from, echo_counts, echo_draws, echo_draws_at,
                                      shuffle_rng)
 from echo_native.echo.ledger import FreshLedger
 from echo_native.echo.upstream import EpochEnd
-
-
-@contextlib.contextmanager
-def deferred_interrupts():
-    """Hold a Ctrl-C until the block is done.
-
-    The block moves examples between the upstream, the echo buffer and a batch;
-    a KeyboardInterrupt in its middle would lose an example or emit one twice,
-    and a training loop may catch the interrupt and iterate on.  Only the main
-    thread receives KeyboardInterrupt, and only there can the handler be
-    swapped; a handler the user installed is left alone.
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    caught = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if caught:
-            raise KeyboardInterrupt
 
 
 def name_batch(err, fresh):
@@ -173,7 +147,8 @@ class Stage:
     def take(self):
         """The next fresh batch, its wait and its upstream cost booked."""
         t0 = time.perf_counter()
-        fresh = self.upstream.next_fresh()
+        with interruptible():   # nothing taken yet: a Ctrl-C may end the wait
+            fresh = self.upstream.next_fresh()
         self.books.wait_s += time.perf_counter() - t0
         self.books.fill_s += fresh.fill_s
         if self.auto is not None:
