@@ -9,7 +9,7 @@ _Buffer: TypeAlias = bytes | bytearray | memoryview | npt.NDArray[np.uint8]
 
 ROW: int
 
-def transcode(data: _Buffer, restart: int = ..., max_pixels: int = ..., max_scans: int = ...,
+def transcode(data: _Buffer, restart: int = ..., restart_px: int = ..., max_pixels: int = ..., max_scans: int = ...,
               max_memory: int = ...) -> tuple[bytes, dict[str, Any]]: ...
 def parse(data: _Buffer) -> dict[str, Any] | None: ...
 

@@ -27,14 +27,20 @@ from dataclasses import dataclass
 from echo_native import _seek
 from echo_native.errors import DecodeError
 
-#: MCUs per restart interval by default: the knee of the bytes/speed curve measured in
-#: benchmarks/bench_seekable.py (docs/seekable.md): every 4 MCUs.
-DEFAULT_RESTART = 4
+#: The default restart segment: 128 pixels of width (8 MCUs of 4:2:0 or 4:2:2, 16 of
+#: 4:4:4 or greyscale), from the bytes/speed curve of benchmarks/bench_seekable.py
+#: (docs/seekable.md): as fast as a marker every 1-4 MCUs on both corpora (a crop's
+#: columns round out to 128 px, but fewer markers and DC resets pay for it), at a
+#: fraction of the bytes.  A marker costs the same bytes whatever the MCU covers, so the
+#: default is a width in pixels, not a count of MCUs (4:4:4 has 4x the MCUs of 4:2:0).
+DEFAULT_RESTART_PX = 128
+#: ``restart=DEFAULT``: :data:`DEFAULT_RESTART_PX` wide segments.
+DEFAULT = None
 #: ``restart=ROW``: one restart segment per MCU row (crops then decode whole rows).
 ROW = _seek.ROW
 SIGNATURE = b"ENSEEK\x00\x01"
 
-__all__ = ["DEFAULT_RESTART", "ROW", "Transcoded", "index_info", "is_seekable",
+__all__ = ["DEFAULT", "DEFAULT_RESTART_PX", "ROW", "Transcoded", "index_info", "is_seekable",
            "make_seekable", "transcode"]
 
 
@@ -58,28 +64,32 @@ def is_seekable(data) -> bool:
             and data[3] == 0xE9 and bytes(data[6:14]) == SIGNATURE)
 
 
-def transcode(data, restart: int = DEFAULT_RESTART, *, max_pixels: int | None = None,
+def transcode(data, restart: int | None = DEFAULT, *, max_pixels: int | None = None,
               max_scans: int | None = None, max_memory: int | None = None) -> Transcoded:
     """Rewrite a JPEG losslessly as a seekable one (see the module's docstring).
 
     ``restart``: MCUs per restart interval; a crop takes whole segments, so the interval
     used is the largest divisor of an MCU row's count not above it (``ROW``: one segment
-    per MCU row).  Refuses, with :class:`DecodeError` naming why, what it cannot keep
+    per MCU row; ``DEFAULT``: segments :data:`DEFAULT_RESTART_PX` pixels wide).  Refuses, with :class:`DecodeError` naming why, what it cannot keep
     exact: damaged data (libjpeg would substitute coefficients), colour spaces other than
     YCbCr and greyscale (CMYK, YCCK, RGB-coded), 12-bit and lossless JPEG.  The limits
     default to the decoder's (:class:`echo_native.DecodeLimits`).
     """
-    if not isinstance(restart, int) or isinstance(restart, bool) or restart < 0:
-        raise ValueError(f"restart must be a number of MCUs >= 1 or ROW (0), got {restart!r}")
+    px = 0
+    if restart is DEFAULT:
+        restart, px = 1, DEFAULT_RESTART_PX
+    elif not isinstance(restart, int) or isinstance(restart, bool) or restart < 0:
+        raise ValueError(f"restart must be a number of MCUs >= 1, ROW (0) or DEFAULT (None), "
+                         f"got {restart!r}")
     kw = {k: v for k, v in (("max_pixels", max_pixels), ("max_scans", max_scans),
                             ("max_memory", max_memory)) if v is not None}
     buf = data if not isinstance(data, bytearray) else bytes(data)
-    out, facts = _seek.transcode(buf, restart, **kw)
+    out, facts = _seek.transcode(buf, restart, px, **kw)
     return Transcoded(out, facts["interval"], facts["segments"], facts["index_bytes"],
                       facts["width"], facts["height"], facts["mcu"], facts["progressive_in"])
 
 
-def make_seekable(data, restart: int = DEFAULT_RESTART) -> tuple[bytes, str | None]:
+def make_seekable(data, restart: int | None = DEFAULT) -> tuple[bytes, str | None]:
     """``(bytes, None)`` seekable, or ``(data, reason)`` unchanged when it cannot be
     transcoded losslessly (not a JPEG, CMYK, damaged, ...): what a shard writer stores.
     An input that already is seekable is kept as it is."""

@@ -125,6 +125,12 @@ def test_restart_interval_divides_the_row():
     assert seekable.transcode(d32, 6).interval == 4
     with pytest.raises(ValueError, match="restart"):
         seekable.transcode(d32, -1)
+    # The default: segments 128 px wide, whatever the MCU (8 MCUs of 4:2:0, 16 of 4:4:4;
+    # 50 MCUs of 4:4:4 a row: 10 divides it).
+    assert seekable.transcode(d32).interval == 8
+    assert seekable.transcode(make("444", 64, 512)).interval == 16
+    assert seekable.transcode(make("444", 64, 400)).interval == 10
+    assert seekable.transcode(make("gray", 64, 400)).interval == 10
 
 
 def test_optimised_tables_pay_for_the_markers():

@@ -45,6 +45,7 @@ cdef extern from "en_seek.h" nogil:
         EN_SEEK_ROW
     ctypedef struct en_transcode_opts:
         int restart
+        int restart_px
         uint64_t max_pixels
         int max_scans
         uint64_t max_memory
@@ -90,17 +91,19 @@ cdef inline const uint8_t *_ptr(const uint8_t[::1] data):
     return &data[0] if data.shape[0] > 0 else _EMPTY
 
 
-def transcode(const uint8_t[::1] data not None, int restart=1,
+def transcode(const uint8_t[::1] data not None, int restart=1, int restart_px=0,
               uint64_t max_pixels=EN_DEFAULT_MAX_PIXELS, int max_scans=EN_DEFAULT_MAX_SCANS,
               uint64_t max_memory=EN_DEFAULT_MAX_MEMORY):
     """(seekable JPEG bytes, facts dict).  ``restart``: MCUs per restart interval (the
-    largest divisor of an MCU row's count not above it), or ``ROW`` (0) for one per MCU row.
+    largest divisor of an MCU row's count not above it), or ``ROW`` (0) for one per MCU row;
+    ``restart_px`` > 0 instead asks for segments that many pixels wide.
     DecodeError names what stops a lossless transcode (damaged data, CMYK, ...)."""
     cdef en_transcode_opts o
     cdef en_transcode_result r
     cdef char msg[512]
     cdef int st
-    o.restart, o.max_pixels, o.max_scans, o.max_memory = restart, max_pixels, max_scans, max_memory
+    o.restart, o.restart_px = restart, restart_px
+    o.max_pixels, o.max_scans, o.max_memory = max_pixels, max_scans, max_memory
     cdef const uint8_t *p = _ptr(data)
     cdef size_t n = data.shape[0]
     with nogil:

@@ -31,6 +31,8 @@ extern "C" {
 
 typedef struct en_transcode_opts {
     int restart;          /* MCUs per restart interval (>= 1), or EN_SEEK_ROW */
+    int restart_px;       /* > 0: instead, as many MCUs as make this many pixels of width
+                           * (at least one): the same segment width for every sampling */
     uint64_t max_pixels;  /* refuse larger images (decompression bombs) */
     int max_scans;        /* progressive scans allowed */
     uint64_t max_memory;  /* coefficient memory allowed */

@@ -213,7 +213,9 @@ int en_seek_transcode(const uint8_t *data, size_t len, en_transcode_opts opts,
         if (dst.comp_info[i].h_samp_factor > maxh) maxh = dst.comp_info[i].h_samp_factor;
     const int mcu_w = dst.num_components == 1 ? 8 : 8 * maxh;
     const int mcus_per_row = (int)((dst.image_width + mcu_w - 1) / mcu_w);
-    const int interval = pick_interval(opts.restart, mcus_per_row);
+    int want = opts.restart;
+    if (opts.restart_px > 0) want = opts.restart_px / mcu_w > 0 ? opts.restart_px / mcu_w : 1;
+    const int interval = pick_interval(want, mcus_per_row);
     if (interval > 65535) {
         snprintf(errmsg, errcap, "an MCU row of %d MCUs does not fit a DRI", interval);
         longjmp(err.jump, 1);
