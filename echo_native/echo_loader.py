@@ -645,7 +645,14 @@ class EchoLoader(Started):
             self.upstream.interrupt()
             return
         if self._reopen is None and self.stage is not None and self._mid_epoch():
-            self._reopen = self.state_dict() if self.resumable else {"epoch": self.epoch}
+            self._reopen = {"epoch": self.epoch}
+            if self.resumable:
+                try:
+                    self._reopen = self.state_dict()
+                except Exception as err:   # close() must close: read on as without state
+                    warnings.warn(f"EchoLoader.close: the state to continue from could not "
+                                  f"be taken ({type(err).__name__}: {err})", RuntimeWarning,
+                                  stacklevel=2)
         self.upstream.close()
         if self.stage is not None:
             self.stage.close()
