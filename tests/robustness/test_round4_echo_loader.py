@@ -703,8 +703,9 @@ def _interrupted(make_iterable, interrupts=300, seed=0):
     """Iterate with SIGINT sent to this process every 1-8 ms (at most ``interrupts`` of
     them), catching each KeyboardInterrupt and iterating on, as a training loop that
     catches Ctrl-C to save and go on would.  Returns what ``collect`` kept."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("SIGINT has a handler of its own here")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or \
+            threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT has a handler of its own here, or tests run off the main thread")
     stop, go, sent = threading.Event(), threading.Event(), [0]
 
     def sender():
@@ -838,8 +839,9 @@ def _signal_when_inside(loader, presses, then_release):
 
 
 def test_one_ctrl_c_in_a_slow_loader_is_held_until_its_batch_is_kept():
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("SIGINT has a handler of its own here")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or \
+            threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT has a handler of its own here, or tests run off the main thread")
     loader = Waiting(at=4)
     el = en.EchoLoader(loader, echo=2, seed=1, with_info=True)
     t = _signal_when_inside(loader, presses=1, then_release=True)
@@ -858,8 +860,9 @@ def test_one_ctrl_c_in_a_slow_loader_is_held_until_its_batch_is_kept():
 
 
 def test_a_second_ctrl_c_interrupts_a_stuck_loader():
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("SIGINT has a handler of its own here")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or \
+            threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT has a handler of its own here, or tests run off the main thread")
     loader = Waiting(at=4)
     el = en.EchoLoader(loader, echo=2, seed=1, with_info=True)
     t = _signal_when_inside(loader, presses=2, then_release=False)
