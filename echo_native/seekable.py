@@ -64,6 +64,14 @@ def is_seekable(data) -> bool:
             and data[3] == 0xE9 and bytes(data[6:14]) == SIGNATURE)
 
 
+def check_restart(restart):
+    """ValueError unless ``restart`` is a number of MCUs >= 1, ``ROW`` or ``DEFAULT``."""
+    if restart is not DEFAULT and (not isinstance(restart, int) or isinstance(restart, bool)
+                                   or restart < 0):
+        raise ValueError(f"restart must be a number of MCUs >= 1, ROW (0) or DEFAULT (None), "
+                         f"got {restart!r}")
+
+
 def transcode(data, restart: int | None = DEFAULT, *, max_pixels: int | None = None,
               max_scans: int | None = None, max_memory: int | None = None) -> Transcoded:
     """Rewrite a JPEG losslessly as a seekable one (see the module's docstring).
@@ -75,12 +83,10 @@ def transcode(data, restart: int | None = DEFAULT, *, max_pixels: int | None = N
     YCbCr and greyscale (CMYK, YCCK, RGB-coded), 12-bit and lossless JPEG.  The limits
     default to the decoder's (:class:`echo_native.DecodeLimits`).
     """
+    check_restart(restart)
     px = 0
     if restart is DEFAULT:
         restart, px = 1, DEFAULT_RESTART_PX
-    elif not isinstance(restart, int) or isinstance(restart, bool) or restart < 0:
-        raise ValueError(f"restart must be a number of MCUs >= 1, ROW (0) or DEFAULT (None), "
-                         f"got {restart!r}")
     kw = {k: v for k, v in (("max_pixels", max_pixels), ("max_scans", max_scans),
                             ("max_memory", max_memory)) if v is not None}
     buf = data if not isinstance(data, bytearray) else bytes(data)

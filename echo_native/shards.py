@@ -62,7 +62,8 @@ class ShardWriteError(ValueError):
 
 class ShardList(list):
     """The shards written (paths or URLs, in order), plus what happened on the way:
-    ``samples`` packed, ``failures`` as ``(input name, message)`` pairs, ``reencoded``."""
+    ``samples`` packed, ``failures`` as ``(input name, message)`` pairs, ``reencoded``,
+    ``not_seekable`` and ``resumed``."""
 
     samples: int = 0
     reencoded: int = 0
@@ -70,6 +71,10 @@ class ShardList(list):
     def __init__(self, paths=(), failures=None):
         super().__init__(paths)
         self.failures = list(failures or [])
+        #: ``(input name, why)`` of the JPEGs ``seekable=True`` stored as they were.
+        self.not_seekable = []
+        #: Shards an interrupted run left complete, kept by ``resume=True``.
+        self.resumed = len(self)
 
 
 def parse_size(text) -> int:
@@ -147,8 +152,14 @@ def _closed_size(members_bytes):
 class _Output:
     """Where finished shards go: a local folder (rename into place) or a URL (upload)."""
 
-    def __init__(self, out, storage_options, remote, overwrite):
+    def __init__(self, out, storage_options, remote, overwrite, resume=False):
         self.url = _remote.is_url(str(out))
+        self.kept, self.next_key = [], 0
+        if resume and (self.url or overwrite):
+            raise ValueError("resume=True needs a local out_dir and overwrite=False")
+        if resume:
+            self._resume(out)
+            return
         if self.url:
             self.base = str(out).rstrip("/")
             self.store = _remote.RemoteStore(storage_options, remote)
@@ -171,6 +182,31 @@ class _Output:
                                       f"/ --overwrite to replace them)")
             for n in existing:
                 os.unlink(os.path.join(self.base, n))
+
+    def _resume(self, out):
+        """Keep the complete shards of an interrupted run: shard-0..k-1 each with its
+        index (a shard is renamed into place before its index is written, so a shard
+        without one may be incomplete: it and any later one are removed), and go on at
+        the key after the last sample they hold."""
+        self.base = os.fspath(_remote.local_path(out))
+        os.makedirs(self.base, exist_ok=True)
+        self.tmpdir = self.base
+        k = 0
+        while (os.path.exists(os.path.join(self.base, _shard_name(k)))
+               and os.path.exists(tarindex.sidecar(os.path.join(self.base, _shard_name(k))))):
+            k += 1
+        keep = {_shard_name(j) for j in range(k)}
+        keep |= {tarindex.sidecar(name) for name in keep}
+        for name in os.listdir(self.base):
+            ours = name.startswith("shard-") and name.endswith((".tar", ".tar.idx"))
+            tmp = name.startswith(".shard-") and name.endswith(".tmp")  # a killed run's
+            if (ours and name not in keep) or tmp:
+                os.unlink(os.path.join(self.base, name))
+        self.kept = [os.path.join(self.base, _shard_name(j)) for j in range(k)]
+        if k:
+            with tarfile.open(self.kept[-1]) as t:
+                keys = [m.name.split(".", 1)[0] for m in t.getmembers()]
+            self.next_key = int(keys[-1]) + 1 if keys else 0
 
     def new_tmp(self, name):
         """A new temporary file for shard ``name``: (binary file object, path).  Made by
@@ -226,7 +262,8 @@ def _open_source(source, storage_options, remote, trust_list=False):
 def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max_side=None,
                  quality=90, verify=True, strict=False, overwrite=False, progress=None,
                  report=None, storage_options=None, remote=None,
-                 trust_list=False, targets=None) -> ShardList:
+                 trust_list=False, targets=None, seekable=False, restart=None, workers=1,
+                 resume=False) -> ShardList:
     """Pack ``source`` into tar shards in ``out_dir``; returns the shards' paths (or URLs).
 
     Parameters
@@ -269,6 +306,24 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
         size (a sample whose targets are invalid or made for another size is left
         out like an unreadable image) and scaled with it when ``max_side``
         re-encodes it.
+    seekable : bool
+        Store each JPEG as a seekable one (:mod:`echo_native.seekable`): the same
+        coefficients re-encoded losslessly with restart markers, the index of its
+        restart segments beside the image data in the same member (APP9 segments after
+        SOI, which every decoder skips).  :class:`~echo_native.TarShards` reads such
+        shards with no other change, and crops decode only their own blocks.  An image
+        that cannot be transcoded losslessly (CMYK, not a JPEG) is stored as it is and
+        counted in the result's ``not_seekable``.
+    restart : int, optional
+        The restart interval in MCUs for ``seekable`` (default: segments 128 pixels
+        wide, ``seekable.DEFAULT``; ``seekable.ROW``: one per MCU row).
+    workers : int
+        Threads preparing samples (read, verify, re-encode, transcode: the decoder and
+        the transcoder release the GIL); shards are written in order whatever the count.
+    resume : bool
+        Keep the complete shards (those with their ``.idx``) an interrupted run left in
+        a local ``out_dir`` and go on from the sample after the last one they hold; with
+        the same arguments the result is the shards one uninterrupted run writes.
     """
     from echo_native.decode import decode, image_size
 
@@ -281,6 +336,11 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
         raise ValueError(f"max_side must be a positive integer, got {max_side!r}")
     if not isinstance(quality, int) or not 1 <= quality <= 100:
         raise ValueError(f"quality must be an integer in 1..100, got {quality!r}")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    if seekable:
+        from echo_native import seekable as _seekable
+        _seekable.check_restart(restart)
     src = _open_source(source, storage_options, remote, trust_list)
     read_targets = source_targets(src)
     if targets is None:
@@ -290,33 +350,52 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
                          f"no targets (no targets(i), or has_targets is False)")
     n = len(src)
     width = max(6, len(str(max(n - 1, 0))))
-    out = _Output(out_dir, storage_options, remote, overwrite)
-    result = ShardList()
-    bar = _progress_bar(n, progress)
+    out = _Output(out_dir, storage_options, remote, overwrite, resume)
+    result = ShardList(out.kept)
+    first = out.next_key
+    bar = _progress_bar(n - first, progress)
     tar = tmp = fobj = None
     count = size = 0
+
+    def prepare(i):
+        """(i, name, (data, ext, meta, reencoded, not seekable because), error): all of
+        a sample's work but the writing, in any thread."""
+        name = src.describe(i)
+        try:
+            return i, name, prepare_one(i, name), None
+        except (Exception, MemoryError) as e:  # noqa: BLE001 - any bad input is reported
+            return i, name, None, e
+
+    def prepare_one(i, name):
+        data = src.read(i)
+        if verify:
+            h, w = decode(data).shape[:2]
+        else:
+            h, w = image_size(data)
+        ext = _image_ext(data, name)
+        meta = as_targets(read_targets(i), shown(name), (h, w)) if targets else None
+        if max_side is not None and max(h, w) > max_side:
+            data, (h2, w2) = _reencode(data, max_side, quality)
+            ext = ".jpg"
+            if meta is not None:
+                scale = np.asarray([w2 / w, h2 / h] * 2)
+                meta = as_targets({"boxes": meta.boxes * scale, "labels": meta.labels,
+                                   "iscrowd": meta.iscrowd}, shown(name), (h2, w2))
+        if meta is not None:
+            meta = targets_to_json(meta)
+        why = None
+        if seekable and ext == ".jpg":
+            data, why = _seekable.make_seekable(data, restart)
+        return data, ext, meta, max_side is not None and max(h, w) > max_side, why
+
     try:
-        for i in range(n):
-            name = src.describe(i)
-            try:
-                data = src.read(i)
-                if verify:
-                    h, w = decode(data).shape[:2]
-                else:
-                    h, w = image_size(data)
-                ext = _image_ext(data, name)
-                meta = as_targets(read_targets(i), shown(name), (h, w)) if targets else None
-                if max_side is not None and max(h, w) > max_side:
-                    data, (h2, w2) = _reencode(data, max_side, quality)
-                    ext = ".jpg"
-                    if meta is not None:
-                        scale = np.asarray([w2 / w, h2 / h] * 2)
-                        meta = as_targets({"boxes": meta.boxes * scale, "labels": meta.labels,
-                                           "iscrowd": meta.iscrowd}, shown(name), (h2, w2))
-                    result.reencoded += 1
-                if meta is not None:
-                    meta = targets_to_json(meta)
-            except (Exception, MemoryError) as e:  # noqa: BLE001 - any bad input is reported
+        for i, name, done, e in _in_order(prepare, range(first, n), workers):
+            if e is None:
+                data, ext, meta, reencoded, why = done
+                result.reencoded += reencoded
+                if why is not None:
+                    result.not_seekable.append((name, why))
+            else:
                 message = " ".join(str(e).split()) or type(e).__name__
                 if strict:
                     raise ShardWriteError(f"{shown(name)}: {message}") from e
@@ -378,6 +457,31 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
 
 def _shard_name(k):
     return f"shard-{k:06d}.tar"
+
+
+def _in_order(fn, items, workers):
+    """fn over items, results in order; with workers > 1 on that many threads, a few
+    items ahead (bounded: a slow item never lets the others pile up in memory)."""
+    if workers <= 1:
+        for x in items:
+            yield fn(x)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="make-shards") as pool:
+        pending = deque()
+        it = iter(items)
+        try:
+            for x in it:
+                pending.append(pool.submit(fn, x))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 def _progress_bar(total, progress):
