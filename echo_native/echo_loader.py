@@ -204,7 +204,8 @@ class IterableUpstream:
             state = copy.deepcopy(self._states[ticket])
         state.update(upstream_batches=self.batches_per_epoch,
                      upstream_samples=self.samples_per_epoch,
-                     upstream_batch_size=self.batch_size)
+                     upstream_batch_size=self.batch_size,
+                     upstream_seed=_shuffle_seed(self.iterable))
         return state
 
     def load(self, state):
@@ -315,6 +316,25 @@ def _samples_per_epoch(iterable):
         return None if batch_sampler is not None or getattr(iterable, "batch_size", 1) is None \
             else _dataset_len(iterable)
     return _dataset_len(iterable)
+
+
+def _shuffle_seed(iterable):
+    """The seed of the wrapped loader's order where it says: a ``DistributedSampler``'s
+    ``seed``, or the ``initial_seed()`` of the generator given to its sampler or to the
+    DataLoader; None when it draws one afresh (or is not a torch DataLoader)."""
+    sampler = getattr(getattr(iterable, "batch_sampler", None), "sampler", None) or \
+        getattr(iterable, "sampler", None)
+    seed = getattr(sampler, "seed", None)
+    if is_int(seed):
+        return int(seed)
+    for gen in (getattr(sampler, "generator", None), getattr(iterable, "generator", None)):
+        initial = getattr(gen, "initial_seed", None)
+        if callable(initial):
+            try:
+                return int(initial())
+            except Exception:
+                return None
+    return None
 
 
 def _declared_batch_size(iterable):
@@ -581,13 +601,15 @@ class EchoLoader(Started):
                 "upstream_batches": up.batches_per_epoch,
                 "upstream_samples": up.samples_per_epoch,
                 # Only a declared one: the largest batch yet differs from run to run.
-                "upstream_batch_size": _declared_batch_size(self.iterable)}
+                "upstream_batch_size": _declared_batch_size(self.iterable),
+                "upstream_seed": _shuffle_seed(self.iterable)}
         for key, value in mine.items():
             theirs = state.get(key)
             if theirs is not None and value is not None and theirs != value:
                 what = {"upstream_batches": "batches per epoch (len())",
                         "upstream_samples": "examples per epoch",
-                        "upstream_batch_size": "batch size"}.get(key, key)
+                        "upstream_batch_size": "batch size",
+                        "upstream_seed": "shuffle seed"}.get(key, key)
                 raise ValueError(f"state was saved with {key}={theirs!r}, this EchoLoader has "
                                  f"{key}={value!r}: the wrapped loader's {what} differs, and "
                                  f"its stream would not continue exactly (examples read twice "

@@ -55,6 +55,7 @@ _STATE_KEYS = {
                          lambda v: v is None or is_int(v) and 0 <= v <= MAX_TICKET),
     "upstream_batch_size": ("a positive integer or None",
                             lambda v: v is None or is_int(v) and 1 <= v <= MAX_TICKET),
+    "upstream_seed": ("an integer or None", lambda v: v is None or is_int(v)),
     "placement": ("a placement name", lambda v: isinstance(v, str)),
 }
 

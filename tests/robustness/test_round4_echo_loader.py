@@ -400,6 +400,41 @@ def test_a_state_of_another_wrapped_loader_is_refused(other):
     assert target.iterable.loaded == 0
 
 
+def test_a_state_of_a_loader_shuffled_with_another_seed_is_refused():
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    class Resumable(DataLoader):   # what a StatefulDataLoader adds, reduced to the API
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            self.loaded = True
+
+    data = torch.utils.data.TensorDataset(torch.arange(64))
+
+    def by_generator(seed):
+        return Resumable(data, batch_size=8, shuffle=True,
+                         generator=torch.Generator().manual_seed(seed))
+
+    def by_sampler(seed):
+        return Resumable(data, batch_size=8,
+                         sampler=DistributedSampler(data, num_replicas=2, rank=0, seed=seed))
+
+    for make in (by_generator, by_sampler):
+        el = en.EchoLoader(make(11), echo=2)
+        it = iter(el)
+        next(it)
+        state = el.state_dict()
+        assert state["upstream_seed"] == 11
+        other = en.EchoLoader(make(12), echo=2)
+        with pytest.raises(ValueError, match="upstream_seed=11, this EchoLoader has "
+                                             "upstream_seed=12"):
+            other.load_state_dict(state)
+        assert not hasattr(other.iterable, "loaded")
+        en.EchoLoader(make(11), echo=2).load_state_dict(state)   # the same seed loads
+
+
 class Live(Batches):
     """A loader whose state_dict() hands out its live dict, changed as it reads."""
 
