@@ -444,3 +444,17 @@ def test_write_shards_resumes(folder, tmp_path):
     assert not list(out.glob(".shard-*"))
     with pytest.raises(ValueError, match="resume"):
         en.write_shards(folder, out, resume=True, overwrite=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_crops_identical_sweep(variant):
+    """The long property sweep: many sizes, intervals, qualities and crops (minutes)."""
+    rng = np.random.default_rng(hash(variant) & 0xFFFF)
+    for h, w in ((31, 47), (240, 320), (377, 501), (1001, 777)):
+        for quality in (60, 95):
+            orig = make(variant, h, w, quality=quality, name="coffee")
+            for restart in (1, 2, 3, 4, 8, seekable.ROW, seekable.DEFAULT):
+                seek = seekable.transcode(orig, restart).data
+                check_crops(orig, seek, rng, 60,
+                            sizes=((224, 224), (24, 24), (57, 31), (3, 200), (100, 9)))
