@@ -702,7 +702,7 @@ class EchoLoader(Started):
         warnings.warn(f"EchoLoader was closed mid-epoch and the wrapped {type(it).__name__} "
                       f"has no state_dict() to continue from: {what} (wrap a loader with "
                       f"state_dict(), e.g. torchdata's StatefulDataLoader, to continue "
-                      f"exactly)", RuntimeWarning, stacklevel=3)
+                      f"exactly)", RuntimeWarning, stacklevel=4)
 
     def start(self):
         """Nothing to start before the first batch (the ``with`` block's entry)."""
