@@ -49,7 +49,7 @@ from echo_native import remote as _remote
 from echo_native import tarindex
 from echo_native.targets import as_targets, source_targets, targets_to_json
 
-__all__ = ["write_shards", "ShardList", "ShardWriteError", "parse_size"]
+__all__ = ["write_shards", "ShardList", "ShardWriteError", "parse_size", "shard_files"]
 
 #: Extensions kept as they are (content sniffed, not trusted from the name).
 _MAGIC = ((b"\xff\xd8\xff", ".jpg"), (b"\x89PNG\r\n\x1a\n", ".png"), (b"BM", ".bmp"),
@@ -457,6 +457,15 @@ def write_shards(source, out_dir, *, shard_size=256 * 10**6, max_count=None, max
 
 def _shard_name(k):
     return f"shard-{k:06d}.tar"
+
+
+def shard_files(folder) -> list:
+    """The ``shard-*.tar`` files of a local folder, in order (empty when it has none): a
+    folder of shards given where a source is expected is read as
+    :class:`~echo_native.TarShards` (make-shards re-packs it, e.g. ``--seekable``)."""
+    folder = os.fspath(folder)
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder)
+                  if n.startswith("shard-") and n.endswith(".tar"))
 
 
 def _in_order(fn, items, workers):

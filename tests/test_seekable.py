@@ -458,3 +458,24 @@ def test_crops_identical_sweep(variant):
                 seek = seekable.transcode(orig, restart).data
                 check_crops(orig, seek, rng, 60,
                             sizes=((224, 224), (24, 24), (57, 31), (3, 200), (100, 9)))
+
+
+def test_existing_shards_repacked_seekable(folder, tmp_path):
+    """A folder of plain shards read as a source (what `echo-native shards SRC DST
+    --seekable` does with one) becomes seekable shards of the same samples."""
+    from echo_native.shards import shard_files
+    plain = en.write_shards(folder, tmp_path / "plain", max_count=3, progress=False)
+    assert shard_files(tmp_path / "plain") == list(plain)
+    src = en.TarShards(shard_files(tmp_path / "plain"))
+    seek = en.write_shards(src, tmp_path / "seek", max_count=3, progress=False,
+                           seekable=True, restart=seekable.ROW, workers=2)
+    b = en.TarShards(list(seek))
+    assert list(b.labels) == list(src.labels)
+    for i in range(len(src)):
+        data = b.read(i)
+        if seekable.is_seekable(data):
+            info = seekable.index_info(data)
+            assert info["interval"] == info["mcus"][1]  # restart=ROW
+            assert np.array_equal(en.decode(data), en.decode(src.read(i)))
+        else:
+            assert data == src.read(i)
