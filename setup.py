@@ -197,6 +197,14 @@ def cuda_source_header():
 
 cuda_source_header()
 
+# en_seek.c compiles the kernel's en_jpeg.c into itself (its static stages plan and decode
+# the sub-image exactly as a crop of the original): a change to it rebuilds _seek too.
+SEEK = ext("echo_native._seek",
+           ["src/seek/_seek.pyx", "src/seek/en_seek.c", "src/seek/en_transcode.c",
+            "src/kernel/en_resize.c", "src/kernel/en_augment.c"],
+           libraries=["jpeg", "m"], include_dirs=["src/kernel"])
+SEEK.depends.append(os.path.join("src", "kernel", "en_jpeg.c"))
+
 EXTENSIONS = [
     ext(
         "echo_native._kernel",
@@ -209,12 +217,7 @@ EXTENSIONS = [
     ),
     ext("echo_native._ring", ["src/ring/_ring.pyx", "src/ring/en_ring.c"], ["rt"]),
     ext("echo_native._dlpack", ["src/dlpack/_dlpack.pyx"]),
-    # en_seek.c compiles the kernel's en_jpeg.c into itself (its static stages plan and
-    # decode the sub-image exactly as a crop of the original).
-    ext("echo_native._seek",
-        ["src/seek/_seek.pyx", "src/seek/en_seek.c", "src/seek/en_transcode.c",
-         "src/kernel/en_resize.c", "src/kernel/en_augment.c"],
-        libraries=["jpeg", "m"], include_dirs=["src/kernel"]),
+    SEEK,
     ext("echo_native.lab._bench", ["src/bench/_bench.pyx", "src/bench/roi_ceiling.c"], ["jpeg"]),
 ]
 
