@@ -394,6 +394,10 @@ class PytreeExamples:
         The most the shuffle buffer may hold (bytes), checked when it is first made.
     """
 
+    #: store() takes part of a fresh batch (its ``rows``): the wrapped loader's batches
+    #: may be larger than the free entries.
+    stores_rows = True
+
     def __init__(self, augment=None, seed=0, max_bytes=None):
         self.augment, self.seed, self.max_bytes = augment, seed, max_bytes
         self.capacity = 0

@@ -469,6 +469,8 @@ class ExampleEcho(Stage):
         whole = first and fresh.count <= buf.free
         if whole:   # the whole batch at once (every store does this for ring slots)
             take = np.arange(fresh.count)
+        elif not getattr(self.examples, "stores_rows", False):
+            return False   # stored whole only: once as many entries are free
         else:       # its examples with emissions to make, as many as are free
             take = rows[done:done + min(len(rows) - done, buf.free)]
             if not len(take):
