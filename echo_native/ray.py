@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from types import SimpleNamespace
 
@@ -71,12 +72,15 @@ def _concurrency(concurrency):
 
 
 def build_dataset(plan, source, tickets, *, concurrency, max_objects=0, trainer=False,
-                  job=None):
+                  job=None, ahead_bytes=None):
     """The Dataset of ``tickets`` of ``plan``: one input row per ticket, its samples out.
 
     ``preserve_order`` is set on this dataset's own context (not the process's), so
     Ray delivers the tickets in the plan's order; the trainer puts them in order
-    anyway, and this keeps how far it must look ahead to one ticket."""
+    anyway, and this keeps how far it must look ahead to one ticket.
+    ``ahead_bytes`` bounds the object store the execution may fill ahead of the
+    reader (Ray's default is a share of the node's memory: epochs of decoded
+    images, decoded for a trainer that may stop, on cores the trainer needs)."""
     tickets = [int(t) for t in tickets]
     if not tickets:
         raise ValueError("no tickets to read")
@@ -92,6 +96,10 @@ def build_dataset(plan, source, tickets, *, concurrency, max_objects=0, trainer=
                                                    trainer=trainer),
                         batch_format="numpy", zero_copy_batch=True)
     ds.context.execution_options.preserve_order = True
+    if ahead_bytes is not None:
+        limits = ds.context.execution_options.resource_limits
+        ds.context.execution_options.resource_limits = limits.copy(
+            object_store_memory=float(ahead_bytes))
     ds.context.enable_progress_bars = progress and not trainer
     return ds
 
@@ -119,6 +127,9 @@ class RayStream:
         self.layout = SimpleNamespace(nslots=int(nslots), max_objects=self.max_objects)
         self.name = f"ray-stream-{os.getpid()}-{id(self):x}"
         B = self.plan.batch_size
+        # Ray may hold as many tickets again as the trainer's slots, decoded ahead (at
+        # least two per actor, so that none waits for its next input).
+        self.ahead_bytes = max(int(nslots), 2 * concurrency) * B * transform.sample_bytes
         self._free = [HostSlot(B, transform.sample_bytes, self.max_objects)
                       for _ in range(int(nslots))]
         self._cond = threading.Condition()
@@ -127,6 +138,8 @@ class RayStream:
         self._complete = set()  # tickets assembled (a later copy of their rows is a repeat)
         self._stop, self._error = False, None
         self.duplicates = self.bytes = self.rows = 0
+        self.assemble_s = 0.0  # the trainer's time putting Ray's rows into slots
+        self._slot_wait_s = 0.0
         self.job = ship(self.plan, self.source)
         self.reading = None    # the epoch whose dataset is being read
         self._thread = threading.Thread(target=self._pull, daemon=True,
@@ -145,14 +158,16 @@ class RayStream:
                 end = (ticket // self.bpe + epochs) * self.bpe
                 ds = build_dataset(self.plan, self.source, range(ticket, end),
                                    concurrency=self.concurrency, max_objects=self.max_objects,
-                                   trainer=True, job=self.job)
+                                   trainer=True, job=self.job, ahead_bytes=self.ahead_bytes)
                 self.reading = (ticket, end)
                 batches = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
                                                prefetch_batches=2))
                 try:
                     for cols in batches:
+                        t0, self._slot_wait_s = time.perf_counter(), 0.0
                         if self._stop or not self._take(cols):
                             return
+                        self.assemble_s += time.perf_counter() - t0 - self._slot_wait_s
                 finally:
                     batches.close()   # stops the dataset's execution and its actors
                 ticket = end
@@ -173,8 +188,10 @@ class RayStream:
                     self.duplicates += len(sel)
                     continue
                 entry = self._partial.get(t)
+                t0 = time.perf_counter()
                 while entry is None and not self._free and not self._stop:
                     self._cond.wait(0.25)
+                self._slot_wait_s += time.perf_counter() - t0
                 if self._stop:
                     return False
                 if entry is None:
@@ -313,7 +330,7 @@ class RayLoader(Loader):
             raise RuntimeError("adopt() takes a loader that has not started")
         loader.__class__ = cls
         loader.concurrency = None if concurrency is None else _concurrency(concurrency)
-        loader._ray_totals = {"duplicates": 0, "bytes": 0, "rows": 0}
+        loader._ray_totals = {"duplicates": 0, "bytes": 0, "rows": 0, "assemble_s": 0.0}
         return loader
 
     def _stop(self):
@@ -407,6 +424,7 @@ class EchoRing(_LocalEchoRing):
         out["duplicates"] = ray_books["duplicates"]
         out["ray_bytes"] = ray_books["bytes"]
         out["ray_bytes_per_fresh"] = ray_books["bytes"] / out["fresh"] if out["fresh"] else 0.0
+        out["ray_assemble_s"] = ray_books["assemble_s"]
         out["concurrency"] = ray_books["concurrency"]
         return out
 

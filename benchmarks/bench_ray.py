@@ -1,0 +1,285 @@
+"""Decode on a Ray cluster: echo_native.ray against Ray Data's own image path and a local
+ring, on the same cores and files, in one run.
+
+    python -m pytest benchmarks/bench_ray.py -s -p no:cacheprovider
+
+The corpus is ``echo_native.lab.corpus``'s (ECHO_NATIVE_BENCH_RAY_N images, default
+600, ImageNet's sizes).  Every pipeline makes 224x224 RandomResizedCrop (scale
+0.08-1, ratio 3/4-4/3) + horizontal flip, uint8, with 2 decoding workers, read by
+a null consumer in batches of ECHO_NATIVE_BENCH_BATCH (default 64):
+
+raydata   Ray Data's own path: ``ray.data.read_images(root, mode="RGB")`` (Pillow,
+          whole images, in read tasks) + ``map_batches`` of torchvision's
+          RandomResizedCrop + flip where torchvision imports, else the same in
+          Pillow as torchvision does it (``echo_native.lab.peers.rrc_params`` +
+          ``resize(BILINEAR, box)``), 2 tasks each, ``iter_batches``
+ray       ``echo_native.ray.EchoRing(ImageFolder(root), echo=1, concurrency=2)``:
+          2 decoding actors with the fused kernel, the trainer's stream
+local     ``echo_native.EchoRing(ImageFolder(root), echo=1, workers=2)``
+
+One Ray instance serves both Ray pipelines (6 logical CPUs on the machine's 2
+cores, so that both pools can be placed: only the measured one works).  Each
+pipeline is started once, warmed, and read epoch after epoch.  Rounds alternate
+between pipelines; before a round the machine is left to settle (every other
+pipeline's read-ahead full, its workers asleep), then what the measured one holds
+ready is taken untimed (batches that come in under 2 ms), then
+ECHO_NATIVE_BENCH_RAY_BATCHES batches are timed.  Printed and written to
+``benchmarks/results/ray.json``: the median img/s of each; the ratios ray/raydata
+(target >= 5) and ray/local (target >= 0.7); where the Ray ring's time goes
+beside the local ring's (the decode in the actors per image, the trainer's
+assembly of Ray's rows, the rest: Ray's serialisation, object store and
+scheduling); and the bytes that cross from the cluster per fresh example for
+each placement (crops: after augmentation and batch echo; DCT-scaled canvases:
+before augmentation).
+
+Environment:
+  ECHO_NATIVE_BENCH_RAY_N        images (default 600)
+  ECHO_NATIVE_BENCH_BATCH        batch size (default 64)
+  ECHO_NATIVE_BENCH_RAY_ROUNDS   timed rounds per pipeline (default 4)
+  ECHO_NATIVE_BENCH_RAY_BATCHES  batches per timed round (default 12)
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import echo_native as en
+from benchenv import busy_cpu_seconds, env_int
+
+ray = pytest.importorskip("ray", reason="needs the [ray] extra (ray[data])")
+pytest.importorskip("ray.data")
+# RandomCrops reaches Ray's workers by value: the benchmarks folder is not on their path.
+# (Ray pickles map_batches' callable with its own copy of cloudpickle.)
+import ray.cloudpickle  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+N_IMAGES = env_int("ECHO_NATIVE_BENCH_RAY_N", 600)
+BATCH = env_int("ECHO_NATIVE_BENCH_BATCH", 64)
+ROUNDS = env_int("ECHO_NATIVE_BENCH_RAY_ROUNDS", 4)
+TIMED_BATCHES = env_int("ECHO_NATIVE_BENCH_RAY_BATCHES", 12)
+WORKERS = 2
+SIZE = 224
+TARGETS = {"ray/raydata": 5.0, "ray/local": 0.7}
+RESULTS = Path(__file__).resolve().parent / "results" / "ray.json"
+EPOCHS = 8
+AHEAD_BATCHES = 4       # the Ray ring's slots (Workers(slots=4)): its Ray read-ahead too
+
+_rates: dict = {}
+_books: dict = {}
+_unsettled: list = []   # rounds started on a machine that did not go idle (others' work)
+
+
+def _crop():
+    """torchvision's RandomResizedCrop + flip on a PIL image, or the same in Pillow."""
+    try:
+        from torchvision import transforms as T
+
+        tv = T.Compose([T.RandomResizedCrop(SIZE, antialias=True), T.RandomHorizontalFlip()])
+        return lambda im, rng: tv(im)
+    except Exception:  # noqa: BLE001 - a broken install raises more than ImportError
+        pass
+    from PIL import Image
+
+    from echo_native.lab.peers import rrc_params
+
+    def crop(im, rng):
+        top, left, h, w = rrc_params(rng, im.height, im.width)
+        im = im.resize((SIZE, SIZE), Image.BILINEAR, box=(left, top, left + w, top + h))
+        return im.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else im
+    return crop
+
+
+class RandomCrops:
+    """The ``map_batches`` callable of Ray Data's path: a batch of decoded images in,
+    224x224 crops out (what a user writes, torchvision-style, per row)."""
+
+    def __init__(self):
+        self.crop, self.rng = _crop(), random.Random(os.getpid())
+
+    def __call__(self, batch):
+        from PIL import Image
+
+        out = [np.asarray(self.crop(Image.fromarray(im), self.rng)) for im in batch["image"]]
+        return {"image": np.stack(out)}
+
+
+class Stream:
+    """A pipeline read epoch after epoch, one batch at a time (its size)."""
+
+    def __init__(self, make_iter):
+        self.make_iter = make_iter
+        self.it = self._batches()
+
+    def _batches(self):
+        while True:
+            for n in self.make_iter():
+                yield n
+
+    def next(self):
+        return next(self.it)
+
+    def close(self):
+        # Before ray.shutdown(): an iterator collected after it crashes Ray's core worker.
+        self.it.close()
+
+
+class RingStream(Stream):
+    def __init__(self, ring):
+        self.ring = ring.__enter__()
+        super().__init__(lambda: (len(b) for b in self.ring))
+
+    def close(self):
+        super().close()
+        self.ring.__exit__(None, None, None)
+
+
+def _raydata(root):
+    # EPOCHS passes over the files in one execution, as the Ray ring's dataset spans
+    # epochs: neither pays a new actor pool per epoch inside the timed rounds.
+    files = [str(en.ImageFolder(root).path(i)) for i in range(N_IMAGES)]
+    ds = ray.data.read_images(files * EPOCHS, mode="RGB", concurrency=WORKERS)
+    ds = ds.map_batches(RandomCrops, batch_size=BATCH, batch_format="numpy",
+                        compute=ray.data.ActorPoolStrategy(size=WORKERS), num_cpus=1)
+    ds.context.enable_progress_bars = False
+    # Read-ahead bounded as the Ray ring's is (Ray's default fills a share of the
+    # node's memory, decoding on the cores another pipeline is being timed on).
+    limits = ds.context.execution_options.resource_limits
+    ds.context.execution_options.resource_limits = limits.copy(
+        object_store_memory=float(AHEAD_BATCHES * BATCH * SIZE * SIZE * 3))
+
+    def epoch():
+        for b in ds.iter_batches(batch_size=BATCH, batch_format="numpy", prefetch_batches=2,
+                                 drop_last=True):
+            yield len(b["image"])
+    return Stream(epoch)
+
+
+def settle(timeout=5.0):
+    """Until the machine is idle (under a fifth of a core busy over 0.5 s): every
+    pipeline's read-ahead is full and its workers asleep.  On a machine shared with
+    other work it never is: the round starts after ``timeout`` and is counted in
+    ``unsettled_rounds``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        b0 = busy_cpu_seconds()
+        time.sleep(0.5)
+        if busy_cpu_seconds() - b0 < 0.1:
+            return True
+    _unsettled.append(round(time.monotonic() - deadline + timeout, 1))
+    return False
+
+
+def take_ready(stream, most=200):
+    """The batches a pipeline holds ready (each under 2 ms), untimed."""
+    for _ in range(most):
+        t0 = time.perf_counter()
+        stream.next()
+        if time.perf_counter() - t0 > 0.002:
+            return
+
+
+@pytest.fixture(scope="module")
+def pipelines():
+    import echo_native.ray as er
+    from echo_native.lab import corpus
+
+    try:
+        root = corpus.default_corpus(n_images=N_IMAGES, seed=env_int("ECHO_NATIVE_BENCH_SEED", 0))
+    except ImportError as e:
+        pytest.skip(str(e))
+    ray.init(num_cpus=3 * WORKERS, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    made = {}
+    try:
+        kw = dict(image_size=SIZE, echo=1, seed=0, drop_last=True)
+        made["raydata"] = _raydata(root)
+        made["ray"] = RingStream(er.EchoRing(en.ImageFolder(root), BATCH, concurrency=WORKERS,
+                                             slots=AHEAD_BATCHES, **kw))
+        made["local"] = RingStream(en.EchoRing(en.ImageFolder(root), BATCH, workers=WORKERS,
+                                               **kw))
+        for name, stream in made.items():
+            for _ in range(6):  # warm-up: actors, interpreters, page cache
+                stream.next()
+            _rates[name] = []
+        yield made
+        _books["ray"] = made["ray"].ring.stats()
+        _books["ray_fill_s"] = made["ray"].ring.stage.books.fill_s
+        _books["local"] = made["local"].ring.stats()
+        _books["local_fill_s"] = made["local"].ring.stage.books.fill_s
+        _books["bytes_per_fresh"] = _placement_bytes(er, root)
+    finally:
+        for stream in made.values():
+            stream.close()
+        ray.shutdown()
+    _report()
+
+
+def _placement_bytes(er, root):
+    """What crosses from the cluster per fresh example, by placement (a few batches)."""
+    out = {}
+    for placement in ("after_augment", "before_augment"):
+        ring = er.EchoRing(en.ImageFolder(root), BATCH, image_size=SIZE, echo=2.0,
+                           placement=placement, concurrency=WORKERS, seed=0)
+        with ring:
+            it = iter(ring)
+            for _ in range(4):
+                next(it)
+            del it
+            out[placement] = ring.stats()["ray_bytes_per_fresh"]
+    return out
+
+
+def test_paired_rounds(pipelines):
+    """Round-robin rounds of every pipeline, for the ratios (see the module's docstring)."""
+    for _ in range(ROUNDS):
+        for name, stream in pipelines.items():
+            settle()
+            take_ready(stream)
+            t0 = time.perf_counter()
+            n = sum(stream.next() for _ in range(TIMED_BATCHES))
+            dt = time.perf_counter() - t0
+            assert n == TIMED_BATCHES * BATCH
+            _rates[name].append(n / dt)
+
+
+def _report():
+    if not all(_rates.values()):
+        return
+    med = {k: statistics.median(v) for k, v in _rates.items()}
+    ratios = {"ray/raydata": med["ray"] / med["raydata"], "ray/local": med["ray"] / med["local"]}
+    ray_s, local_s = _books["ray"], _books["local"]
+    # Per image, in core-seconds of the 2 cores: what each ring costs at its rate, and
+    # the parts of the Ray ring's that can be told apart.
+    per_image = {
+        "local_cost_ms": 1e3 * WORKERS / med["local"],
+        "ray_cost_ms": 1e3 * WORKERS / med["ray"],
+        "local_decode_ms": 1e3 * _books["local_fill_s"] / max(1, local_s["fresh"]),
+        "ray_decode_ms": 1e3 * _books["ray_fill_s"] / max(1, ray_s["fresh"]),
+        "ray_assembly_ms": 1e3 * ray_s["ray_assemble_s"] / max(1, ray_s["fresh"]),
+    }
+    per_image["ray_rest_ms"] = (per_image["ray_cost_ms"] - per_image["ray_decode_ms"] -
+                                per_image["ray_assembly_ms"])
+    result = {"img_per_s": med, "ratios": ratios, "targets": TARGETS, "rounds": ROUNDS,
+              "workers": WORKERS, "batch": BATCH, "images": N_IMAGES,
+              "per_image": per_image,
+              "bytes_per_fresh": {**_books["bytes_per_fresh"],
+                                  "echo1": ray_s["ray_bytes_per_fresh"]},
+              "duplicates": ray_s["duplicates"], "unsettled_rounds": len(_unsettled),
+              "raydata_crop": "torchvision" if _crop().__name__ == "<lambda>" else "pillow",
+              "per_round": _rates, "cpus": len(os.sched_getaffinity(0))}
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print("\n" + "; ".join(f"{k}: {v:,.0f} img/s" for k, v in med.items()))
+    print("; ".join(f"{k} {v:.2f} (target >= {TARGETS[k]})" for k, v in ratios.items()))
+    print("per image: " + ", ".join(f"{k} {v:.2f}" for k, v in per_image.items()))
+    print("bytes per fresh example: " + ", ".join(
+        f"{k} {v:,.0f}" for k, v in result["bytes_per_fresh"].items()) + f"; {RESULTS}")
