@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import glob as _glob
-import io
 import json
 import os
 import threading
@@ -107,43 +106,20 @@ def _leaves(schema, column):
             if schema.column(j).path == column or schema.column(j).path.startswith(column + ".")]
 
 
-class _Sparse(io.RawIOBase):
+class _Sparse(_remote.RangeReader):
     """A remote Parquet file as pyarrow reads one row group of it: the bytes of that
     row group's columns, fetched in one range request; anything else (pyarrow asks for
     nothing else when given the footer) read by range as it comes."""
 
     def __init__(self, block, start, size, fallback):
-        super().__init__()
-        self._block, self._start, self._size, self._fallback = block, start, size, fallback
-        self._pos = 0
+        super().__init__(size)
+        self._block, self._start, self._fallback = block, start, fallback
 
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def tell(self):
-        return self._pos
-
-    def seek(self, offset, whence=io.SEEK_SET):
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b):
-        end = min(self._size, self._pos + len(b))
-        if end <= self._pos:
-            return 0
-        lo = self._pos - self._start
+    def _range(self, start, end):
+        lo = start - self._start
         if lo >= 0 and end - self._start <= len(self._block):
-            data = memoryview(self._block)[lo:end - self._start]
-        else:
-            data = self._fallback(self._pos, end)
-        n = len(data)
-        b[:n] = data
-        self._pos += n
-        return n
+            return memoryview(self._block)[lo:end - self._start]
+        return self._fallback(start, end)
 
 
 class FileIndex:

@@ -195,13 +195,13 @@ async def _s3_get(fs, path, start, last, most):
         body.close()
 
 
-class _RangeFile(io.RawIOBase):
-    """A remote object as a seekable raw file, every read one bounded range request
-    through the store's retries: what a tar header scan reads through a buffer."""
+class RangeReader(io.RawIOBase):
+    """A seekable raw file of ``size`` bytes whose reads are ranges ``_range(start,
+    end)`` (a subclass's): what a buffered reader, a tar scan or pyarrow reads through."""
 
-    def __init__(self, store, url, size, what):
+    def __init__(self, size):
         super().__init__()
-        self._store, self._url, self._size, self._what, self._pos = store, url, size, what, 0
+        self._size, self._pos = size, 0
 
     def readable(self):
         return True
@@ -221,12 +221,27 @@ class _RangeFile(io.RawIOBase):
         end = min(self._size, self._pos + len(b))
         if end <= self._pos:
             return 0
-        data = self._store.read_range(self._url, self._pos, end,
-                                      what=f"{self._what} bytes {self._pos}-{end}")
+        data = self._range(self._pos, end)
         n = len(data)
         b[:n] = data
         self._pos += n
         return n
+
+    def _range(self, start, end):
+        raise NotImplementedError
+
+
+class _RangeFile(RangeReader):
+    """A remote object as a seekable raw file, every read one bounded range request
+    through the store's retries: what a tar header scan reads through a buffer."""
+
+    def __init__(self, store, url, size, what):
+        super().__init__(size)
+        self._store, self._url, self._what = store, url, what
+
+    def _range(self, start, end):
+        return self._store.read_range(self._url, start, end,
+                                      what=f"{self._what} bytes {start}-{end}")
 
 
 class RemoteStore:
