@@ -93,6 +93,8 @@ DRAW_COLOR_JITTER: int
 DRAW_GRAYSCALE: int
 DRAW_TRIVIAL_WIDE: int
 DRAW_ERASING: int
+DRAW_NUMBERS: int
+DRAWS: dict[int, tuple[str, int, int]]
 
 def ops_steps(specs: npt.NDArray[np.float64]) -> int: ...
 def draw_ops(specs: npt.NDArray[np.float64], seed: int, epochs: Any, sample_ids: Any,

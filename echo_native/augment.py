@@ -45,14 +45,25 @@ __all__ = ["ColorJitter", "RandomGrayscale", "TrivialAugmentWide", "RandomErasin
            "WithOps", "check_ops", "split_augment"]
 
 ARGS = _kernel.OP_ARGS  # arguments per program step (src/kernel/en_opcodes.h)
-SPEC = 13  # numbers per op for the native draws: its kind and 12 parameters
+# An op's row of numbers for the native draws: its kind, then _kernel.DRAW_NUMBERS
+# parameters; the format of each kind is EN_DRAW_LIST (en_kernel.h), read through
+# _kernel.DRAWS: kind -> (name, numbers used, program steps).
+SPEC = 1 + _kernel.DRAW_NUMBERS
 
 
 def _spec_row(kind, *numbers):
+    name, used, _ = _kernel.DRAWS[kind]
+    if len(numbers) != used:  # a spec out of step with the C table: a bug of ours
+        raise AssertionError(f"a {name} spec has {used} numbers, got {len(numbers)}")
     row = np.zeros(SPEC, np.float64)
     row[0] = kind
     row[1:1 + len(numbers)] = numbers
     return row
+
+
+def _steps(kind):
+    """The program steps an op of ``kind`` takes (EN_DRAW_LIST)."""
+    return _kernel.DRAWS[kind][2]
 
 
 def _range(owner, name, value, center, bound=(0.0, math.inf)):
@@ -93,7 +104,7 @@ class ColorJitter:
     hue: object = 0.0
     p: float = 1.0
 
-    steps = 4
+    steps = _steps(_kernel.DRAW_COLOR_JITTER)
 
     def __post_init__(self):
         name, set_ = type(self).__name__, object.__setattr__
@@ -116,7 +127,7 @@ class RandomGrayscale:
 
     p: float = 0.1
 
-    steps = 1
+    steps = _steps(_kernel.DRAW_GRAYSCALE)
 
     def __post_init__(self):
         object.__setattr__(self, "p", _probability(type(self).__name__, self.p))
@@ -141,7 +152,7 @@ class RandomErasing:
     ratio: tuple = (0.3, 3.3)
     value: object = 0.0
 
-    steps = 1
+    steps = _steps(_kernel.DRAW_ERASING)
 
     def __post_init__(self):
         name, set_ = type(self).__name__, object.__setattr__
@@ -184,7 +195,7 @@ class TrivialAugmentWide:
     num_magnitude_bins: int = 31
     fill: int = 0
 
-    steps = 1
+    steps = _steps(_kernel.DRAW_TRIVIAL_WIDE)
     OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness",
            "Color", "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast",
            "Equalize")

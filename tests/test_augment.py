@@ -254,3 +254,22 @@ def test_loader_takes_the_augment_list(photos):
         assert np.array_equal(x.sample_ids, y.sample_ids)
         assert np.array_equal(x.boxes, y.boxes)
         assert not np.array_equal(np.asarray(x.images), np.asarray(y.images))
+
+
+def test_each_op_spec_is_the_c_tables_format():
+    """The draw-spec format is one table (EN_DRAW_LIST in en_kernel.h, _kernel.DRAWS):
+    each op's row is its kind and the table's count of numbers (zeros after them), and
+    its program steps are the table's."""
+    from echo_native import _kernel
+    from echo_native.augment import SPEC
+
+    assert SPEC == 1 + _kernel.DRAW_NUMBERS
+    assert sorted(_kernel.DRAWS) == [_kernel.DRAW_COLOR_JITTER, _kernel.DRAW_GRAYSCALE,
+                                     _kernel.DRAW_TRIVIAL_WIDE, _kernel.DRAW_ERASING]
+    ops = [en.ColorJitter(0.4, 0.4, 0.4, 0.1), en.RandomGrayscale(0.2),
+           en.TrivialAugmentWide(), en.RandomErasing()]
+    for op in ops:
+        row = op.spec(lambda value: 0.0)   # fill: a function of the fill value
+        name, numbers, steps = _kernel.DRAWS[int(row[0])]
+        assert row.shape == (SPEC,) and not row[1 + numbers:].any(), name
+        assert op.steps == steps == _kernel.ops_steps(row[None, :]), name

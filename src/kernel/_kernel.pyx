@@ -79,9 +79,14 @@ cdef extern from "en_kernel.h" nogil:
                                    en_key key, en_rrc_spec spec, int out_h, int out_w,
                                    uint8_t *out, size_t stride, en_box *box, int *flip)
     int EN_DRAW_COLOR_JITTER, EN_DRAW_GRAYSCALE, EN_DRAW_TRIVIAL_WIDE, EN_DRAW_ERASING
+    enum: EN_DRAW_NUMBERS
+    ctypedef struct en_draw_kind:
+        const char *name
+        int kind, numbers, steps
+    const en_draw_kind en_draw_kinds[]
     ctypedef struct en_op_spec:
         int kind
-        double v[12]
+        double v[EN_DRAW_NUMBERS]
     int en_ops_steps(const en_op_spec *ops, int nops)
     void en_ops_draw(const en_op_spec *ops, int nops, int steps, uint64_t seed,
                      const int64_t *epochs, const int64_t *sample_ids,
@@ -733,6 +738,23 @@ DRAW_COLOR_JITTER = EN_DRAW_COLOR_JITTER
 DRAW_GRAYSCALE = EN_DRAW_GRAYSCALE
 DRAW_TRIVIAL_WIDE = EN_DRAW_TRIVIAL_WIDE
 DRAW_ERASING = EN_DRAW_ERASING
+#: Numbers in a spec row after its kind (a row is 1 + DRAW_NUMBERS float64).
+DRAW_NUMBERS = EN_DRAW_NUMBERS
+
+
+cdef dict _draw_kinds():
+    cdef dict out = {}
+    cdef size_t i = 0
+    while en_draw_kinds[i].name != NULL:
+        d = en_draw_kinds[i]
+        out[d.kind] = (d.name.decode(), d.numbers, d.steps)
+        i += 1
+    return out
+
+
+#: kind -> (name, numbers its spec uses, program steps it takes): EN_DRAW_LIST in
+#: en_kernel.h, the one definition of the spec format.
+DRAWS = _draw_kinds()
 
 
 def ops_steps(const double[:, ::1] specs not None):
@@ -746,16 +768,16 @@ cdef int _op_specs(const double[:, ::1] specs, en_op_spec *ops) except -1:
     cdef Py_ssize_t nops = specs.shape[0], k, j
     if nops > 64:
         raise ValueError(f"at most 64 ops per program, got {nops}")
-    if nops and specs.shape[1] != 13:
-        raise ValueError(f"op specs must be (ops, 13): kind and 12 numbers, got "
-                         f"{tuple(specs.shape)}")
+    if nops and specs.shape[1] != 1 + EN_DRAW_NUMBERS:
+        raise ValueError(f"op specs must be (ops, {1 + EN_DRAW_NUMBERS}): kind and "
+                         f"{EN_DRAW_NUMBERS} numbers, got {tuple(specs.shape)}")
     for k in range(nops):
         ops[k].kind = <int>specs[k, 0]
         if ops[k].kind != specs[k, 0] or not EN_DRAW_COLOR_JITTER <= ops[k].kind <= \
                 EN_DRAW_ERASING:
             raise ValueError(f"op spec {k}: kind {specs[k, 0]!r} is not one of "
                              f"{EN_DRAW_COLOR_JITTER} .. {EN_DRAW_ERASING}")
-        for j in range(12):
+        for j in range(EN_DRAW_NUMBERS):
             ops[k].v[j] = specs[k, 1 + j]
     return <int>nops
 

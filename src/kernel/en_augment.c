@@ -275,14 +275,17 @@ static void draw_erasing(draws *s, const double *v, int h, int w, program *p) {
     }
 }
 
+#define EN_DRAW_ROW(name, kind, numbers, steps) {#name, kind, numbers, steps},
+const en_draw_kind en_draw_kinds[] = {EN_DRAW_LIST(EN_DRAW_ROW) {NULL, 0, 0, 0}};
+#undef EN_DRAW_ROW
+
 int en_ops_steps(const en_op_spec *ops, int nops) {
     int steps = 0;
     for (int k = 0; k < nops; k++) {
         switch (ops[k].kind) {
-            case EN_DRAW_COLOR_JITTER: steps += 4; break;
-            case EN_DRAW_GRAYSCALE:
-            case EN_DRAW_TRIVIAL_WIDE:
-            case EN_DRAW_ERASING: steps += 1; break;
+#define EN_DRAW_STEPS(name, kind, numbers, n) case EN_DRAW_##name: steps += n; break;
+            EN_DRAW_LIST(EN_DRAW_STEPS)
+#undef EN_DRAW_STEPS
             default: return -1;
         }
     }

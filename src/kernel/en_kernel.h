@@ -153,22 +153,42 @@ void en_random_resized_crop(en_key key, int height, int width, en_rrc_spec spec,
  * from Philox keyed by (seed, epoch, sample id, echo index) under a tag of their
  * own, with torchvision's distributions; op k of the list reads its own blocks
  * of the stream, so its draws do not depend on how many the ops before it took.
- * One spec per op, its numbers by kind:
- *   EN_DRAW_COLOR_JITTER  p, brightness lo hi, contrast lo hi, saturation lo hi,
- *                         hue lo hi (four steps: the adjustments in a random
- *                         order, those whose range is the identity left out)
- *   EN_DRAW_GRAYSCALE     p
- *   EN_DRAW_TRIVIAL_WIDE  magnitude bins, fill
- *   EN_DRAW_ERASING       p, scale lo hi, log ratio lo hi, fill R G B
- * (one step each).  The programs go to codes (n, steps) and args (n, steps,
- * OP_ARGS), zeroed first: a step no op used is OP_NONE. */
-enum { EN_DRAW_COLOR_JITTER = 1, EN_DRAW_GRAYSCALE = 2, EN_DRAW_TRIVIAL_WIDE = 3,
-       EN_DRAW_ERASING = 4 };
+ * One spec per op: its kind and EN_DRAW_NUMBERS numbers, of which the kind uses
+ * the first `numbers` (the rest are zero), for `steps` program steps:
+ *
+ *   X(name, kind, numbers, steps)
+ *   COLOR_JITTER  p, brightness lo hi, contrast lo hi, saturation lo hi, hue lo hi
+ *                 (the adjustments in a random order, those whose range is the
+ *                 identity left out)
+ *   GRAYSCALE     p
+ *   TRIVIAL_WIDE  magnitude bins, fill
+ *   ERASING       p, scale lo hi, log ratio lo hi, fill R G B
+ *
+ * The binding (`_kernel.DRAWS`, `_kernel.DRAW_NUMBERS`) and the Python specs read
+ * this table.  The programs go to codes (n, steps) and args (n, steps, OP_ARGS),
+ * zeroed first: a step no op used is OP_NONE. */
+#define EN_DRAW_LIST(X)                 \
+    X(COLOR_JITTER, 1, 9, 4)            \
+    X(GRAYSCALE, 2, 1, 1)               \
+    X(TRIVIAL_WIDE, 3, 2, 1)            \
+    X(ERASING, 4, 8, 1)
+#define EN_DRAW_NUMBERS 12
+
+#define EN_DRAW_KIND(name, kind, numbers, steps) EN_DRAW_##name = kind,
+enum { EN_DRAW_LIST(EN_DRAW_KIND) };
+#undef EN_DRAW_KIND
 
 typedef struct en_op_spec {
     int kind;
-    double v[12];
+    double v[EN_DRAW_NUMBERS];
 } en_op_spec;
+
+/* EN_DRAW_LIST as data, for bindings; ends with a NULL name. */
+typedef struct en_draw_kind {
+    const char *name;
+    int kind, numbers, steps;
+} en_draw_kind;
+extern const en_draw_kind en_draw_kinds[];
 
 /* Steps the specs need (4 for ColorJitter, 1 for the others), or -1 for an
  * unknown kind. */
