@@ -269,7 +269,7 @@ def test_each_op_spec_is_the_c_tables_format():
     ops = [en.ColorJitter(0.4, 0.4, 0.4, 0.1), en.RandomGrayscale(0.2),
            en.TrivialAugmentWide(), en.RandomErasing()]
     for op in ops:
-        row = op.spec(lambda value: 0.0)   # fill: a function of the fill value
+        row = op.spec(lambda value: (0.0, 0.0, 0.0))   # fill: RGB of a fill value
         name, numbers, steps = _kernel.DRAWS[int(row[0])]
         assert row.shape == (SPEC,) and not row[1 + numbers:].any(), name
         assert op.steps == steps == _kernel.ops_steps(row[None, :]), name
