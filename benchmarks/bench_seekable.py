@@ -15,8 +15,9 @@ ceiling         libjpeg-turbo ROI decode alone, in C, of the crop at its DCT sca
 fused           today's kernel (``Decoder.decode_crop``) on the original files
 seek_<k>        the kernel on seekable files with a restart marker every k MCUs
                 (``seek_row``: every MCU row; ``seek_64px``, ``seek_128px``: every 64 or
-                128 pixels of width, the latter the default), through the seekable path (the crop's MCUs
-                assembled into a sub-image, then decoded): same boxes, same pixels
+                128 pixels of width, the latter the default), through the seekable path
+                (the crop's MCUs assembled into a sub-image, then decoded): same boxes,
+                same pixels
 seekable        the default interval (``seekable.DEFAULT``), timed alone
 
 The curve (``test_restart_curve``) reports, per interval, the bytes against the

@@ -40,8 +40,8 @@ DEFAULT = None
 ROW = _seek.ROW
 SIGNATURE = b"ENSEEK\x00\x01"
 
-__all__ = ["DEFAULT", "DEFAULT_RESTART_PX", "ROW", "Transcoded", "index_info", "is_seekable",
-           "make_seekable", "transcode"]
+__all__ = ["DEFAULT", "DEFAULT_RESTART_PX", "ROW", "SeekDecoder", "Transcoded", "check_restart",
+           "index_info", "is_seekable", "make_seekable", "transcode"]
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,11 @@ def transcode(data, restart: int | None = DEFAULT, *, max_pixels: int | None = N
 
     ``restart``: MCUs per restart interval; a crop takes whole segments, so the interval
     used is the largest divisor of an MCU row's count not above it (``ROW``: one segment
-    per MCU row; ``DEFAULT``: segments :data:`DEFAULT_RESTART_PX` pixels wide).  Refuses, with :class:`DecodeError` naming why, what it cannot keep
-    exact: damaged data (libjpeg would substitute coefficients), colour spaces other than
-    YCbCr and greyscale (CMYK, YCCK, RGB-coded), 12-bit and lossless JPEG.  The limits
+    per MCU row; ``DEFAULT``: segments :data:`DEFAULT_RESTART_PX` pixels wide).
+
+    Refuses, with :class:`DecodeError` naming why, what it cannot keep exact: damaged
+    data (libjpeg would substitute coefficients), colour spaces other than YCbCr and
+    greyscale (CMYK, YCCK, RGB-coded), 12-bit and lossless JPEG.  The limits
     default to the decoder's (:class:`echo_native.DecodeLimits`).
     """
     check_restart(restart)

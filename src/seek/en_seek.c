@@ -330,8 +330,8 @@ int en_seek_assemble(en_seeker *s, const uint8_t *data, size_t len, int r0, int 
     const int r = en_seek_parse(data, len, &ix, &s->blob, s->why, sizeof s->why);
     if (r == 0) snprintf(s->why, sizeof s->why, "no seekable index in the file");
     if (r <= 0) return EN_ERR_DECODE;
-    /* Any DRI in the sub-image is patched to the interval: the parser checked
-     * they agree, and the header copy keeps the original's. */
+    /* The sub-image keeps the file's DRI: the parser checked that it is the
+     * index's interval, and the columns are whole segments of it. */
     if (assemble(s, data, &ix, r0, r1, c0, c1, out_len)) return EN_ERR_DECODE;
     *out = s->sub.p;
     return EN_OK;
