@@ -344,12 +344,27 @@ def cmd_make_shards(args):
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if not 1 <= args.quality <= 100:
         raise UsageError(f"--quality must be in 1..100, got {args.quality}")
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    restart = None
+    if args.restart is not None:
+        if not args.seekable:
+            raise UsageError("--restart needs --seekable")
+        if args.restart != "row" and not (args.restart.isdigit() and int(args.restart) >= 1):
+            raise UsageError(f"--restart must be a number of MCUs >= 1 or 'row', got "
+                             f"{args.restart!r}")
+        restart = 0 if args.restart == "row" else int(args.restart)
     options = dict(args.storage_option or [])
     src = args.src
     if not is_url(src):
         if not os.path.exists(src):
             raise UsageError(f"{shards.shown(src)}: no such folder or list file")
-        if os.path.isdir(src):
+        if os.path.isdir(src) and shards.shard_files(src):
+            # Existing shards (of make-shards or any WebDataset writer): re-packed, e.g.
+            # made seekable, sample by sample in their order.
+            from echo_native.tarshards import TarShards
+            src = TarShards(shards.shard_files(src))
+        elif os.path.isdir(src):
             src = open_folder(src)
     progress = not args.quiet and sys.stderr.isatty()
 
@@ -367,7 +382,9 @@ def cmd_make_shards(args):
             src, args.out, shard_size=size, max_count=args.max_count, max_side=args.max_side,
             quality=args.quality, verify=not args.no_verify, strict=args.strict,
             overwrite=args.overwrite, progress=progress, report=report,
-            storage_options=options, trust_list=args.trust_list)
+            storage_options=options, trust_list=args.trust_list, seekable=args.seekable,
+            restart=restart, resume=args.resume,
+            workers=args.workers or len(os.sched_getaffinity(0)))
     except shards.ShardWriteError as e:
         print(f"echo-native make-shards: {e} (--strict: nothing more written)", file=sys.stderr)
         return 1
@@ -383,10 +400,14 @@ def cmd_make_shards(args):
     skipped = len(result.failures)
     if not args.quiet:
         extra = f", {result.reencoded} re-encoded" if result.reencoded else ""
+        if args.seekable:
+            extra += f", {len(result.not_seekable)} not seekable (stored as they were)"
+        if result.resumed:
+            extra += f", {result.resumed} shards kept from an interrupted run"
         print(f"wrote {result.samples} samples in {len(result)} shards to "
               f"{shards.shown(result[0].rsplit('/', 1)[0] if result else args.out)}"
               f"{extra}; {skipped} inputs skipped")
-    return 0 if result.samples else 1
+    return 0 if result.samples or result.resumed else 1
 
 
 # Packages whose exceptions are a store's answer (or its absence), not a bug here.
@@ -444,13 +465,14 @@ def build_parser():
                     help="write the result here as JSON (default: not written)")
     pr.set_defaults(func=cmd_profile)
 
-    ms = sub.add_parser("make-shards", help="pack an ImageFolder or FileList into tar shards "
-                                            "(local or object storage)",
+    ms = sub.add_parser("make-shards", aliases=["shards"],
+                        help="pack an ImageFolder, a FileList or existing shards into tar "
+                             "shards (local or object storage), seekable with --seekable",
                         description="Pack images into WebDataset-style tar shards (key.jpg + "
                                     "key.cls, shard-000000.tar, ...) with .idx sidecars, "
                                     "for TarShards.")
-    ms.add_argument("src", help="an ImageFolder root, or a FileList (path,label rows; a file "
-                                "or a URL)")
+    ms.add_argument("src", help="an ImageFolder root, a FileList (path,label rows; a file "
+                                "or a URL), or a folder of shard-*.tar")
     ms.add_argument("out", help="output folder or URL (s3://bucket/prefix, gs://..., ...)")
     ms.add_argument("--shard-size", default="256MB",
                     help="largest shard, e.g. 256MB, 1GiB (default 256MB)")
@@ -474,6 +496,17 @@ def build_parser():
                     metavar="KEY=VALUE",
                     help="fsspec storage option for URLs, e.g. endpoint_url=http://host:9000 "
                          "(repeatable; JSON values allowed)")
+    ms.add_argument("--seekable", action="store_true",
+                    help="store each JPEG seekable: losslessly re-encoded with restart markers "
+                         "and an index, so crops decode only their own blocks (same pixels)")
+    ms.add_argument("--restart", default=None, metavar="MCUS|row",
+                    help="with --seekable: MCUs per restart interval, or 'row' (default: "
+                         "segments 128 pixels wide)")
+    ms.add_argument("--workers", type=int, default=None,
+                    help="threads reading, verifying and transcoding (default: every core)")
+    ms.add_argument("--resume", action="store_true",
+                    help="keep the complete shards an interrupted run left in OUT (local) and "
+                         "go on after them")
     ms.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     ms.set_defaults(func=cmd_make_shards)
     return p

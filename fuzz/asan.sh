@@ -44,7 +44,7 @@ if [ $# -eq 0 ]; then
          tests/test_backends.py tests/test_output.py tests/test_pipeline.py \
          tests/robustness/test_hostile.py tests/robustness/test_fuzz.py \
          tests/robustness/test_bad_api.py tests/robustness/test_hostile_corpus.py \
-         tests/test_ops_kernels.py tests/test_augment.py \
+         tests/test_ops_kernels.py tests/test_augment.py tests/test_seekable.py \
          -x -q -p no:cacheprovider
 fi
 

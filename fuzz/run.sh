@@ -101,6 +101,18 @@ PYTHONPATH="$tree" FUZZ_PRINT_MODULE=1 "$py" "$root/fuzz/fuzz_decode.py" \
   -artifact_prefix="$work/artifacts/" "${fork[@]}" "$work/corpus" "$work/seeds" \
   2>&1 | grep -v -E '^#[0-9]+\s+(NEW|REDUCE)|^"|dictionary' | tail -60
 rc=${PIPESTATUS[0]}
+# The seekable index parser and assembler: a quarter of the budget, its own corpus.
+if [ "$rc" -eq 0 ]; then
+  mkdir -p "$work/seek-corpus"
+  PYTHONPATH="$tree" "$py" "$root/fuzz/fuzz_seekable.py" --seeds "$work/seek-seeds" >/dev/null
+  seek_budget=("${budget[@]}")
+  [ "$sanitize" = 1 ] || seek_budget=(-max_total_time="$(( (secs + 3) / 4 ))")
+  PYTHONPATH="$tree" "$py" "$root/fuzz/fuzz_seekable.py" \
+    "${seek_budget[@]}" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+    -artifact_prefix="$work/artifacts/" "${fork[@]}" "$work/seek-corpus" "$work/seek-seeds" \
+    2>&1 | grep -v -E '^#[0-9]+\s+(NEW|REDUCE)|^"|dictionary' | tail -20
+  rc=${PIPESTATUS[0]}
+fi
 set -e
 found=$(ls "$work/artifacts" 2>/dev/null | wc -l)
 if [ "$rc" -ne 0 ] || [ "$found" -ne 0 ]; then

@@ -49,7 +49,7 @@ libs = [n for n in names if n.startswith("echo_native.libs/")]
 if not any("libjpeg" in n for n in libs):
     sys.exit(f"{sys.argv[1]}: no bundled libjpeg in echo_native.libs/ ({libs})")
 for want in ("echo_native/py.typed", "echo_native/_kernel.pyi", "echo_native/_ring.pyi",
-             "echo_native/_dlpack.pyi", "echo_native/lab/_bench.pyi",
+             "echo_native/_dlpack.pyi", "echo_native/_seek.pyi", "echo_native/lab/_bench.pyi",
              "echo_native/echo/stages.py"):
     if want not in names:
         sys.exit(f"{sys.argv[1]}: {want} is missing")
