@@ -56,6 +56,8 @@ __all__ = ["EchoRing", "RayLoader", "dataset"]
 #: tickets): a new dataset starts a new actor pool.
 EPOCHS_PER_DATASET = 8
 MAX_TICKETS = 100_000
+#: Ray's batches fetched ahead of the stream's thread (``iter_batches``).
+PREFETCH = 2
 
 
 def _concurrency(concurrency):
@@ -127,9 +129,12 @@ class RayStream:
         self.layout = SimpleNamespace(nslots=int(nslots), max_objects=self.max_objects)
         self.name = f"ray-stream-{os.getpid()}-{id(self):x}"
         B = self.plan.batch_size
-        # Ray may hold as many tickets again as the trainer's slots, decoded ahead (at
-        # least two per actor, so that none waits for its next input).
-        self.ahead_bytes = max(int(nslots), 2 * concurrency) * B * transform.sample_bytes
+        # What Ray may hold decoded ahead: twice the trainer's slots, or four tickets
+        # per actor.  Ray splits the budget between its operators and keeps finished
+        # tickets back to deliver them in order: with only the slots' worth, measured,
+        # the actors wait on the budget.
+        self.ahead_tickets = max(2 * int(nslots), 4 * concurrency)
+        self.ahead_bytes = self.ahead_tickets * B * transform.sample_bytes
         self._free = [HostSlot(B, transform.sample_bytes, self.max_objects)
                       for _ in range(int(nslots))]
         self._cond = threading.Condition()
@@ -161,7 +166,7 @@ class RayStream:
                                    trainer=True, job=self.job, ahead_bytes=self.ahead_bytes)
                 self.reading = (ticket, end)
                 batches = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
-                                               prefetch_batches=2))
+                                               prefetch_batches=PREFETCH))
                 try:
                     for cols in batches:
                         t0, self._slot_wait_s = time.perf_counter(), 0.0
@@ -370,6 +375,15 @@ class RayLoader(Loader):
 
     def ready(self):
         return self._ring is not None and self._ring.is_published(self._ticket)
+
+    @property
+    def read_ahead(self):
+        """Batches that may be decoded ahead of the consumer while it runs: the
+        trainer's slots, what Ray may hold in its object store, and its prefetch."""
+        s = self._ring
+        if s is None:
+            return None
+        return s.layout.nslots + s.ahead_tickets + PREFETCH
 
     def dataset(self, epoch=None):
         """The ``ray.data.Dataset`` of the samples of ``epoch`` (default: the current
