@@ -17,6 +17,7 @@ batch from file bytes to the GPU; each imports only modules above it):
               coco (CocoDetection: a COCO-format folder with its annotations),
               parquet_index (Parquet footers and row groups), parquet (ParquetImages:
               Parquet files and Hugging Face datasets)
+  seekable    JPEGs with restart markers and an index: a crop decodes only its blocks
   decode      bytes -> pixels: JPEG by the native kernel, other formats by Pillow;
               shards (the shard writer, which checks images with it)
   transforms  what each sample becomes: RandomResizedCrop, CenterCrop
@@ -41,6 +42,8 @@ batch from file bytes to the GPU; each imports only modules above it):
   delivery    an emission becomes the consumer's batch (normalise, Mix, on_batch)
   pipeline    EchoRing, which wires the specs to all of the above
   echo_loader EchoLoader: the echo stages around any loader's batches
+  ray_decode  a ticket decoded in a Ray actor, as a worker fills a slot;
+              ray (the [ray] extra: EchoRing and dataset() decoding on a Ray cluster)
 
 The lab (benchmark corpus, peers, demo) is :mod:`echo_native.lab`; the library
 never imports it.

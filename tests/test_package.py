@@ -159,11 +159,30 @@ print(json.dumps({{"rc": rc, "leaked": leaked}}))
 """
 
 
+#: Library modules of an optional extra, which import its packages at the top.
+EXTRA_MODULES = {"echo_native.ray": "ray"}
+
+
+def test_only_the_ray_module_imports_ray():
+    """Ray stays optional: only echo_native.ray imports it; the rest of the library works
+    without it."""
+    for path in LIBRARY_FILES:
+        name = _module_name(path)
+        importers = [n for _, n in _imported_names(path) if n == "ray" or n.startswith("ray.")]
+        if name == "echo_native.ray":
+            assert importers, "echo_native.ray no longer imports ray: update EXTRA_MODULES"
+        else:
+            assert not importers, f"{name} imports {importers}"
+
+
 def test_library_imports_and_profiles_without_lab_or_heavy_packages(tmp_path):
     folder = str(sh.write_folder(tmp_path / "data", sh.photo_jpegs(16, seed=4),
                                  np.arange(16) % 2))
     js = str(tmp_path / "p.json")
-    modules = [_module_name(p) for p in LIBRARY_FILES if p.name != "__main__.py"]
+    # echo_native.ray is an extra's module: it needs Ray ([ray]), and nothing else in the
+    # library imports it (test_only_the_ray_module_imports_ray).
+    modules = [_module_name(p) for p in LIBRARY_FILES
+               if p.name != "__main__.py" and _module_name(p) not in EXTRA_MODULES]
     assert "echo_native.profile" in modules and "echo_native.backends.cuda" in modules
     code = BLOCKED_RUN.format(blocked=list(FORBIDDEN), modules=modules, folder=folder, js=js)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
