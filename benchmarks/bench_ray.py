@@ -53,7 +53,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from benchenv import busy_cpu_seconds, env_int
+from benchenv import busy_cpu_seconds, env_int, proc_table
 
 ray = pytest.importorskip("ray", reason="needs the [ray] extra (ray[data])")
 pytest.importorskip("ray.data")
@@ -71,6 +71,9 @@ WORKERS = 2
 SIZE = 224
 TARGETS = {"ray/raydata": 5.0, "ray/local": 0.7}
 RESULTS = Path(__file__).resolve().parent / "results" / "ray.json"
+# Passes over the files in Ray Data's one execution (each epoch a user iterates
+# starts a new actor pool: these 8 fewer of them).  Not many more: Ray Data's driver
+# plans every path, and 46,800 kept it busy for minutes.
 EPOCHS = 8
 AHEAD_BATCHES = 4       # the rings' slots (Workers(slots=4))
 # What the Ray ring lets Ray hold ahead (echo_native.ray.RayStream), Ray Data's path too.
@@ -78,6 +81,8 @@ RAY_AHEAD = max(2 * AHEAD_BATCHES, 4 * WORKERS)
 
 _rates: dict = {}
 _books: dict = {}
+_cpu: dict = {}         # pipeline -> role -> CPU seconds in its timed windows
+_cpu_images: dict = {}
 _unsettled: list = []   # rounds started on a machine that did not go idle (others' work)
 
 
@@ -154,8 +159,6 @@ class RingStream(Stream):
 
 
 def _raydata(root):
-    # EPOCHS passes over the files in one execution, as the Ray ring's dataset spans
-    # epochs: neither pays a new actor pool per epoch inside the timed rounds.
     files = [str(en.ImageFolder(root).path(i)) for i in range(N_IMAGES)]
     ds = ray.data.read_images(files * EPOCHS, mode="RGB", concurrency=WORKERS)
     ds = ds.map_batches(RandomCrops, batch_size=BATCH, batch_format="numpy",
@@ -252,17 +255,63 @@ def _placement_bytes(er, root):
     return out
 
 
+def _role(pid, me):
+    """Who a process of this run is, by its command line (Ray names its workers
+    ``ray::<actor or task>``)."""
+    if pid == me:
+        return "consumer"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    if "TicketDecoder" in cmd:
+        return "ray actors (fused kernel)"
+    if "RandomCrops" in cmd or "ReadImage" in cmd:
+        return "raydata workers (Pillow)"
+    if "ray" in cmd.split(" ", 1)[0] or "raylet" in cmd or "gcs_server" in cmd or \
+            "/ray/" in cmd:
+        return "ray system"
+    return "local workers"
+
+
+def cpu_by_role():
+    """CPU seconds so far of this process and its descendants, by :func:`_role`."""
+    table, me = proc_table(), os.getpid()
+    kids = {}
+    for pid, row in table.items():
+        kids.setdefault(row[0], []).append(pid)
+    out, todo, seen = {}, [me], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in table:
+            continue
+        seen.add(pid)
+        todo += kids.get(pid, [])
+        role = _role(pid, me)
+        out[role] = out.get(role, 0.0) + table[pid][1] / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def test_paired_rounds(pipelines):
-    """Round-robin rounds of every pipeline, for the ratios (see the module's docstring)."""
+    """Round-robin rounds of every pipeline, for the ratios (see the module's docstring).
+    The CPU each process of the run spends in the timed window is booked by role: a
+    cost per image that other work on a shared machine does not inflate."""
     for _ in range(ROUNDS):
         for name, stream in pipelines.items():
             settle()
             take_ready(stream)
+            c0 = cpu_by_role()
             t0 = time.perf_counter()
             n = sum(stream.next() for _ in range(TIMED_BATCHES))
             dt = time.perf_counter() - t0
+            c1 = cpu_by_role()
             assert n == TIMED_BATCHES * BATCH
             _rates[name].append(n / dt)
+            cpu = _cpu.setdefault(name, {})
+            for role, v in c1.items():
+                cpu[role] = cpu.get(role, 0.0) + max(0.0, v - c0.get(role, 0.0))
+            _cpu_images[name] = _cpu_images.get(name, 0) + n
 
 
 def _report():
@@ -290,6 +339,9 @@ def _report():
                                 per_image["ray_assembly_ms"])
     result = {"img_per_s": med, "ratios": ratios, "targets": TARGETS, "rounds": ROUNDS,
               "paired_ratios": paired,
+              "cpu_ms_per_image": {k: {role: round(1e3 * v / _cpu_images[k], 3)
+                                       for role, v in sorted(roles.items()) if v > 0}
+                                   for k, roles in _cpu.items()},
               "paired_ratio_medians": {k: statistics.median(v) for k, v in paired.items()},
               "workers": WORKERS, "batch": BATCH, "images": N_IMAGES,
               "per_image": per_image,
@@ -304,5 +356,7 @@ def _report():
     print("; ".join(f"{k} {v:.2f} (target >= {TARGETS[k]}; round by round "
                     f"{', '.join(f'{x:.2f}' for x in paired[k])})" for k, v in ratios.items()))
     print("per image: " + ", ".join(f"{k} {v:.2f}" for k, v in per_image.items()))
+    for k, roles in result["cpu_ms_per_image"].items():
+        print(f"CPU ms per image, {k}: " + ", ".join(f"{r} {v:.2f}" for r, v in roles.items()))
     print("bytes per fresh example: " + ", ".join(
         f"{k} {v:,.0f}" for k, v in result["bytes_per_fresh"].items()) + f"; {RESULTS}")

@@ -52,10 +52,10 @@ from echo_native.ray_decode import COLUMNS, OBJECT_COLUMNS, HostSlot, TicketDeco
 
 __all__ = ["EchoRing", "RayLoader", "dataset"]
 
-#: Epochs one trainer-side dataset covers (fewer when they hold over MAX_TICKETS
-#: tickets): a new dataset starts a new actor pool.
-EPOCHS_PER_DATASET = 8
-MAX_TICKETS = 100_000
+#: Tickets one trainer-side dataset covers, in whole epochs (at least one): a new
+#: dataset starts a new actor pool (seconds), and its input rows cost the trainer
+#: about a millisecond each to make (``from_items``).
+TICKETS_PER_DATASET = 1000
 #: Ray's batches fetched ahead of the stream's thread (``iter_batches``).
 PREFETCH = 2
 
@@ -159,7 +159,7 @@ class RayStream:
             while not self._stop:
                 # Several epochs per dataset: each new one starts its actor pool (seconds),
                 # and training reads epoch after epoch.
-                epochs = max(1, min(EPOCHS_PER_DATASET, MAX_TICKETS // self.bpe))
+                epochs = max(1, TICKETS_PER_DATASET // self.bpe)
                 end = (ticket // self.bpe + epochs) * self.bpe
                 ds = build_dataset(self.plan, self.source, range(ticket, end),
                                    concurrency=self.concurrency, max_objects=self.max_objects,
