@@ -3,6 +3,7 @@ read twice: one iteration at a time, ``with`` blocks, and no pickling."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 
@@ -21,8 +22,19 @@ class _Sigint:
     pressed = False     # a Ctrl-C came during that wait
 
 
+_OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+         os.path.abspath(contextlib.__file__))
+
+
+def _foreign(frame):
+    """Whether the interrupted ``frame`` is the wrapped loader's (or deeper), not ours:
+    a batch it returned has not reached our frames yet, so raising there takes none."""
+    name = os.path.abspath(frame.f_code.co_filename) if frame is not None else ""
+    return not (name.startswith(_OURS[0]) or name == _OURS[1])
+
+
 def _hold(signum, frame):
-    if _Sigint.open or (_Sigint.second and _Sigint.pressed):
+    if _Sigint.open or (_Sigint.second and _Sigint.pressed and _foreign(frame)):
         _Sigint.caught = _Sigint.pressed = False
         raise KeyboardInterrupt
     _Sigint.caught = True
@@ -60,13 +72,16 @@ def deferred_interrupts():
         yield
         return
     _Sigint.caught, _Sigint.open = False, 0
-    signal.signal(signal.SIGINT, _hold)
+    # Marked installed before the handler is (and not after it is gone): a Ctrl-C
+    # between the two finds either our handler, which holds it, or the default one,
+    # which raises; the books never say installed while the default handler is in place.
     _Sigint.installed = True
+    signal.signal(signal.SIGINT, _hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         _Sigint.installed = False
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         if _Sigint.caught:
             _Sigint.caught = False
             raise KeyboardInterrupt
@@ -94,7 +109,8 @@ def second_press():
     """Inside :func:`deferred_interrupts`, a wait in code that a KeyboardInterrupt would
     break for good (a wrapped generator dies of one): the first Ctrl-C is held until
     the wait is over, a second one raises at once (a stuck loader can still be
-    stopped)."""
+    stopped), but only inside the code waited on: once its batch is back in our
+    frames, it is held like the first."""
     _Sigint.second += 1
     _Sigint.pressed = False   # one held from before the wait is not the first press
     try:
@@ -146,16 +162,14 @@ class IterationGuard:
                             f"was closed, or iterated again, since it was taken (one "
                             f"iteration at a time; start a new `for` loop over it)")
                     if self._ready is None or self._handed:
-                        self._ready, self._handed = None, False
                         # A Ctrl-C while the source moves a batch (but for its waits on
-                        # the upstream) is held until the batch is kept in _ready.
-                        with deferred_interrupts() if self.hold_interrupts else \
-                                contextlib.nullcontext():
-                            try:
-                                self._ready = next(source)
-                            except StopIteration:
-                                self._token = self._source = None
-                                return
+                        # the upstream) is held (by _step) until the batch is in _ready.
+                        self._ready, self._handed = None, False
+                        try:
+                            self._ready = next(source)
+                        except StopIteration:
+                            self._token = self._source = None
+                            return
                 # No signal is handled between this store and the yield (no call, no
                 # jump back): _handed is True exactly when the consumer has the batch.
                 self._handed = True
@@ -169,12 +183,13 @@ class IterationGuard:
             # Left early (break, an exception): the stream stops here, and a later
             # iteration continues from it.  (Only this generator can hold the lock
             # for its own token; the timeout is a guard, not a wait.)
-            if self._token is token and self._lock.acquire(timeout=60):
-                try:
-                    self._close_source()
-                    self._token = None
-                finally:
-                    self._lock.release()
+            with self._held():
+                if self._token is token and self._lock.acquire(timeout=60):
+                    try:
+                        self._close_source()
+                        self._token = None
+                    finally:
+                        self._lock.release()
             self.run_deferred()
 
     def stop(self, then=None):
@@ -183,13 +198,14 @@ class IterationGuard:
         (blocked in the stream): its iterator is ended all the same, and that thread,
         once its step returns, delivers what it took and raises at its next ``next()``,
         running ``then`` (the rest of the owner's close) as its iteration ends."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._close_source()
-                self._token = None
-            finally:
-                self._lock.release()
-            return True
+        with self._held():
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._close_source()
+                    self._token = None
+                finally:
+                    self._lock.release()
+                return True
         self._deferred = then
         self._token = None
         return False
@@ -216,14 +232,22 @@ class IterationGuard:
 
     @contextlib.contextmanager
     def _step(self):
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError(f"this {self._owner} is being iterated by another thread: one "
-                               f"thread at a time may take its batches (give each thread its "
-                               f"own {self._owner}, or hand batches over through a queue)")
-        try:
-            yield
-        finally:
-            self._lock.release()
+        # Holding interrupts, a Ctrl-C can land neither between the lock's acquire and
+        # the try that releases it (the lock would stay held: "being iterated by another
+        # thread" forever) nor anywhere else in the step but its interruptible waits.
+        with self._held():
+            if not self._lock.acquire(blocking=False):
+                raise RuntimeError(f"this {self._owner} is being iterated by another thread: "
+                                   f"one thread at a time may take its batches (give each "
+                                   f"thread its own {self._owner}, or hand batches over "
+                                   f"through a queue)")
+            try:
+                yield
+            finally:
+                self._lock.release()
+
+    def _held(self):
+        return deferred_interrupts() if self.hold_interrupts else contextlib.nullcontext()
 
 
 class Started:

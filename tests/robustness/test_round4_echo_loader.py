@@ -735,7 +735,7 @@ def test_close_from_another_thread_while_a_batch_is_read_ends_that_iterator():
 
 # -- item 5: a caught Ctrl-C ------------------------------------------------------------------
 def _interrupted(make_iterable, interrupts=300, seed=0):
-    """Iterate with SIGINT sent to this process every 1-8 ms (at most ``interrupts`` of
+    """Iterate with SIGINT sent to the main thread every 1-8 ms (at most ``interrupts`` of
     them), catching each KeyboardInterrupt and iterating on, as a training loop that
     catches Ctrl-C to save and go on would.  Returns what ``collect`` kept."""
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or \
@@ -746,23 +746,39 @@ def _interrupted(make_iterable, interrupts=300, seed=0):
     def sender():
         rng = np.random.default_rng(seed)
         go.wait(timeout=30)   # only once the loop below catches what it sends
-        while sent[0] < interrupts and not stop.wait(rng.uniform(0.001, 0.008)):
-            os.kill(os.getpid(), signal.SIGINT)
+        while sent[0] < interrupts and not stop.is_set():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             sent[0] += 1
+            stop.wait(rng.uniform(0.001, 0.008))
 
     got, caught = [], 0
+    t0 = time.monotonic()
     t = threading.Thread(target=sender, daemon=True)
     t.start()
     try:
+        loader = make_iterable()
+        epoch = loader.epoch
         for _ in range(100 * interrupts):
+            it = None
             try:
                 go.set()
-                for item in make_iterable():
+                it = iter(loader)
+                for item in it:
                     got.append(item)   # a C call: no signal lands between for and append
                 break
             except KeyboardInterrupt:
                 caught += 1
-                continue
+                if loader.epoch != epoch:
+                    break   # it came with the epoch's end: the epoch is whole
+            # Closed here, not by the garbage collector: an interrupt in a finalizer is
+            # "unraisable" (and pytest's hook for those may itself be interrupted).
+            for _ in range(100):
+                try:
+                    if it is not None:
+                        it.close()
+                    break
+                except KeyboardInterrupt:
+                    continue
         else:
             raise AssertionError("never finished the epoch")
     finally:
@@ -775,7 +791,9 @@ def _interrupted(make_iterable, interrupts=300, seed=0):
                 break
             except KeyboardInterrupt:
                 continue
-    assert caught >= 3, caught   # the interrupts did land inside the iteration
+    # Interrupts did land inside the iteration (held ones coalesce: fewer are caught
+    # than sent).
+    assert caught >= 1, (caught, sent[0], time.monotonic() - t0, len(got))
     return got
 
 
@@ -822,14 +840,14 @@ def test_a_caught_ctrl_c_loses_no_batch_of_an_echo_ring(echo):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import echo_helpers as eh
 
-    data = (eh.photo_jpegs(200, 16, 16, seed=3), np.arange(200) % 4)
+    data = (eh.photo_jpegs(400, 16, 16, seed=3), np.arange(400) % 4)
     with eh.small_ring(data, echo=echo, batch_size=8, image_size=8, workers=1, seed=2) as ring:
         if not ring._iteration.hold_interrupts:
             pytest.xfail("EchoRing's IterationGuard holds no Ctrl-C yet: pipeline.py needs "
                          "IterationGuard('EchoRing', hold_interrupts=True)")
         got = _interrupted(lambda: ring)
         fresh = [int(i) for b in got for i in b.sample_ids[b.fresh]]
-    assert sorted(fresh) == list(range(200))
+    assert sorted(fresh) == list(range(400))
 
 
 class Waiting:
@@ -853,18 +871,24 @@ class WaitingIter:
         lo = self.loader
         if self.pos == lo.at and not lo.release.is_set():
             lo.inside.set()
-            lo.release.wait(timeout=30)
+            if not lo.release.wait(timeout=30):
+                raise TimeoutError("the wait was never interrupted nor released")
         if self.pos == len(self.batches):
             raise StopIteration
         self.pos += 1
         return self.batches[self.pos - 1]
 
 
-def _signal_when_inside(loader, presses, then_release):
+def _signal_when_inside(loader, presses, then_release, done=None):
+    """Once the loader waits: ``presses`` Ctrl-Cs (until ``done`` is set, when given: two
+    signals sent close together may reach the process as one, so pressing goes on
+    until the interrupt has landed), then the release if asked."""
     def run():
         if loader.inside.wait(timeout=30):
             for _ in range(presses):
-                os.kill(os.getpid(), signal.SIGINT)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                if done is not None and done.wait(0.05):
+                    break
                 time.sleep(0.05)   # let each land on its own (not an assertion)
             if then_release:
                 loader.release.set()
@@ -900,11 +924,15 @@ def test_a_second_ctrl_c_interrupts_a_stuck_loader():
         pytest.skip("SIGINT has a handler of its own here, or tests run off the main thread")
     loader = Waiting(at=4)
     el = en.EchoLoader(loader, echo=2, seed=1, with_info=True)
-    t = _signal_when_inside(loader, presses=2, then_release=False)
+    done = threading.Event()
+    t = _signal_when_inside(loader, presses=40, then_release=False, done=done)
     got = []
     with pytest.raises(KeyboardInterrupt):
-        for b in el:
-            got.append(b)
+        try:
+            for b in el:
+                got.append(b)
+        finally:
+            done.set()
     t.join(timeout=30)
     assert not loader.release.is_set()   # interrupted inside the wait, not after it
     loader.release.set()
