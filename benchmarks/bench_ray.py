@@ -17,14 +17,14 @@ ray       ``echo_native.ray.EchoRing(ImageFolder(root), echo=1, concurrency=2)``
           2 decoding actors with the fused kernel, the trainer's stream
 local     ``echo_native.EchoRing(ImageFolder(root), echo=1, workers=2)``
 
-One Ray instance serves both Ray pipelines (6 logical CPUs on the machine's 2
-cores, so that both pools can be placed: only the measured one works).  Each
-pipeline is started once, warmed, and read epoch after epoch.  Rounds alternate
-between pipelines; before a round the machine is left to settle (every other
-pipeline's read-ahead full, its workers asleep), then what the measured one may
-hold decoded ahead is taken untimed (its declared read-ahead: slots, Ray's
-object-store budget and prefetch; then on while batches come in under 2 ms), then
-ECHO_NATIVE_BENCH_RAY_BATCHES batches are timed.  Printed and written to
+One Ray instance serves both Ray pipelines.  Rounds alternate between pipelines
+(the order rotating); in a round each pipeline runs alone: it is started, warmed
+(actors, interpreters, page cache: 8 batches), then
+ECHO_NATIVE_BENCH_RAY_BATCHES batches are timed, and it is closed: a live Ray
+Data execution keeps its driver-side scheduler busy even when backpressured, and
+would tax whichever pipeline is timed beside it.  The CPU that every process of the
+run spends in a timed window is booked by role (consumer, Ray's actors, Ray's
+system processes, Ray Data's workers, local workers).  Printed and written to
 ``benchmarks/results/ray.json``: the median img/s of each; the ratios ray/raydata
 (target >= 5) and ray/local (target >= 0.7); where the Ray ring's time goes
 beside the local ring's (the decode in the actors per image, the trainer's
@@ -53,7 +53,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from benchenv import busy_cpu_seconds, env_int, proc_table
+from benchenv import env_int, proc_table
 
 ray = pytest.importorskip("ray", reason="needs the [ray] extra (ray[data])")
 pytest.importorskip("ray.data")
@@ -76,6 +76,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "ray.json"
 # plans every path, and 46,800 kept it busy for minutes.
 EPOCHS = 8
 AHEAD_BATCHES = 4       # the rings' slots (Workers(slots=4))
+WARM_BATCHES = 8
 # What the Ray ring lets Ray hold ahead (echo_native.ray.RayStream), Ray Data's path too.
 RAY_AHEAD = max(2 * AHEAD_BATCHES, 4 * WORKERS)
 
@@ -83,7 +84,6 @@ _rates: dict = {}
 _books: dict = {}
 _cpu: dict = {}         # pipeline -> role -> CPU seconds in its timed windows
 _cpu_images: dict = {}
-_unsettled: list = []   # rounds started on a machine that did not go idle (others' work)
 
 
 def _crop():
@@ -123,8 +123,6 @@ class RandomCrops:
 class Stream:
     """A pipeline read epoch after epoch, one batch at a time (its size)."""
 
-    ahead = RAY_AHEAD + 2 + WORKERS   # Ray Data's budget, prefetch, tasks in flight
-
     def __init__(self, make_iter):
         self.make_iter = make_iter
         self.it = self._batches()
@@ -147,11 +145,6 @@ class RingStream(Stream):
         self.ring = ring.__enter__()
         super().__init__(lambda: (len(b) for b in self.ring))
 
-    @property
-    def ahead(self):
-        """Batches it may hold decoded ahead: the ring's slots, or the Ray ring's
-        slots, Ray's object-store budget and prefetch."""
-        return getattr(self.ring.loader, "read_ahead", None) or self.ring.loader.slots
 
     def close(self):
         super().close()
@@ -177,35 +170,11 @@ def _raydata(root):
     return Stream(epoch)
 
 
-def settle(timeout=5.0):
-    """Until the machine is idle (under a fifth of a core busy over 0.5 s): every
-    pipeline's read-ahead is full and its workers asleep.  On a machine shared with
-    other work it never is: the round starts after ``timeout`` and is counted in
-    ``unsettled_rounds``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        b0 = busy_cpu_seconds()
-        time.sleep(0.5)
-        if busy_cpu_seconds() - b0 < 0.1:
-            return True
-    _unsettled.append(round(time.monotonic() - deadline + timeout, 1))
-    return False
-
-
-def take_ready(stream, most=200):
-    """What a pipeline may have decoded ahead while others were timed, untimed: its
-    declared read-ahead, and on until a batch is not ready (takes over 2 ms)."""
-    for _ in range(stream.ahead):
-        stream.next()
-    for _ in range(most):
-        t0 = time.perf_counter()
-        stream.next()
-        if time.perf_counter() - t0 > 0.002:
-            return
-
-
 @pytest.fixture(scope="module")
 def pipelines():
+    """Makers of the three pipelines (each round starts and closes its own: a live Ray
+    Data execution keeps its driver-side scheduler busy even when backpressured, on
+    the cores another pipeline is being timed on)."""
     import echo_native.ray as er
     from echo_native.lab import corpus
 
@@ -213,29 +182,17 @@ def pipelines():
         root = corpus.default_corpus(n_images=N_IMAGES, seed=env_int("ECHO_NATIVE_BENCH_SEED", 0))
     except ImportError as e:
         pytest.skip(str(e))
-    ray.init(num_cpus=3 * WORKERS, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=2 * WORKERS, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
-    made = {}
+    kw = dict(image_size=SIZE, echo=1, seed=0, drop_last=True, slots=AHEAD_BATCHES)
     try:
-        kw = dict(image_size=SIZE, echo=1, seed=0, drop_last=True)
-        made["raydata"] = _raydata(root)
-        made["ray"] = RingStream(er.EchoRing(en.ImageFolder(root), BATCH, concurrency=WORKERS,
-                                             slots=AHEAD_BATCHES, **kw))
-        made["local"] = RingStream(en.EchoRing(en.ImageFolder(root), BATCH, workers=WORKERS,
-                                               slots=AHEAD_BATCHES, **kw))
-        for name, stream in made.items():
-            for _ in range(6):  # warm-up: actors, interpreters, page cache
-                stream.next()
-            _rates[name] = []
-        yield made
-        _books["ray"] = made["ray"].ring.stats()
-        _books["ray_fill_s"] = made["ray"].ring.stage.books.fill_s
-        _books["local"] = made["local"].ring.stats()
-        _books["local_fill_s"] = made["local"].ring.stage.books.fill_s
+        yield {"raydata": lambda: _raydata(root),
+               "ray": lambda: RingStream(er.EchoRing(en.ImageFolder(root), BATCH,
+                                                     concurrency=WORKERS, **kw)),
+               "local": lambda: RingStream(en.EchoRing(en.ImageFolder(root), BATCH,
+                                                       workers=WORKERS, **kw))}
         _books["bytes_per_fresh"] = _placement_bytes(er, root)
     finally:
-        for stream in made.values():
-            stream.close()
         ray.shutdown()
     _report()
 
@@ -294,20 +251,30 @@ def cpu_by_role():
 
 
 def test_paired_rounds(pipelines):
-    """Round-robin rounds of every pipeline, for the ratios (see the module's docstring).
-    The CPU each process of the run spends in the timed window is booked by role: a
-    cost per image that other work on a shared machine does not inflate."""
-    for _ in range(ROUNDS):
-        for name, stream in pipelines.items():
-            settle()
-            take_ready(stream)
-            c0 = cpu_by_role()
-            t0 = time.perf_counter()
-            n = sum(stream.next() for _ in range(TIMED_BATCHES))
-            dt = time.perf_counter() - t0
-            c1 = cpu_by_role()
+    """Rounds of every pipeline in turn (the order rotating), for the ratios: each starts
+    alone, is warmed (actors, interpreters, page cache), has ECHO_NATIVE_BENCH_RAY_BATCHES
+    batches timed and is closed.  The CPU each process of the run spends in the timed
+    window is booked by role: a cost per image other work on a shared machine does not
+    inflate."""
+    names = list(pipelines)
+    for r in range(ROUNDS):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            stream = pipelines[name]()
+            try:
+                for _ in range(WARM_BATCHES):
+                    stream.next()
+                c0 = cpu_by_role()
+                t0 = time.perf_counter()
+                n = sum(stream.next() for _ in range(TIMED_BATCHES))
+                dt = time.perf_counter() - t0
+                c1 = cpu_by_role()
+                if isinstance(stream, RingStream):
+                    _books[name] = stream.ring.stats()
+                    _books[name + "_fill_s"] = stream.ring.stage.books.fill_s
+            finally:
+                stream.close()
             assert n == TIMED_BATCHES * BATCH
-            _rates[name].append(n / dt)
+            _rates.setdefault(name, []).append(n / dt)
             cpu = _cpu.setdefault(name, {})
             for role, v in c1.items():
                 cpu[role] = cpu.get(role, 0.0) + max(0.0, v - c0.get(role, 0.0))
@@ -347,7 +314,7 @@ def _report():
               "per_image": per_image,
               "bytes_per_fresh": {**_books["bytes_per_fresh"],
                                   "echo1": ray_s["ray_bytes_per_fresh"]},
-              "duplicates": ray_s["duplicates"], "unsettled_rounds": len(_unsettled),
+              "duplicates": ray_s["duplicates"],
               "raydata_crop": "torchvision" if _crop().__name__ == "<lambda>" else "pillow",
               "per_round": _rates, "cpus": len(os.sched_getaffinity(0))}
     RESULTS.parent.mkdir(exist_ok=True)
