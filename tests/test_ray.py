@@ -355,3 +355,26 @@ def test_the_example_trains_on_a_two_node_cluster(corpus, _session, tmp_path):
     for r in lines:
         assert r["fresh_ids"] == 48 and r["each_once"] and r["nodes"] == 2
         assert np.isfinite(r["loss"])
+
+
+@pytest.mark.slow
+def test_close_mid_epoch_then_iterating_again_goes_on_as_a_local_ring_does(corpus, cluster):
+    """close() stops the Ray stream (its thread and its dataset); iterating again starts a
+    new one where the ring stood: the batches are a local ring's under the same
+    interruption, and no id comes fresh twice."""
+    kw = dict(image_size=SIZE, seed=9, echo=2.0, placement="after_augment")
+    runs = []
+    for ring in (en.EchoRing(corpus, BATCH, workers=1, **kw),
+                 er.EchoRing(corpus, BATCH, concurrency=2, **kw)):
+        it = iter(ring)
+        got = [next(it).copy() for _ in range(3)]
+        ring.close()
+        with pytest.raises(Exception):
+            next(it)   # an iterator taken before close() is finished
+        assert not _leaked_threads()
+        with ring:
+            got += [b.copy() for b in ring]
+        runs.append(got)
+    _same([runs[0]], [runs[1]])
+    fresh = np.concatenate([b.sample_ids[b.fresh] for b in runs[1]])
+    assert len(set(fresh.tolist())) == len(fresh)
