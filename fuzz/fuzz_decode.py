@@ -43,18 +43,20 @@ en = _kernel = _dec = ALLOWED = None
 MAX_PIXELS = 8_000_000     # keeps each lenient decode of an inflated header well under 1 s
 
 
-def _export_libfuzzer():
+def _export_libfuzzer(load=False):
     """Make the running libFuzzer's __sanitizer_cov_* symbols visible to later dlopens.
 
     atheris loads its libFuzzer core privately (RTLD_LOCAL); re-open that same
     library with RTLD_GLOBAL (RTLD_NOLOAD: no second copy) so an extension built
-    with -fsanitize-coverage can bind its coverage callbacks to it.
+    with -fsanitize-coverage can bind its coverage callbacks to it.  ``load``: load
+    it if it is not (a script that imports the instrumented build outside a fuzzing
+    run, to write seeds with it).
     """
     import ctypes
     core = os.path.join(os.path.dirname(atheris.__file__),
                         "core_with_libfuzzer" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
     try:
-        ctypes.CDLL(core, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        ctypes.CDLL(core, mode=os.RTLD_GLOBAL | (0 if load else os.RTLD_NOLOAD))
     except OSError:
         pass   # not loaded (e.g. running a single input without libFuzzer)
 

@@ -41,6 +41,9 @@ def _load(instrument=True):
     global en, _seek, _kernel, seekable, ALLOWED
     if instrument:
         import atheris
+
+        from fuzz_decode import _export_libfuzzer
+        _export_libfuzzer()   # the instrumented build binds its coverage callbacks to it
         with atheris.instrument_imports(include=["echo_native"]):
             import echo_native as en
             from echo_native import _kernel, _seek, seekable
@@ -110,6 +113,11 @@ def make_seeds(out):
     sys.path.insert(0, os.path.join(root, "tests"))
     from photos import fit, photo
 
+    try:   # an instrumented build (fuzz/run.sh) needs libFuzzer's symbols to load
+        from fuzz_decode import _export_libfuzzer
+        _export_libfuzzer(load=True)
+    except ImportError:
+        pass   # no atheris: an ordinary build, which needs none
     from echo_native import seekable as sk
     os.makedirs(out, exist_ok=True)
     n = 0
