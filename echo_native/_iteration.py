@@ -41,83 +41,103 @@ def _hold(signum, frame):
     _Sigint.pressed = bool(_Sigint.second)
 
 
-@contextlib.contextmanager
-def deferred_interrupts():
+class deferred_interrupts:
     """Hold a Ctrl-C until the block is done.
 
     The block moves batches or examples between an upstream, an echo buffer and
     the consumer; a KeyboardInterrupt in its middle would lose one or hand it out
     twice, and a training loop may catch the interrupt and iterate on.  Inside
-    the block, an :func:`interruptible` wait (for the upstream's next batch)
+    the block, an :class:`interruptible` wait (for the upstream's next batch)
     still raises at once, so a stuck upstream can be interrupted.  Only the main
     thread receives KeyboardInterrupt, and only there can the handler be
     swapped; a handler the user installed is left alone.  Blocks nest: an inner
     one holds a Ctrl-C even inside an outer interruptible wait.
+
+    A class, not a generator: no signal is handled between ``__enter__`` changing
+    the books and the block's start (a generator's ``__enter__`` runs a call after
+    its body yields, where an interrupt would skip ``__exit__``).
     """
-    if _Sigint.installed:
+
+    __slots__ = ("_mode", "_outer")
+
+    def __enter__(self):
+        self._mode = None
         if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        outer, _Sigint.open = _Sigint.open, 0
-        try:
-            yield
-        finally:
-            _Sigint.open = outer
-        if outer and _Sigint.caught:   # back in an interruptible wait: raise it now
-            _Sigint.caught = False
-            raise KeyboardInterrupt
-        return
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    _Sigint.caught, _Sigint.open = False, 0
-    # Marked installed before the handler is (and not after it is gone): a Ctrl-C
-    # between the two finds either our handler, which holds it, or the default one,
-    # which raises; the books never say installed while the default handler is in place.
-    _Sigint.installed = True
-    signal.signal(signal.SIGINT, _hold)
-    try:
-        yield
-    finally:
-        _Sigint.installed = False
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if _Sigint.caught:
-            _Sigint.caught = False
-            raise KeyboardInterrupt
+            return self
+        if _Sigint.installed:
+            self._outer, _Sigint.open = _Sigint.open, 0
+            self._mode = "nested"
+            return self
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return self
+        _Sigint.caught, _Sigint.open = False, 0
+        # Marked installed before the handler is (and not after it is gone): a Ctrl-C
+        # between the two finds either our handler, which holds it, or the default
+        # one, which raises; the books never say installed while the default handler
+        # is in place.
+        _Sigint.installed = True
+        signal.signal(signal.SIGINT, _hold)
+        self._mode = "top"
+        return self
+
+    def __exit__(self, *exc):
+        if self._mode == "nested":
+            _Sigint.open = self._outer
+            if self._outer and _Sigint.caught:   # back in an interruptible wait
+                _Sigint.caught = False
+                raise KeyboardInterrupt
+        elif self._mode == "top":
+            _Sigint.installed = False
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if _Sigint.caught:
+                _Sigint.caught = False
+                raise KeyboardInterrupt
+        return False
 
 
-@contextlib.contextmanager
-def interruptible():
-    """A wait inside :func:`deferred_interrupts` (for the upstream's next batch) that a
-    Ctrl-C ends at once, as it would outside: nothing has been taken yet."""
-    if not _Sigint.installed or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    if _Sigint.caught:
-        _Sigint.caught = False
-        raise KeyboardInterrupt
-    _Sigint.open += 1
-    try:
-        yield
-    finally:
-        _Sigint.open -= 1
+class interruptible:
+    """A wait inside :class:`deferred_interrupts` (for the upstream's next batch) that a
+    Ctrl-C ends at once, as it would outside: nothing has been taken yet.  (A Ctrl-C
+    at the start of ``__exit__`` would skip its decrement: where that matters, count
+    in the caller's frame with try/finally, as :meth:`Stage.take` does.)"""
+
+    __slots__ = ("_on",)
+
+    def __enter__(self):
+        self._on = _Sigint.installed and \
+            threading.current_thread() is threading.main_thread()
+        if self._on:
+            if _Sigint.caught:
+                _Sigint.caught = False
+                self._on = False
+                raise KeyboardInterrupt
+            _Sigint.open += 1
+        return self
+
+    def __exit__(self, *exc):
+        if self._on:
+            _Sigint.open -= 1
+        return False
 
 
-@contextlib.contextmanager
-def second_press():
-    """Inside :func:`deferred_interrupts`, a wait in code that a KeyboardInterrupt would
+class second_press:
+    """Inside :class:`deferred_interrupts`, a wait in code that a KeyboardInterrupt would
     break for good (a wrapped generator dies of one): the first Ctrl-C is held until
     the wait is over, a second one raises at once (a stuck loader can still be
     stopped), but only inside the code waited on: once its batch is back in our
     frames, it is held like the first."""
-    _Sigint.second += 1
-    _Sigint.pressed = False   # one held from before the wait is not the first press
-    try:
-        yield
-    finally:
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _Sigint.pressed = False   # one held from before the wait is not the first press
+        _Sigint.second += 1
+        return self
+
+    def __exit__(self, *exc):
         _Sigint.second -= 1
         _Sigint.pressed = False
+        return False
 
 
 class IterationGuard:

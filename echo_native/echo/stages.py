@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 import time
 
 import numpy as np
 
-from echo_native._iteration import deferred_interrupts, interruptible
+from echo_native._iteration import _Sigint, deferred_interrupts
 from echo_native.batch import Books
 from echo_native.echo.buffer import BatchWindow, ExampleBuffer
 from echo_native.echo.counts import (counts_from, echo_counts, echo_draws, echo_draws_at,
@@ -147,7 +148,21 @@ class Stage:
     def take(self):
         """The next fresh batch, its wait and its upstream cost booked."""
         t0 = time.perf_counter()
-        with interruptible():   # nothing taken yet: a Ctrl-C may end the wait
+        S = _Sigint
+        if S.installed and threading.current_thread() is threading.main_thread():
+            # Nothing taken yet: a Ctrl-C held around this step may end the wait.  The
+            # count goes up and back down in this frame (no call between the raise and
+            # the try, none in the finally): a context manager's __exit__ starts with a
+            # check where the interrupt could skip the decrement.
+            if S.caught:
+                S.caught = False
+                raise KeyboardInterrupt
+            S.open += 1
+            try:
+                fresh = self.upstream.next_fresh()
+            finally:
+                S.open -= 1
+        else:
             fresh = self.upstream.next_fresh()
         self.books.wait_s += time.perf_counter() - t0
         self.books.fill_s += fresh.fill_s
