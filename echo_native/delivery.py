@@ -117,7 +117,9 @@ class Delivery:
                 images = BFloat16Array(self.device.to_bfloat16(images, bits), self.device)
         if self.on_batch is not None:
             keys = np.empty((len(labels), 4), np.int64)
-            keys[:, 0], keys[:, 1] = self.seed, epoch
+            # A seed >= 2**63 goes in as its 64 bits (keys[:, 0].view(np.uint64) is the seed).
+            keys[:, 0] = self.seed - 2**64 if self.seed >= 2**63 else self.seed
+            keys[:, 1] = epoch
             keys[:, 2], keys[:, 3] = sample_ids, echo_index
             # On the device's stream: after the batch's kernels, before ready()'s event.
             out = self.device.run_user_op(self.on_batch, images, keys)

@@ -181,7 +181,9 @@ class EchoRing(Started):
                 (max(2, capacity // batch_size) + 1) * batch_size
             self.loader.memory_extra = (("the echo buffer", held * transform.sample_bytes,
                                          "shuffle_buffer"),)
-        self._iteration = IterationGuard("EchoRing")
+        # A caught Ctrl-C is held while a batch moves through the stages, so that it
+        # neither loses nor repeats one (the waits for a fresh batch stay interruptible).
+        self._iteration = IterationGuard("EchoRing", hold_interrupts=True)
         # The device follows the ring through restarts (a seek makes a new one).
         self.loader.watch_ring(self.device.attach, self.device.detach)
 

@@ -1195,7 +1195,6 @@ def test_mix_targets_leave_as_the_images_do(gpu, source):
 #: ``finish`` places objects with ``self.device.objects_to_device(objects)`` (a method
 #: ``ArrayDevice`` gives as ``objects.to(self.xp)`` and ``CudaDevice`` makes on its
 #: device and stream), not ``objects.to(self.device.xp)`` with any device current.
-NEEDS_PLACEMENT_OUTSIDE = "needs the echo/pytree.py change of issue 41 (4)"
 
 
 def test_detection_objects_are_made_on_the_rings_device_and_stream(gpu):
@@ -1235,7 +1234,6 @@ def test_detection_objects_of_a_second_gpu_stay_on_it(gpu):
     assert gpu.violations == []
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_PLACEMENT_OUTSIDE)
 def test_echo_loader_keeps_cupy_batches_of_another_device_there(gpu):
     """(4) EchoLoader over CuPy batches of device 1 while device 0 is current: the
     shuffle buffer, its indices and every emitted batch stay on device 1 (no memory of

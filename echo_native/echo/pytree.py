@@ -271,11 +271,13 @@ class _ArrayModuleOps:
             return self.xp.asarray(np.asarray(entries, np.int64))
 
     def store(self, buf, entries, values):
-        buf[self._index(entries)] = values
+        with self._on_device():   # the index and the copy on the buffer's device
+            buf[self._index(entries)] = values
         return buf
 
     def gather(self, buf, entries):
-        return buf[self._index(entries)]
+        with self._on_device():
+            return buf[self._index(entries)]
 
     def copy(self, x):
         return x.copy()

@@ -533,6 +533,29 @@ def test_seeds_past_2_63_augment_and_draw_by_the_whole_seed():
     assert not np.array_equal(shuffle_rng(2**63, 0).random(8), shuffle_rng(2**63 + 1, 0).random(8))
 
 
+def test_an_echo_rings_on_batch_keys_carry_a_seed_past_2_63():
+    """EchoRing's on_batch keys are int64 like augment's: a seed >= 2**63 is its 64 bits
+    (keys[:, 0].view(np.uint64)), never an OverflowError."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import echo_helpers as eh
+
+    seen = []
+
+    def on_batch(images, xp, keys):
+        seen.append(int(keys[0, 0:1].view(np.uint64)[0]))
+
+    data = (eh.photo_jpegs(16, 16, 16, seed=4), np.arange(16) % 2)
+    for seed in (2**63 + 5, 2**64 - 1):
+        seen.clear()
+        with eh.small_ring(data, echo=1, batch_size=8, image_size=8, workers=1, seed=seed,
+                           on_batch=on_batch) as ring:
+            assert sum(len(b) for b in ring) == 16
+        assert seen == [seed, seed]
+
+
 def test_seeds_below_2_63_keep_their_draws():
     from echo_native.echo.counts import echo_draws
 
@@ -842,9 +865,7 @@ def test_a_caught_ctrl_c_loses_no_batch_of_an_echo_ring(echo):
 
     data = (eh.photo_jpegs(400, 16, 16, seed=3), np.arange(400) % 4)
     with eh.small_ring(data, echo=echo, batch_size=8, image_size=8, workers=1, seed=2) as ring:
-        if not ring._iteration.hold_interrupts:
-            pytest.xfail("EchoRing's IterationGuard holds no Ctrl-C yet: pipeline.py needs "
-                         "IterationGuard('EchoRing', hold_interrupts=True)")
+        assert ring._iteration.hold_interrupts
         got = _interrupted(lambda: ring)
         fresh = [int(i) for b in got for i in b.sample_ids[b.fresh]]
     assert sorted(fresh) == list(range(400))
