@@ -1190,7 +1190,7 @@ def test_mix_targets_leave_as_the_images_do(gpu, source):
 
 # -- issue 41 (4): everything on the batch's device ------------------------------------
 #: What the two tests below need outside the CUDA backend (issue 41, 4).  In
-#: echo_native/echo/pytree.py, ``_ArrayModuleOps.store`` and ``gather`` index under
+#: echo_native/echo/frameworks.py, ``_ArrayModuleOps.store`` and ``gather`` index under
 #: ``with self._on_device():`` (not only the index's upload); in echo_native/delivery.py,
 #: ``finish`` places objects with ``self.device.objects_to_device(objects)`` (a method
 #: ``ArrayDevice`` gives as ``objects.to(self.xp)`` and ``CudaDevice`` makes on its

@@ -412,7 +412,9 @@ def test_the_upstream_reports_its_pace_only_when_the_consumer_waited(monkeypatch
     before, reports the 0.4 s between them (the loader's pace); one that was ready at
     once reports nothing (the loader kept up)."""
     clock = Clock()
-    monkeypatch.setattr(echo_loader, "time", clock)
+    from echo_native.echo import iterable
+
+    monkeypatch.setattr(iterable, "time", clock)
     waits = iter([0.0, 0.3, 0.0, 0.5])
 
     def batches():
