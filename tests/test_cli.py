@@ -343,7 +343,8 @@ def test_lab_commands_point_to_the_lab_cli(command, capsys):
 
 def test_parser_has_only_the_library_commands():
     sub = cli.build_parser()._subparsers._group_actions[0].choices
-    assert set(sub) == {"profile", "make-shards"}
+    assert set(sub) == {"profile", "make-shards", "shards"}   # shards: make-shards' alias
+    assert sub["shards"] is sub["make-shards"]
 
 
 def test_user_error_in_a_real_process_has_no_traceback(tmp_path):
