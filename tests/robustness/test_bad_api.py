@@ -253,7 +253,7 @@ def test_echo_ring_bad_arguments(source, placement, kwargs, exc, name):
     kw = {"batch_size": 8, "image_size": 16, "workers": 1, "placement": placement, **kwargs}
     with pytest.raises(exc, match=re.escape(name)):
         en.EchoRing(source, **kw)
-    assert _own_segments() == before
+    assert _own_segments() <= before   # nothing new (an earlier test's ring may go meanwhile)
 
 
 def test_echo_ring_canvas_budget_too_small(source):
@@ -269,7 +269,7 @@ def test_loader_bad_arguments(source, kwargs, exc, name):
     kw = {"batch_size": 8, "image_size": 16, "workers": 1, **kwargs}
     with pytest.raises(exc, match=re.escape(name)):
         en.Loader(source, **kw)
-    assert _own_segments() == before
+    assert _own_segments() <= before   # nothing new (an earlier test's ring may go meanwhile)
 
 
 @pytest.mark.parametrize("kwargs,name", [({"scale": (0.0, 1.0)}, "scale"),
@@ -303,9 +303,9 @@ def test_unstartable_workers_leave_no_segment(source, monkeypatch):
     monkeypatch.setattr(loader_mod, "WorkerPool", broken)
     with pytest.raises(ValueError, match="refused"):
         L.start()
-    assert _own_segments() == before
+    assert _own_segments() <= before   # nothing new (an earlier test's ring may go meanwhile)
     assert L.ring_name is None
     monkeypatch.undo()
     with L:                             # and it can still start for real afterwards
         assert len(L.next_batch()) == 8
-    assert _own_segments() == before
+    assert _own_segments() <= before   # nothing new (an earlier test's ring may go meanwhile)
