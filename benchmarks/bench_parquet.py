@@ -55,7 +55,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from benchenv import env_int
+from benchenv import env_int, wait_for_port
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("pyarrow")
@@ -154,16 +154,7 @@ def _s3_urls(paths, tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, **env})
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto server did not start")
-            time.sleep(0.2)
+    wait_for_port(port, proc, "moto server")
     endpoint = f"http://127.0.0.1:{port}"
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
     fs.mkdir("bench")

@@ -57,7 +57,7 @@ from pathlib import Path
 import pytest
 
 import echo_native as en
-from benchenv import env_int
+from benchenv import env_int, wait_for_port
 from echo_native.remote import RemoteOptions
 from echo_native.shards import write_shards
 
@@ -108,16 +108,7 @@ def s3_endpoint(tmp_path_factory):
     with open(log, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                                  str(port)], stdout=subprocess.DEVNULL, stderr=err, env=env)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto server did not start")
-            time.sleep(0.2)
+    wait_for_port(port, proc, "moto server")
     _server_pid.append(proc.pid)
     old = {k: os.environ.get(k) for k in env if k.startswith("AWS_")}
     os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})

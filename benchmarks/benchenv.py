@@ -1,6 +1,7 @@
 """Settings the benchmarks read from the environment (see each file's docstring), and
 the CPU accounting that tells a run disturbed by other work apart."""
 import os
+import socket
 import time
 
 import pytest
@@ -95,3 +96,18 @@ class Repeat:
 
     def __getitem__(self, index):
         return self.ds[index % len(self.ds)]
+
+
+def wait_for_port(port, proc, what, timeout=60.0):
+    """Wait until ``proc`` (a server just started) accepts connections on localhost
+    ``port``; a RuntimeError naming ``what`` if it exits or does not within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(0.2)

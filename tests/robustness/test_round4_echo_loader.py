@@ -14,12 +14,9 @@ a second.
 """
 from __future__ import annotations
 
-import copy
-import os
 import signal
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -775,7 +772,6 @@ def _interrupted(make_iterable, interrupts=300, seed=0):
             stop.wait(rng.uniform(0.001, 0.008))
 
     got, caught = [], 0
-    t0 = time.monotonic()
     t = threading.Thread(target=sender, daemon=True)
     t.start()
     try:
@@ -816,7 +812,7 @@ def _interrupted(make_iterable, interrupts=300, seed=0):
                 continue
     # Interrupts did land inside the iteration (held ones coalesce: fewer are caught
     # than sent).
-    assert caught >= 1, (caught, sent[0], time.monotonic() - t0, len(got))
+    assert caught >= 1, (caught, sent[0], len(got))
     return got
 
 
