@@ -762,6 +762,7 @@ def _interrupted(make_iterable, interrupts=300, seed=0):
             threading.current_thread() is not threading.main_thread():
         pytest.skip("SIGINT has a handler of its own here, or tests run off the main thread")
     stop, go, sent = threading.Event(), threading.Event(), [0]
+    first = threading.Event()
 
     def sender():
         rng = np.random.default_rng(seed)
@@ -769,6 +770,7 @@ def _interrupted(make_iterable, interrupts=300, seed=0):
         while sent[0] < interrupts and not stop.is_set():
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             sent[0] += 1
+            first.set()
             stop.wait(rng.uniform(0.001, 0.008))
 
     got, caught = [], 0
@@ -781,6 +783,10 @@ def _interrupted(make_iterable, interrupts=300, seed=0):
             it = None
             try:
                 go.set()
+                # The iteration starts once the sender runs (its first interrupt lands
+                # here, in the loop's own handler): a short epoch cannot end before any
+                # interrupt was sent, however the threads are scheduled.
+                first.wait(timeout=30)
                 it = iter(loader)
                 for item in it:
                     got.append(item)   # a C call: no signal lands between for and append
@@ -810,9 +816,8 @@ def _interrupted(make_iterable, interrupts=300, seed=0):
                 break
             except KeyboardInterrupt:
                 continue
-    # Interrupts did land inside the iteration (held ones coalesce: fewer are caught
-    # than sent).
-    assert caught >= 1, (caught, sent[0], len(got))
+    # Interrupts were sent and caught (held ones coalesce: fewer are caught than sent).
+    assert sent[0] >= 1 and caught >= 1, (caught, sent[0], len(got))
     return got
 
 
