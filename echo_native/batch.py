@@ -1,5 +1,5 @@
-"""What crosses from the ring to the consumer: a :class:`Batch`, and the :class:`Fresh`
-batch an echo stage takes from its upstream.
+"""What crosses from the ring to the consumer: a sample's record (:class:`Columns`), a
+:class:`Batch`, and the :class:`Fresh` batch an echo stage takes from its upstream.
 
 A batch's arrays are views where they can be: of a ring slot (echo=1 on the
 CPU, valid until the next batch is requested or :meth:`Batch.release`), or of
@@ -11,6 +11,74 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from echo_native.boxes import SourceObjects
+from echo_native.ring import COLUMNS
+
+
+class Columns:
+    """Named per-sample arrays, one per column of a slot's record (:data:`~echo_native.
+    ring.COLUMNS`, the table in ``en_ring.h``): labels, sample ids, status, the crop box
+    and flip, the canvas's shape, the source's size and their scale, and the objects.
+
+    Rows are samples.  ``Columns.of_slot`` views a ring slot; the echo buffer is
+    ``Columns.allocate(capacity, max_objects)``, filled with :meth:`put`; an emission
+    takes its rows (:meth:`take`, a copy its crop spec then redraws).  A new per-sample
+    field is a row of the C table, and every holder of a record follows it.
+    """
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays):
+        self.arrays = dict(arrays)
+
+    @classmethod
+    def allocate(cls, rows, max_objects=0):
+        """Zeroed columns of ``rows`` samples, ``max_objects`` object rows each."""
+        rows, m = int(rows), int(max_objects)
+        return cls({name: np.zeros((rows,) + ((m,) if kind == "object" else ())
+                                   + ((width,) if width > 1 else ()), dtype)
+                    for name, dtype, kind, width in COLUMNS})
+
+    @classmethod
+    def of_slot(cls, slot, n):
+        """Views of the first ``n`` rows of each column of ``slot`` (a ring slot's view,
+        or anything with the columns as attributes)."""
+        return cls({name: getattr(slot, name)[:n] for name, *_ in COLUMNS})
+
+    def __getattr__(self, name):
+        try:
+            return self.arrays[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __len__(self):
+        return len(self.arrays["labels"])
+
+    @property
+    def max_objects(self):
+        return self.arrays["obj_boxes"].shape[1]
+
+    def take(self, rows):
+        """Rows ``rows`` (indices or a mask) of every column, copied."""
+        return Columns({name: a[rows] for name, a in self.arrays.items()})
+
+    def put(self, rows, other):
+        """Write ``other``'s rows into rows ``rows``, column by column."""
+        for name, a in self.arrays.items():
+            a[rows] = other.arrays[name]
+
+    def copy(self):
+        return Columns({name: a.copy() for name, a in self.arrays.items()})
+
+    def to(self, xp):
+        """The columns as arrays of the array module ``xp`` (NumPy, CuPy)."""
+        return Columns({name: xp.asarray(a) for name, a in self.arrays.items()})
+
+    def objects(self):
+        """The rows' :class:`~echo_native.boxes.SourceObjects` (views)."""
+        return SourceObjects(self.obj_boxes, self.obj_labels, self.obj_flags,
+                             self.obj_count.astype(np.int64))
 
 
 @dataclass
@@ -45,6 +113,21 @@ class Batch:
 
     def __len__(self):
         return len(self.labels)
+
+    @classmethod
+    def from_columns(cls, images, columns, *, sample_ids, fresh, echo_index, epoch,
+                     sanitize=None, release=None):
+        """The batch of ``images`` whose records are ``columns``: labels, crop boxes and
+        flips are the columns' (views), and with object columns the objects mapped
+        through each row's crop and flip onto the images (``sanitize``: the
+        SanitizeBoundingBoxes spec, or None)."""
+        flips = columns.flip.view(bool)
+        objects = None
+        if columns.max_objects:
+            objects = columns.objects().map(columns.boxes, flips, images.shape[1:3],
+                                            sanitize)
+        return cls(images, columns.labels, sample_ids, fresh, echo_index, columns.boxes, flips,
+                   epoch, _release=release, objects=objects)
 
     def to_torchvision(self):
         """The detection targets as torchvision's detection models take them: one

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from echo_native._ring import OBJ_CROWD, OBJ_DROPPED
+
 __all__ = ["map_boxes", "sanitize", "pack", "SourceObjects", "Objects"]
 
 #: Per-object flag bits, as the ring's obj_flags carry them (src/ring/en_ring.h).
-CROWD, DROPPED = 1, 2
+CROWD, DROPPED = OBJ_CROWD, OBJ_DROPPED
 
 
 def map_boxes(boxes, windows, flips, size, dropped=None):
@@ -124,19 +126,12 @@ def pack(keep, *arrays, width=None):
 class SourceObjects:
     """The objects of some rows as their source gave them: padded ``boxes`` (n, M, 4)
     xyxy in source pixels, ``labels`` (n, M), ``flags`` (n, M) (:data:`CROWD`,
-    :data:`DROPPED`) and ``counts`` (n,).  Host arrays, owned (copied out of a slot)."""
+    :data:`DROPPED`) and ``counts`` (n,), host arrays."""
 
     boxes: np.ndarray
     labels: np.ndarray
     flags: np.ndarray
     counts: np.ndarray
-
-    @classmethod
-    def of_slot(cls, slot, n, copy=True):
-        """Rows ``:n`` of a ring slot's object arrays (copied unless ``copy=False``)."""
-        take = (lambda a: a[:n].copy()) if copy else (lambda a: a[:n])
-        return cls(take(slot.obj_boxes), take(slot.obj_labels), take(slot.obj_flags),
-                   take(slot.obj_count).astype(np.int64))
 
     def map(self, windows, flips, size, sanitize_spec=None, width=None):
         """The :class:`Objects` of these rows after each row's window, flip and resize

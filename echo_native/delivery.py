@@ -9,9 +9,10 @@ the host or CuPy on a GPU, through the device backend.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from echo_native.batch import Batch
 from echo_native.echo.counts import batch_rng
 from echo_native.mix import mix_params
 from echo_native.output import BFloat16Array, storage_dtype
@@ -73,10 +74,10 @@ class Delivery:
         self._mix_in_float32 = mix is not None and output.dtype == "bfloat16"
         self._emitted = (None, 0)  # (epoch, batches emitted in it): the key of a batch op
 
-    def finish(self, parts):
-        """The batch the consumer receives, from an emission's parts."""
-        images, labels, sample_ids, fresh, echo_index, boxes, flips, epoch, objects = parts
-        out_spec = self.output
+    def finish(self, batch):
+        """The batch the consumer receives, from an emitted one (:meth:`ImageExamples.
+        make`): its images normalised, Mix and ``on_batch`` applied, on the device."""
+        images, out_spec = batch.images, self.output
         if out_spec.normalized:
             n, h, w, _ = images.shape
             shape = (n, h, w, 3) if out_spec.layout == "NHWC" else (n, 3, h, w)
@@ -90,12 +91,14 @@ class Delivery:
                 images = BFloat16Array(images, self.device)
         targets = None
         if self.mix is not None or self.on_batch is not None:
-            images, targets = self._batch_ops(images, labels, sample_ids, echo_index, epoch)
+            images, targets = self._batch_ops(images, batch.labels, batch.sample_ids,
+                                              batch.echo_index, batch.epoch)
+        objects = batch.objects
         if objects is not None and not self.device.host_resident:
             objects = self.device.objects_to_device(objects)  # beside the images, for DLPack
-        return self.device.ready(Batch(images, labels, sample_ids, fresh, echo_index, boxes,
-                                       np.asarray(flips, bool), epoch, targets=targets,
-                                       objects=objects))
+        return self.device.ready(dataclasses.replace(
+            batch, images=images, flips=np.asarray(batch.flips, bool), targets=targets,
+            objects=objects))
 
     def _batch_ops(self, images, labels, sample_ids, echo_index, epoch):
         """MixUp/CutMix, then the user's op, on the batch where it lives.  Their draws

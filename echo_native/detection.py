@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native._checks import is_int, number, positive_int, size_pair
-from echo_native.transforms import _FixedSize
+from echo_native._ring import OBJ_DROPPED
+from echo_native.transforms import Redrawn, _FixedSize
 
 __all__ = ["RandomZoomOut", "RandomIoUCrop", "RandomHorizontalFlip", "Resize",
            "SanitizeBoundingBoxes", "BoxCrop", "split_geometry"]
@@ -218,6 +219,44 @@ class BoxCrop(_FixedSize):
         slot.shapes[i] = self.size
         slot.source_hw[i] = (ih, iw)
         return dropped
+
+    def redraw(self, seed, epochs, sample_ids, echo_index, columns):
+        """Each emission's window and flip (:meth:`draw`, from the stored boxes), and
+        which boxes its IoU crop drops, written into ``columns``; the window mapped onto
+        the stored canvas, and for windows a zoom-out takes past the image the part on
+        it (:class:`~echo_native.transforms.Redrawn`)."""
+        n = len(columns)
+        windows, flags = columns.boxes, columns.obj_flags
+        for k in range(n):
+            count = int(columns.obj_count[k])
+            windows[k], columns.flip[k], drop = self.draw(
+                (seed, epochs[k], sample_ids[k], echo_index[k]), columns.source_hw[k],
+                columns.obj_boxes[k, :count])
+            # This emission's IoU crop, in place of the one the worker drew.
+            flags[k] &= np.uint8(~OBJ_DROPPED & 0xFF)
+            flags[k, :count] |= drop.astype(np.uint8) * np.uint8(OBJ_DROPPED)
+        sources = windows.astype(np.float64)
+        hw = columns.source_hw.astype(np.float64)
+        outside = (sources[:, 0] < 0) | (sources[:, 1] < 0) | \
+            (sources[:, 0] + sources[:, 2] > hw[:, 0]) | (sources[:, 1] + sources[:, 3] > hw[:, 1])
+        rows = np.flatnonzero(outside)
+        rects = np.zeros((len(rows), 4), np.int64)
+        flips = columns.flip.view(bool)
+        for j, k in enumerate(rows):
+            part = inner_rect(hw[k], windows[k], self.size, flips[k])
+            if part is None:  # the window misses the image: all fill (a nominal box)
+                part = ((0, 0, 0, 0), (0.0, 0.0, 1.0, 1.0))
+            rects[j], sources[k] = part
+        # Onto the canvas: canvas pixels = original pixels / scale, kept inside it.
+        scale = columns.canvas_scale.astype(np.float64)
+        chw = columns.shapes.astype(np.float64)
+        canvas = np.empty((n, 4), np.float64)
+        canvas[:, 0] = sources[:, 0] / scale[:, 0]
+        canvas[:, 1] = sources[:, 1] / scale[:, 1]
+        canvas[:, 2] = np.minimum(sources[:, 2] / scale[:, 0], chw[:, 0] - canvas[:, 0])
+        canvas[:, 3] = np.minimum(sources[:, 3] / scale[:, 1], chw[:, 1] - canvas[:, 1])
+        placed = (rows, canvas[rows], rects) if len(rows) else None
+        return Redrawn(canvas_boxes=canvas, placed=placed)
 
 
 def _iou_crop(spec, rng, h, w, boxes):

@@ -18,14 +18,12 @@ import numpy as np
 from echo_native._checks import is_int
 from echo_native._iteration import IterationGuard, Started
 from echo_native.backends.array import ArrayDevice
-from echo_native.echo.auto import AutoEcho
-from echo_native.echo.counts import counts_from, echo_counts, echo_draws
 from echo_native.echo.pytree import PytreeExamples
 from echo_native.echo.spec import Echo, fold_echo
 from echo_native.echo.iterable import (IterableUpstream, _declared_batch_size,
                                        _refuse_non_loader, _shuffle_seed)
-from echo_native.echo.counts import example_batches
-from echo_native.echo.stages import BatchEcho, ExampleEcho, PassThrough
+from echo_native.echo.stage import check_stage_args
+from echo_native.echo.stages import BatchEcho, make_stage
 from echo_native.echo.upstream import EpochEnd
 from echo_native.resume import check_epoch, check_state_values
 
@@ -90,12 +88,10 @@ class EchoLoader(Started):
                             f"{type(iterable).__name__}")
         if augment is not None and not callable(augment):
             raise TypeError(f"augment must be callable(batch, keys), got {augment!r}")
-        if not is_int(seed) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-        for name, v in (("batch_size", batch_size), ("shuffle_buffer", shuffle_buffer),
-                        ("max_buffer_bytes", max_buffer_bytes)):
-            if v is not None and (not is_int(v) or v < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        seed, batch_size, shuffle_buffer = check_stage_args(seed, batch_size, shuffle_buffer)
+        if not is_int(max_buffer_bytes) or max_buffer_bytes < 1:
+            raise ValueError(f"max_buffer_bytes must be a positive integer, got "
+                             f"{max_buffer_bytes!r}")
         self.spec = _placed(fold_echo("EchoLoader", echo), augment)
         if batch_size is not None and self.spec.placement == "batch" and not self.spec.off:
             raise ValueError("batch_size= does not apply to batch echo, which repeats the "
@@ -117,27 +113,16 @@ class EchoLoader(Started):
 
     # -- the stage, made at the first batch (its size is the wrapped loader's) --------------
     def _make_stage(self, B):
-        echo = self.spec
-        capacity = self._shuffle_buffer or 4 * B
-        if capacity < 2 * B:
-            raise ValueError(f"shuffle_buffer must be at least 2 x batch_size ({2 * B}), "
-                             f"got {capacity}")
-        if echo.auto:
-            auto = AutoEcho(echo.max_echo)
-        else:
-            auto = None
-        kw = dict(seed=self.seed, batch_size=B, drop_last=self.drop_last,
-                  device=ArrayDevice(np), factor=None if echo.auto else echo.factor, auto=auto)
-        args = (self.upstream, self.examples, self._finish)
-        if echo.off:
-            stage = PassThrough(*args, **kw)
-        elif echo.placement == "batch":
-            stage = BatchEcho(*args, window=max(2, capacity // B), **kw)
+        stage = self._new_stage(B)
+        if isinstance(stage, BatchEcho):
             self.examples.window = stage.window_size
-        else:
-            stage = ExampleEcho(*args, capacity=capacity, **kw)
         stage.start()
         return stage
+
+    def _new_stage(self, B):
+        return make_stage(self.spec, self.upstream, self.examples, self._finish, seed=self.seed,
+                          batch_size=B, shuffle_buffer=self._shuffle_buffer,
+                          drop_last=self.drop_last, device=ArrayDevice(np))
 
     def _finish(self, emitted):
         return emitted
@@ -175,33 +160,23 @@ class EchoLoader(Started):
                 yield emitted.batch
 
     def __len__(self):
-        """Batches in the coming epoch, where the wrapped loader has a length (for
-        example echo, from its dataset's length; for auto, at the current e)."""
-        up, echo = self.upstream, self.spec
-        nb = up.batches_per_epoch
-        if nb is None:
+        """Batches in the coming epoch, as the stage counts them, where the wrapped loader
+        has a length (for example echo, from its dataset's length; for auto, at the
+        current e)."""
+        if self.upstream.batches_per_epoch is None:
             raise TypeError(f"the wrapped {type(self.iterable).__name__} has no len()")
-        epoch = self.epoch
-        if echo.off:
-            return nb
-        e = self.stage.e if self.stage is not None else (AutoEcho.START if echo.auto else
-                                                         echo.factor)
-        if echo.placement == "batch":
-            return int(echo_counts(self.seed, epoch, nb, e).sum())
-        n = up.samples_per_epoch
-        if n is None:
-            raise TypeError(f"EchoLoader: len() needs the examples per epoch, and the wrapped "
-                            f"{type(self.iterable).__name__} does not say how many (a "
-                            f"DataLoader over a dataset with len() does)")
-        B = self.batch_size or _declared_batch_size(self.iterable) or \
-            (self.stage.batch_size if self.stage is not None else None)
-        if B is None:
-            raise TypeError(f"EchoLoader: len() needs the emitted batch size, and the wrapped "
-                            f"{type(self.iterable).__name__} does not say it: give "
-                            f"batch_size=, or take a batch first")
-        counts = counts_from(echo_draws(self.seed, epoch, n), e)
-        return example_batches(int(counts.sum()), int(counts.max(initial=0)), n, B,
-                               self.drop_last)
+        stage = self.stage
+        if stage is None:  # not made yet (no batch taken): one like it, never started
+            B = self.batch_size or _declared_batch_size(self.iterable)
+            if B is None and (self.spec.placement != "batch" or self.drop_last) and \
+                    not self.spec.off:
+                raise TypeError(f"EchoLoader: len() needs the emitted batch size, and the "
+                                f"wrapped {type(self.iterable).__name__} does not say it: "
+                                f"give batch_size=, or take a batch first")
+            # Without it (pass-through, batch echo keeping short batches) the count does
+            # not depend on it.
+            stage = self._new_stage(B or 1)
+        return stage.batches_in(self.epoch)
 
     @property
     def epoch(self):

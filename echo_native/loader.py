@@ -25,8 +25,7 @@ import numpy as np
 from echo_native._checks import flag, is_int, positive_int
 from echo_native._iteration import NOT_PICKLABLE, IterationGuard, Started
 from echo_native.augment import Program, WithOps
-from echo_native.batch import Batch, Books, Fresh
-from echo_native.boxes import SourceObjects
+from echo_native.batch import Batch, Books, Columns, Fresh
 from echo_native.errors import DecodeError
 from echo_native.failures import REASONS, FailureReport
 from echo_native.plan import ON_ERROR, Plan
@@ -451,15 +450,11 @@ class Loader(Started):
         fresh = self.next_fresh()
         slot, n = fresh.payload, fresh.count
         h, w = _image_shape(self.plan.transform)
-        objects = None
-        if self.max_objects:
-            objects = SourceObjects.of_slot(slot, n, copy=False).map(
-                slot.boxes[:n], slot.flip[:n].view(bool), (h, w), self.specs.sanitize)
-        return Batch(images=slot.pixels[:n].reshape(n, h, w, 3), labels=slot.labels[:n],
-                     sample_ids=fresh.sample_ids, fresh=fresh.ok,
-                     echo_index=np.zeros(n, dtype=np.int64), crop_boxes=slot.boxes[:n],
-                     flips=slot.flip[:n].view(bool), epoch=fresh.epoch,
-                     _release=functools.partial(self.release, fresh.ticket), objects=objects)
+        return Batch.from_columns(
+            slot.pixels[:n].reshape(n, h, w, 3), Columns.of_slot(slot, n),
+            sample_ids=fresh.sample_ids, fresh=fresh.ok, echo_index=np.zeros(n, np.int64),
+            epoch=fresh.epoch, sanitize=self.specs.sanitize,
+            release=functools.partial(self.release, fresh.ticket))
 
     # -- the Upstream of the echo stages ---------------------------------------------------
     # (batches_per_epoch, samples_per_epoch, sharded: attributes set by _setup)

@@ -15,12 +15,12 @@ from echo_native._iteration import NOT_PICKLABLE, IterationGuard, Started
 from echo_native.augment import Program, WithOps
 from echo_native.backends import resolve
 from echo_native.delivery import Delivery
-from echo_native.echo.auto import AutoEcho
 from echo_native.echo.buffer import buffer_bytes
 from echo_native.echo.images import ImageExamples
 from echo_native.echo.spec import SHORTHANDS as echo_shorthands
 from echo_native.echo.spec import fold_echo
-from echo_native.echo.stages import BatchEcho, ExampleEcho, PassThrough
+from echo_native.echo.stage import check_stage_args
+from echo_native.echo.stages import make_stage
 from echo_native.loader import DEFAULT_MAX_OBJECTS, Loader
 from echo_native.mix import Mix
 from echo_native.output import SHORTHANDS as output_shorthands
@@ -28,7 +28,7 @@ from echo_native.output import fold_output
 from echo_native.protocol import hook
 from echo_native.resume import check_epoch
 from echo_native.source import as_source
-from echo_native.specs import check_batch_size, fold
+from echo_native.specs import fold
 from echo_native.targets import source_targets
 from echo_native.transforms import CenterCrop, canvas_for
 
@@ -115,7 +115,8 @@ class EchoRing(Started):
         output = fold_output("EchoRing", output, take(shorthands, output_shorthands))
         specs = fold("EchoRing", augment, decode, shard, workers, shorthands)
         crop = specs.crop
-        batch_size = check_batch_size(batch_size)
+        seed, batch_size, shuffle_buffer = check_stage_args(seed, batch_size,
+                                                            echo.shuffle_buffer)
         if isinstance(crop, CenterCrop) and not echo.off and echo.placement == "before_augment":
             raise ValueError("CenterCrop is deterministic: echoing it before augmentation would "
                              "repeat identical images at the cost of a canvas each; use echo=1 "
@@ -132,14 +133,10 @@ class EchoRing(Started):
                              "describe its pixels: leave mix=None for a source with targets")
         if on_batch is not None and not callable(on_batch):
             raise TypeError(f"on_batch must be callable(images, xp, keys), got {on_batch!r}")
-        capacity = 4 * batch_size if echo.shuffle_buffer is None else echo.shuffle_buffer
-        if capacity < 2 * batch_size:
-            raise ValueError(f"shuffle_buffer must be at least 2 x batch_size "
-                             f"({2 * batch_size}), got {capacity}")
         self.spec, self.augment, self.output, self.mix = echo, crop, output, mix
         # The specs' main choices, under the names of the original contract.
         self.image_size, self.placement, self.echo = crop.size, echo.placement, echo.factor
-        self.batch_size, self.shuffle_buffer = batch_size, capacity
+        self.batch_size = batch_size
         self.device = resolve(device)
         if getattr(crop, "zoom_out", None) is not None and not echo.off and \
                 echo.placement == "before_augment" and not self.device.host_resident:
@@ -173,7 +170,14 @@ class EchoRing(Started):
         num_classes = None if mix is None else mix.num_classes or _num_classes(source)
         self.delivery = Delivery(self.device, batch_size, crop.size, self.seed, output, mix,
                                  on_batch, num_classes)
-        self.stage = self._stage(bool(drop_last), transform.sample_bytes)
+        examples = ImageExamples(self.device, self.delivery.outputs, crop, self.program, echo,
+                                 self.seed, transform.sample_bytes, self.loader.max_objects,
+                                 self.sanitize)
+        self.stage = make_stage(echo, self.loader, examples, self.delivery.finish,
+                                seed=self.seed, batch_size=batch_size,
+                                shuffle_buffer=shuffle_buffer, drop_last=bool(drop_last),
+                                device=self.device)
+        self.shuffle_buffer = capacity = self.stage.shuffle_buffer
         if self.device.host_resident and not echo.off:
             # The echo buffer (or batch echo's window of batch copies) in host memory,
             # checked with the ring at start: refused there, never OOM-killed later.
@@ -186,21 +190,6 @@ class EchoRing(Started):
         self._iteration = IterationGuard("EchoRing", hold_interrupts=True)
         # The device follows the ring through restarts (a seek makes a new one).
         self.loader.watch_ring(self.device.attach, self.device.detach)
-
-    def _stage(self, drop_last, sample_bytes):
-        echo = self.spec
-        auto = AutoEcho(echo.max_echo) if echo.auto else None
-        examples = ImageExamples(self.device, self.delivery.outputs, self.augment,
-                                 self.program, echo, self.seed, sample_bytes,
-                                 self.loader.max_objects, self.sanitize)
-        kw = dict(seed=self.seed, batch_size=self.batch_size, drop_last=drop_last,
-                  device=self.device, factor=None if echo.auto else echo.factor, auto=auto)
-        args = (self.loader, examples, self.delivery.finish)
-        if echo.off:
-            return PassThrough(*args, **kw)
-        if echo.placement == "batch":
-            return BatchEcho(*args, window=max(2, self.shuffle_buffer // self.batch_size), **kw)
-        return ExampleEcho(*args, capacity=self.shuffle_buffer, **kw)
 
     def __reduce__(self):
         raise TypeError(NOT_PICKLABLE.format(type(self).__name__))

@@ -12,10 +12,17 @@ worker applies the error policy.
   RandomHorizontalFlip, drawn from (seed, epoch, sample id, echo index).
 - :class:`CenterCrop`: evaluation, torchvision's Resize + CenterCrop.
 - :class:`Canvas`: what echoing before augmentation keeps (internal).
+
+An echo redraws what follows the geometry: a crop spec's ``redraw`` writes each
+emission's crop box and flip into the rows of its record
+(:class:`~echo_native.batch.Columns`) and says how to make its pixels from the
+stored one (:class:`Redrawn`); :class:`Stored` is the spec of an echo after
+augmentation, the stored image itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,6 +43,28 @@ def check_crop_args(scale, ratio, flip_p):
     """Refuse bad RandomResizedCrop arguments up front (ValueError naming them): inside
     a worker they would fail every sample."""
     _kernel.random_resized_crop_params(0, 0, 0, 0, 1, 1, scale, ratio, flip_p)
+
+
+class Redrawn(NamedTuple):
+    """How an emission's pixels come from its stored entry, after ``redraw``.
+
+    ``canvas_boxes`` (n, 4) float64: the crop on each stored canvas (re-augmentation),
+    or None to gather the stored images as they are, mirrored where ``mirror`` (n,)
+    bool says.  ``placed``: for windows reaching past the image (a zoom-out), ``(rows,
+    canvas boxes, output rectangles)`` of the part on the image, else None."""
+
+    canvas_boxes: object = None
+    mirror: object = None
+    placed: object = None
+
+
+def emission_flips(seed, epochs, sample_ids, echo_index, flip_p):
+    """Each emission's flip as a RandomResizedCrop draws it: its own Philox block, so
+    the image's size does not matter."""
+    ones = np.ones((len(sample_ids), 2), np.int32)
+    return _kernel.random_resized_crops(seed, epochs, sample_ids,
+                                        np.asarray(echo_index, np.int32), ones,
+                                        ones.astype(np.float32), ones, flip_p=flip_p)[1]
 
 
 class _FixedSize:
@@ -100,6 +129,37 @@ class RandomResizedCrop(_FixedSize):
         slot.flip[i] = flip
         slot.shapes[i] = self.size
 
+    def redraw(self, seed, epochs, sample_ids, echo_index, columns):
+        """Each emission's crop and flip of a stored canvas, drawn in the original's
+        coordinates from (seed, epoch, sample id, echo index), as a worker draws them,
+        then mapped onto the canvas, in one native call."""
+        boxes, flips, canvas = _kernel.random_resized_crops(
+            seed, epochs, sample_ids, np.asarray(echo_index, np.int32), columns.source_hw,
+            columns.canvas_scale, columns.shapes, self.scale, self.ratio, self.flip_p)
+        columns.boxes[:] = boxes
+        columns.flip[:] = flips
+        return Redrawn(canvas_boxes=canvas)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """An echo after augmentation: the stored image, cropped once by the worker.  With
+    ``redraw_flip`` (``Echo(flip=True)``) each echo draws its own flip, the fresh
+    emission keeps the worker's."""
+
+    flip_p: float
+    redraw_flip: bool = False
+
+    def redraw(self, seed, epochs, sample_ids, echo_index, columns):
+        if not self.redraw_flip:
+            return Redrawn()
+        redo = np.asarray(echo_index) > 0
+        drawn = emission_flips(seed, epochs, sample_ids, echo_index, self.flip_p)
+        stored = columns.flip.view(bool)
+        mirror = redo & (drawn != stored)
+        columns.flip[:] = np.where(redo, drawn, stored)
+        return Redrawn(mirror=mirror)
+
 
 @dataclass(frozen=True)
 class CenterCrop(_FixedSize):
@@ -122,6 +182,8 @@ class CenterCrop(_FixedSize):
 
     size: tuple = (224, 224)
     resize: int = None
+    #: Never flipped (an echo after augmentation redraws no flip either).
+    flip_p = 0.0
 
     def __post_init__(self):
         name = type(self).__name__

@@ -7,7 +7,8 @@
 - :mod:`~echo_native.echo.auto`: ``echo="auto"``, e from measured rates;
 - :mod:`~echo_native.echo.ledger`: first emissions, for an exact resume;
 - :mod:`~echo_native.echo.upstream`: the protocol of whatever makes fresh batches;
-- :mod:`~echo_native.echo.stages`: the stages, one per placement;
+- :mod:`~echo_native.echo.stage`: the steps every stage shares;
+- :mod:`~echo_native.echo.stages`: the stages, one per placement, and ``make_stage``;
 - :mod:`~echo_native.echo.images`: how ring examples are stored and re-augmented.
 """
 from echo_native.echo.spec import PLACEMENTS, Echo

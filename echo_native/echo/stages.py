@@ -1,233 +1,40 @@
-"""The echo stages: one epoch of emitted batches from the fresh batches of an upstream.
+"""The echo stages, one per placement, and :func:`make_stage`, which picks one.
 
-A stage reads fresh batches through :class:`~echo_native.echo.upstream.Upstream`
-and hands out batches made by ``finish``; *what* it stores and emits is the
-business of its ``examples`` (:mod:`echo_native.echo.images` for ring slots and
-the device, :mod:`echo_native.echo.pytree` for a user's batches).  The base
-:class:`Stage` owns the steps every placement shares, written once: the timed
-take of a fresh batch, the recovery of one taken before an interruption, the
-epoch left early and reset, the books of :meth:`Stage.stats`, and the ledger of
-first emissions that makes a resume exact.  Subclasses, one per placement:
+Each is a :class:`~echo_native.echo.stage.Stage` (the steps they share):
 
 - :class:`PassThrough` (e = 1): each fresh batch as it comes;
 - :class:`ExampleEcho` (before / after augmentation): examples into a shuffle
   buffer with their echo counts, batches of distinct examples out of it;
 - :class:`BatchEcho`: whole batches repeated through a shuffled window.
+
+:func:`make_stage` builds the one an :class:`~echo_native.echo.spec.Echo` spec asks
+for, for :class:`EchoRing` and :class:`EchoLoader` alike.
 """
 from __future__ import annotations
 
 import collections
 import math
-import threading
 import time
 
 import numpy as np
 
-from echo_native._iteration import _Sigint, deferred_interrupts
-from echo_native.batch import Books
+from echo_native._iteration import deferred_interrupts
+from echo_native.echo.auto import AutoEcho
 from echo_native.echo.buffer import BatchWindow, ExampleBuffer
 from echo_native.echo.counts import (  # noqa: F401 - EpochDraws, example_batches: named here too
     EpochDraws,
-    counts_from,
     echo_counts,
     example_batches,
     shuffle_rng,
 )
-from echo_native.echo.ledger import FreshLedger
+from echo_native.echo.stage import (  # noqa: F401 - the base's names, importable from here too
+    Emission,
+    Stage,
+    _known,
+    name_batch,
+    shuffle_capacity,
+)
 from echo_native.echo.upstream import EpochEnd
-
-
-def name_batch(err, fresh):
-    """Say in ``err``'s message which fresh batch it was about (once: the batch is
-    dropped), keeping its type for the caller's ``except``."""
-    if isinstance(err, MemoryError):
-        return  # the buffer's size, not this batch, is what it is about
-    if err.args and isinstance(err.args[0], str) and "(fresh batch " not in err.args[0]:
-        err.args = (f"{err.args[0]} (fresh batch {fresh.index} of epoch {fresh.epoch}: it is "
-                    f"dropped, and iterating again goes on after it)",) + err.args[1:]
-
-
-class Emission:
-    """One emitted batch on its way to the consumer: the job making its pixels, the first
-    emissions it carries (booked at hand-over), its parts for ``finish``, the batch
-    once handed over, and the seconds the call that started it took."""
-
-    __slots__ = ("job", "sent", "parts", "batch", "made_s")
-
-    def __init__(self, job, sent, parts, made_s=0.0):
-        self.job, self.sent, self.parts, self.batch = job, sent, parts, None
-        self.made_s = made_s
-
-
-class Stage:
-    """The steps every placement shares.
-
-    Parameters
-    ----------
-    upstream : Upstream
-    examples : what stores and emits examples (``store``, ``make``, ``pass_through``,
-        ``keep``, ``repeat``; see :mod:`echo_native.echo.images`)
-    finish : callable(parts) -> batch, the delivery of an emission
-    factor : float, or None with ``auto`` (an :class:`~echo_native.echo.auto.AutoEcho`)
-    device : where the emissions are made (``release_after_copies``, ``synchronize``)
-    """
-
-    def __init__(self, upstream, examples, finish, *, seed, batch_size, drop_last, device,
-                 factor=1.0, auto=None):
-        self.upstream, self.examples, self.finish = upstream, examples, finish
-        self.seed, self.batch_size, self.drop_last = seed, batch_size, drop_last
-        self.device, self.factor, self.auto = device, factor, auto
-        self.books = Books()
-        self.ledger = FreshLedger()
-        self.last_echo_index = None   # of the batch delivered last, for loss feedback
-        self._unfinished = None       # epoch of an iteration left early
-
-    # -- the factor and the epoch -----------------------------------------------------
-    @property
-    def e(self):
-        """The echo factor in use (auto's current choice)."""
-        return self.auto.value if self.auto is not None else self.factor
-
-    @property
-    def epoch(self):
-        """The epoch the next iteration works on (one left early continues)."""
-        return self.upstream.epoch if self._unfinished is None else self._unfinished
-
-    def open_epoch(self):
-        """The epoch an iteration works on: the upstream's, unless an earlier iteration
-        was left early (break, a caught Ctrl-C) and its epoch is not done yet, although
-        all its fresh batches may have been taken already."""
-        if self._unfinished is None:
-            self._unfinished = self.upstream.epoch
-        return self._unfinished
-
-    def end_epoch(self):
-        self.ledger.end_epoch()
-        self._unfinished = None
-
-    def start(self):
-        self.books.start()
-
-    def reset(self, skip=()):
-        """A new stream position (set_epoch, a restored state): forget what an
-        interrupted epoch left; ``skip`` the ids a restored state says were emitted."""
-        self.ledger.clear(skip)
-        self._unfinished = None
-
-    def close(self):
-        """The upstream is stopping: let go of work in flight."""
-
-    # -- fresh batches ------------------------------------------------------------------
-    def take(self):
-        """The next fresh batch, its wait and its upstream cost booked."""
-        t0 = time.perf_counter()
-        S = _Sigint
-        if S.installed and threading.current_thread() is threading.main_thread():
-            # Nothing taken yet: a Ctrl-C held around this step may end the wait.  The
-            # count goes up and back down in this frame (no call between the raise and
-            # the try, none in the finally): a context manager's __exit__ starts with a
-            # check where the interrupt could skip the decrement.
-            if S.caught:
-                S.caught = False
-                raise KeyboardInterrupt
-            S.open += 1
-            try:
-                fresh = self.upstream.next_fresh()
-            finally:
-                S.open -= 1
-        else:
-            fresh = self.upstream.next_fresh()
-        self.books.wait_s += time.perf_counter() - t0
-        self.books.fill_s += fresh.fill_s
-        if self.auto is not None:
-            if fresh.fill_s > 0:
-                self.auto.upstream(fresh.fill_s / max(1, self.upstream.workers))
-            else:  # the upstream did not say (it kept up): auto echo may probe lower
-                self.auto.fed()
-        return fresh
-
-    def counts(self, draws, keys):
-        """Emissions of the examples (or batches) ``keys`` at the e in use, from their
-        draws."""
-        d = draws[keys]
-        return self.auto.counts(d) if self.auto is not None else counts_from(d, self.factor)
-
-    def release(self):
-        """The fresh batch taken last goes back upstream once the copies out of it are done."""
-        self.device.release_after_copies(self.upstream.hand_off())
-
-    def book_fresh(self, count):
-        self.books.fresh += int(count)
-        self.books.fresh_batches += 1
-
-    # -- emissions ----------------------------------------------------------------------
-    def batches(self):
-        """One epoch of batches (the rest of one left early), booked: the consumer's time
-        between two batches, less the time the stage blocked on the upstream and on its
-        own timed work (see :meth:`wait_for_device`), is what auto echo weighs against
-        the upstream's."""
-        books, auto = self.books, self.auto
-        last = waited = echoed = None
-        for batch in self.emit_epoch():
-            if not len(batch):
-                # Nothing to train on (every sample failed, or the upstream's batch was
-                # empty), and a 0-length batch breaks a training step: neither counted
-                # nor timed as one.
-                continue
-            now = time.perf_counter()
-            if auto is not None and last is not None:
-                auto.consumer(now - last - (books.wait_s - waited) -
-                              (books.echo_wait_s - echoed))
-            last, waited, echoed = now, books.wait_s, books.echo_wait_s
-            books.delivered += len(batch)
-            books.batches += 1
-            self.last_echo_index = batch.echo_index
-            yield batch
-            books.consumer_s += time.perf_counter() - now
-
-    def emit_epoch(self):
-        raise NotImplementedError
-
-    def wait_for_device(self, job=None):
-        """``device.synchronize(job)``; on a device that times its jobs (its
-        ``job_seconds``), the wait is booked as the echo stage's, which auto echo
-        counts through the jobs' own times instead."""
-        if not getattr(self.device, "times_jobs", False):
-            self.device.synchronize(job)
-            return
-        t0 = time.perf_counter()
-        try:
-            self.device.synchronize(job)
-        finally:
-            self.books.echo_wait_s += time.perf_counter() - t0
-
-    def batches_in(self, epoch):
-        """Batches the epoch will deliver (auto echo: at the current e)."""
-        raise NotImplementedError
-
-    def state(self):
-        """The upstream's state at the position a resume re-reads from, with the ids
-        emitted from there on (``skip``)."""
-        ticket, skip = self.ledger.position(self.upstream.position)
-        state = self.upstream.state_at(ticket)
-        state["skip"] = skip
-        return state
-
-    def stats(self):
-        b = self.books
-        t_down = b.consumer_s / b.batches if b.batches else 0.0
-        workers = max(1, self.upstream.workers)
-        t_up = b.fill_s / workers / b.fresh_batches if b.fresh_batches else 0.0
-        return {
-            **b.rates(),
-            "effective_echo": b.delivered / b.fresh if b.fresh else 0.0,
-            "echo_factor": self.e,
-            # echo="auto": every change of e, when (t_s, batch), to what, and why.
-            "echo_trace": list(self.auto.trace) if self.auto else [],
-            "echo_loss_ratio": self.auto.loss_ratio if self.auto else None,
-            "estimated_R": t_up / t_down if t_down > 0 else float("nan"),
-            "consumer_s": b.consumer_s,
-        }
 
 
 class PassThrough(Stage):
@@ -237,11 +44,15 @@ class PassThrough(Stage):
         super().__init__(*args, **kw)
         self._delivered = None   # ticket of the last batch handed out
 
+    def in_use(self, fresh):
+        # Delivered: the batch is its memory, which goes back with the next one.
+        return fresh.ticket == self._delivered
+
     def emit_epoch(self):
         up = self.upstream
-        held = up.held()
-        if held is not None and held.ticket != self._delivered:
-            yield self._deliver(held)   # taken before an interruption, never delivered
+        held = self.recover()
+        if held is not None:
+            yield self._deliver(held)
         left = up.left_in_epoch
         while left is None or left > 0:
             try:
@@ -281,13 +92,6 @@ class PassThrough(Stage):
         return _known(self.upstream.batches_per_epoch)
 
 
-def _known(batches_per_epoch):
-    if batches_per_epoch is None:
-        raise TypeError("the upstream does not know its length (the wrapped iterable has "
-                        "no len())")
-    return batches_per_epoch
-
-
 class ExampleEcho(Stage):
     """Example echoing, before or after augmentation: each fresh example goes into a
     shuffle buffer with its echo count, and each batch is drawn from it.
@@ -308,6 +112,10 @@ class ExampleEcho(Stage):
         self.buffer = None
         self._stash = []   # emissions made and not delivered by an iteration left early
         self._part = None  # a fresh batch partly stored (see _add)
+
+    def in_use(self, fresh):
+        # Partly stored (see _add): the rest of it is stored before anything else.
+        return self._part is not None and self._part[0] is fresh
 
     def start(self):
         super().start()
@@ -340,7 +148,7 @@ class ExampleEcho(Stage):
                           up.epoch_ids(epoch) if up.sharded else None)
 
     def batches_in(self, epoch):
-        B, n = self.batch_size, _known(self.upstream.samples_per_epoch)
+        B, n = self.batch_size, _known(self.upstream.samples_per_epoch, "examples")
         if self.auto is not None:
             total = round(n * self.auto.value)
             return example_batches(total, math.ceil(self.auto.value), n, B, self.drop_last)
@@ -356,13 +164,9 @@ class ExampleEcho(Stage):
         rng = shuffle_rng(self.seed, epoch)
         bpe = up.batches_per_epoch
         fresh_left = math.inf if bpe is None else max(0, (epoch + 1) * bpe - up.position)
-        held = up.held()
-        if held is not None and (self._part is None or self._part[0] is not held):
-            # Taken before an interruption (Ctrl-C): stored already, or not yet.
-            if held.ticket in self.ledger:
-                self.release()
-            else:
-                self._add(held, draws)
+        held = self.recover()
+        if held is not None:
+            self._add(held, draws)
         # A device that prepares ahead makes the next batch (re-augmented, or gathered
         # from the buffer) while the consumer works on this one, so one emission stays
         # in flight across each yield.
@@ -570,12 +374,9 @@ class BatchEcho(Stage):
         if self._window is None or self._window[0] != epoch:
             self._window = (epoch, BatchWindow(self.window_size))
         window = self._window[1]
-        held = up.held()
-        if held is not None:  # taken before an interruption (Ctrl-C)
-            if held.ticket in self.ledger:
-                self.release()  # in the window already
-            else:
-                self._add(window, held, draws)
+        held = self.recover()
+        if held is not None:
+            self._add(window, held, draws)
         ended = nb is not None and up.position >= (epoch + 1) * nb
         while True:
             while not ended and self._want_fresh(window):
@@ -634,3 +435,24 @@ class BatchEcho(Stage):
                 self.books.batches:
             self.auto.stalled()
         return True
+
+
+def make_stage(echo, upstream, examples, finish, *, seed, batch_size, shuffle_buffer,
+               drop_last, device):
+    """The stage an :class:`~echo_native.echo.spec.Echo` spec asks for: pass-through at
+    e = 1, batch echo over a window of ``shuffle_buffer // batch_size`` batches, else
+    example echo through a shuffle buffer of ``shuffle_buffer`` entries (see
+    :func:`shuffle_capacity`); with auto echo, its controller."""
+    capacity = shuffle_capacity(shuffle_buffer, batch_size)
+    kw = dict(seed=seed, batch_size=batch_size, drop_last=drop_last, device=device,
+              factor=None if echo.auto else echo.factor,
+              auto=AutoEcho(echo.max_echo) if echo.auto else None)
+    if echo.off:
+        stage = PassThrough(upstream, examples, finish, **kw)
+    elif echo.placement == "batch":
+        stage = BatchEcho(upstream, examples, finish, window=max(2, capacity // batch_size),
+                          **kw)
+    else:
+        stage = ExampleEcho(upstream, examples, finish, capacity=capacity, **kw)
+    stage.shuffle_buffer = capacity
+    return stage

@@ -20,13 +20,10 @@
  *   [0, EN_RING_HEADER_BYTES)  en_ring_header, zero-padded to a page
  *   then nslots slots of en_ring_layout.slot_bytes each (page multiples):
  *     en_ring_slot (sequence word, metadata, failure records)
- *     per-sample arrays at the en_ring_layout offsets: labels i64[B],
- *     sample ids i64[B], status u8[B], reason u8[B], flip u8[B],
- *     boxes f32[B][4], shapes u16[B][2], source shape i32[B][2],
- *     canvas scale f32[B][2], the objects of detection samples (M =
- *     max_objects per sample, 0 without targets): object count u16[B],
- *     object boxes f32[B][M][4], object labels i64[B][M], object flags
- *     u8[B][M]; then (page-aligned) pixels u8[B][S]
+ *     a sample's record: the columns of EN_RING_COLUMNS below, each at its
+ *     en_ring_layout offset ([B] rows, or [B][M] for an object column, M =
+ *     max_objects per sample, 0 without targets)
+ *     then (page-aligned) pixels u8[B][S]
  *
  * All fields are native-endian: a segment never leaves the machine.
  * Pure C, no Python.h.
@@ -45,7 +42,7 @@ extern "C" {
 #define EN_RING_MAGIC UINT64_C(0x31474E4952484345) /* "ECHRING1" as little-endian bytes */
 /* Bumped whenever a byte moves, so that a process built from other sources
  * refuses a segment instead of misreading it. */
-#define EN_RING_VERSION 5u
+#define EN_RING_VERSION 6u
 #define EN_RING_PAGE 4096u
 #define EN_RING_HEADER_BYTES EN_RING_PAGE
 /* Claim words in the header; worker indexes run 0 .. EN_RING_MAX_WORKERS-1. */
@@ -175,7 +172,7 @@ _Static_assert(EN_RING_REPORT_BYTES % EN_RING_FAILURE_ALIGN == 0, "records stay 
     X(reason,       uint8_t,  "u1", 1,  SAMPLE, 1) /* EN_RING_REASON_* of a failure */  \
     X(flip,         uint8_t,  "u1", 1,  SAMPLE, 1) /* mirrored by the crop */          \
     X(boxes,        float,    "f4", 16, SAMPLE, 4) /* crop box (top, left, h, w) */    \
-    X(shapes,       uint16_t, "u2", 2,  SAMPLE, 2) /* pixels' (height, width) */       \
+    X(shapes,       int32_t,  "i4", 8,  SAMPLE, 2) /* pixels' (height, width) */       \
     X(source_hw,    int32_t,  "i4", 8,  SAMPLE, 2) /* the decoded image's size */      \
     X(canvas_scale, float,    "f4", 8,  SAMPLE, 2) /* source px per canvas px */       \
     X(obj_count,    uint16_t, "u2", 2,  SAMPLE, 1) /* objects of the sample */         \
