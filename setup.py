@@ -199,17 +199,19 @@ cuda_source_header()
 
 # en_seek.c compiles the kernel's en_jpeg.c into itself (its static stages plan and decode
 # the sub-image exactly as a crop of the original): a change to it rebuilds _seek too.
+# The decoder object those stages drive (en_decoder.c) is linked like the resampler.
 SEEK = ext("echo_native._seek",
            ["src/seek/_seek.pyx", "src/seek/en_seek.c", "src/seek/en_transcode.c",
-            "src/kernel/en_resize.c", "src/kernel/en_augment.c"],
+            "src/kernel/en_decoder.c", "src/kernel/en_resize.c", "src/kernel/en_augment.c"],
            libraries=["jpeg", "m"], include_dirs=["src/kernel"])
 SEEK.depends.append(os.path.join("src", "kernel", "en_jpeg.c"))
 
 EXTENSIONS = [
     ext(
         "echo_native._kernel",
-        ["src/kernel/_kernel.pyx", "src/kernel/en_jpeg.c", "src/kernel/en_resize.c",
-         "src/kernel/en_augment.c", "src/kernel/en_ops.cpp"],
+        ["src/kernel/_kernel.pyx", "src/kernel/en_decoder.c", "src/kernel/en_jpeg.c",
+         "src/kernel/en_resize.c", "src/kernel/en_augment.c", "src/kernel/en_ops.cpp",
+         "src/kernel/en_pool.cpp"],
         libraries=["jpeg", "m"],
         # en_ops.cpp includes the CUDA kernels' source (one arithmetic for both devices)
         # and, as a string, the text NVRTC compiles (cuda_source_header).

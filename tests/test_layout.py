@@ -61,3 +61,15 @@ def test_no_library_module_is_over_about_600_lines():
     long = {str(p.relative_to(PACKAGE)): n for _, p in _library_modules()
             if (n := len(p.read_text().splitlines())) > 650}
     assert not long, long
+
+
+def test_no_compiled_core_file_is_over_about_600_lines():
+    """The compiled core is held to the same size: its bindings (a thin .pyx and the
+    component files it includes), C, C++, CUDA and headers."""
+    src = Path(__file__).resolve().parent.parent / "src"
+    files = [p for p in src.rglob("*")
+             if p.suffix in {".pyx", ".pxi", ".pxd", ".c", ".cpp", ".h", ".cu"}]
+    assert files
+    long = {str(p.relative_to(src)): n for p in files
+            if (n := len(p.read_text().splitlines())) > 650}
+    assert not long, long
