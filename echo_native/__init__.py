@@ -12,6 +12,7 @@ batch from file bytes to the GPU; each imports only modules above it):
               prefetch (reads ahead of the decode: samples, tar-shard blocks)
   targets     a detection sample's boxes and labels (Targets), their JSON form;
               labels (a source's labels checked: one integer per sample)
+  keypoints   a pose's keypoints: which point mirrors which, where points land
   source      where the bytes come from: ImageFolder, FileList, Samples;
               tarindex (a tar shard's index), tarshards (TarShards),
               coco (CocoDetection: a COCO-format folder with its annotations),
@@ -51,6 +52,7 @@ never imports it.
 from echo_native.errors import DecodeError
 from echo_native.protocol import Source
 from echo_native.targets import Targets
+from echo_native.keypoints import Keypoints
 from echo_native.source import FileList, ImageFolder, Samples
 from echo_native.coco import CocoDetection
 from echo_native.parquet import ParquetImages, from_datasets
@@ -106,6 +108,7 @@ __all__ = [
     "EchoRing",
     "FileList",
     "ImageFolder",
+    "Keypoints",
     "Loader",
     "Mix",
     "Objects",

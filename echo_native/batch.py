@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native.boxes import SourceObjects
-from echo_native.ring import COLUMNS
+from echo_native.ring import COLUMNS, record_shape
 
 
 class Columns:
@@ -33,11 +33,11 @@ class Columns:
         self.arrays = dict(arrays)
 
     @classmethod
-    def allocate(cls, rows, max_objects=0):
-        """Zeroed columns of ``rows`` samples, ``max_objects`` object rows each."""
-        rows, m = int(rows), int(max_objects)
-        return cls({name: np.zeros((rows,) + ((m,) if kind == "object" else ())
-                                   + ((width,) if width > 1 else ()), dtype)
+    def allocate(cls, rows, max_objects=0, max_keypoints=0):
+        """Zeroed columns of ``rows`` samples, ``max_objects`` object rows each with
+        ``max_keypoints`` keypoints."""
+        return cls({name: np.zeros(record_shape(kind, width, int(rows), int(max_objects),
+                                                int(max_keypoints)), dtype)
                     for name, dtype, kind, width in COLUMNS})
 
     @classmethod
@@ -77,8 +77,10 @@ class Columns:
 
     def objects(self):
         """The rows' :class:`~echo_native.boxes.SourceObjects` (views)."""
+        points = self.obj_keypoints
         return SourceObjects(self.obj_boxes, self.obj_labels, self.obj_flags,
-                             self.obj_count.astype(np.int64))
+                             self.obj_count.astype(np.int64),
+                             points if points.shape[2] else None)
 
 
 @dataclass
@@ -116,16 +118,17 @@ class Batch:
 
     @classmethod
     def from_columns(cls, images, columns, *, sample_ids, fresh, echo_index, epoch,
-                     sanitize=None, release=None):
+                     sanitize=None, keypoints=None, release=None):
         """The batch of ``images`` whose records are ``columns``: labels, crop boxes and
         flips are the columns' (views), and with object columns the objects mapped
         through each row's crop and flip onto the images (``sanitize``: the
-        SanitizeBoundingBoxes spec, or None)."""
+        SanitizeBoundingBoxes spec, or None; ``keypoints``: the source's
+        :class:`~echo_native.keypoints.Keypoints`, or None)."""
         flips = columns.flip.view(bool)
         objects = None
         if columns.max_objects:
             objects = columns.objects().map(columns.boxes, flips, images.shape[1:3],
-                                            sanitize)
+                                            sanitize, keypoints=keypoints)
         return cls(images, columns.labels, sample_ids, fresh, echo_index, columns.boxes, flips,
                    epoch, _release=release, objects=objects)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native._ring import OBJ_CROWD, OBJ_DROPPED
+from echo_native.keypoints import map_keypoints
 
 __all__ = ["map_boxes", "sanitize", "pack", "SourceObjects", "Objects"]
 
@@ -126,18 +127,21 @@ def pack(keep, *arrays, width=None):
 class SourceObjects:
     """The objects of some rows as their source gave them: padded ``boxes`` (n, M, 4)
     xyxy in source pixels, ``labels`` (n, M), ``flags`` (n, M) (:data:`CROWD`,
-    :data:`DROPPED`) and ``counts`` (n,), host arrays."""
+    :data:`DROPPED`) and ``counts`` (n,), host arrays; ``keypoints`` (n, M, K, 3) in
+    source pixels, or None."""
 
     boxes: np.ndarray
     labels: np.ndarray
     flags: np.ndarray
     counts: np.ndarray
+    keypoints: np.ndarray = None
 
-    def map(self, windows, flips, size, sanitize_spec=None, width=None):
+    def map(self, windows, flips, size, sanitize_spec=None, width=None, keypoints=None):
         """The :class:`Objects` of these rows after each row's window, flip and resize
         to ``size``, kept as ``sanitize_spec`` (a SanitizeBoundingBoxes or None) says,
         packed to the front of each row, padded to ``width`` (default the most a row
-        keeps)."""
+        keeps); their keypoints follow (``keypoints``: the source's
+        :class:`~echo_native.keypoints.Keypoints`, whose ``flip`` pairs mirrored points)."""
         m = self.boxes.shape[1]
         valid = np.arange(m) < self.counts[:, None]
         dropped = (self.flags & DROPPED).astype(bool)
@@ -146,8 +150,13 @@ class SourceObjects:
         if sanitize_spec is not None:
             keep = sanitize(boxes, valid, size, sanitize_spec.min_size, sanitize_spec.min_area)
         crowd = (self.flags & CROWD).astype(bool)
-        valid, boxes, labels, crowd = pack(keep, boxes, self.labels, crowd, width=width)
-        return Objects(boxes, labels, valid, crowd, canvas_size=tuple(int(v) for v in size))
+        arrays = [boxes, self.labels, crowd]
+        if self.keypoints is not None:
+            arrays.append(map_keypoints(self.keypoints, windows, flips, size,
+                                        None if keypoints is None else keypoints.flip))
+        valid, boxes, labels, crowd, *points = pack(keep, *arrays, width=width)
+        return Objects(boxes, labels, valid, crowd, canvas_size=tuple(int(v) for v in size),
+                       keypoints=points[0] if points else None)
 
 
 @dataclass
@@ -156,13 +165,16 @@ class Objects:
     ``labels`` (B, M) int64; ``valid`` (B, M) bool; ``iscrowd`` (B, M) bool.  Each
     row's valid objects come first; ``M`` is the most any row holds (or
     ``max_boxes``).  ``canvas_size`` is the images' ``(height, width)`` the boxes lie
-    on (None when unknown).  The arrays export DLPack, on the batch's device."""
+    on (None when unknown).  ``keypoints`` (B, M, K, 3) float32, each object's x, y and
+    visibility in output pixels (:mod:`echo_native.keypoints`), or None without pose
+    targets.  The arrays export DLPack, on the batch's device."""
 
     boxes: np.ndarray
     labels: np.ndarray
     valid: np.ndarray
     iscrowd: np.ndarray
     canvas_size: tuple = None
+    keypoints: object = None
 
     @property
     def counts(self):
@@ -171,17 +183,20 @@ class Objects:
 
     def copy(self):
         return Objects(self.boxes.copy(), self.labels.copy(), self.valid.copy(),
-                       self.iscrowd.copy(), self.canvas_size)
+                       self.iscrowd.copy(), self.canvas_size,
+                       None if self.keypoints is None else self.keypoints.copy())
 
     def to(self, xp):
         """The same objects as arrays of the array module ``xp`` (e.g. CuPy)."""
         return Objects(*(xp.asarray(a) for a in (self.boxes, self.labels, self.valid,
-                                                 self.iscrowd)), self.canvas_size)
+                                                 self.iscrowd)), self.canvas_size,
+                       None if self.keypoints is None else xp.asarray(self.keypoints))
 
     def to_torchvision(self):
         """One ``{"boxes": (n, 4) float32, "labels": (n,) int64}`` dict of torch tensors
         per image, on the batch's device, sharing its memory: what torchvision's
-        detection models take as ``targets``.
+        detection models take as ``targets``; with keypoints, ``"keypoints"`` (n, K, 3)
+        float32 too, as ``keypointrcnn_resnet50_fpn`` takes them.
 
         Where torchvision imports, the boxes are ``tv_tensors.BoundingBoxes`` (format
         XYXY, ``canvas_size`` the images' (height, width)), so that a ``transforms.v2``
@@ -199,11 +214,17 @@ class Objects:
         counts = [int(c) for c in np.asarray(_host(self.counts))]
         tv = _tv_tensors() if self.canvas_size is not None else None
         if tv is None:
-            return [{"boxes": boxes[i, :n], "labels": labels[i, :n]}
-                    for i, n in enumerate(counts)]
-        canvas = tuple(int(v) for v in self.canvas_size)
-        return [{"boxes": tv.BoundingBoxes(boxes[i, :n], format="XYXY", canvas_size=canvas),
-                 "labels": labels[i, :n]} for i, n in enumerate(counts)]
+            out = [{"boxes": boxes[i, :n], "labels": labels[i, :n]}
+                   for i, n in enumerate(counts)]
+        else:
+            canvas = tuple(int(v) for v in self.canvas_size)
+            out = [{"boxes": tv.BoundingBoxes(boxes[i, :n], format="XYXY", canvas_size=canvas),
+                    "labels": labels[i, :n]} for i, n in enumerate(counts)]
+        if self.keypoints is not None:
+            points = torch.from_dlpack(self.keypoints)
+            for i, n in enumerate(counts):
+                out[i]["keypoints"] = points[i, :n]
+        return out
 
 
 #: torchvision's tv_tensors module once imported, False once it failed to (not asked again:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from echo_native.errors import ReadLimitError
+from echo_native.keypoints import Keypoints
 from echo_native.memory import _gib, memory_available
 from echo_native.source import (DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes, _PackedPaths,
                                 open_file, read_file, read_open)
@@ -67,13 +68,14 @@ class _Guard:
     and, every 8192 objects, checks the process's growth against the budget, so that a
     file the estimate misjudged stops with a ValueError rather than the OOM killer."""
 
-    def __init__(self, budget, too_big):
+    def __init__(self, budget, too_big, unused=_UNUSED):
         self.budget, self.too_big, self.size = budget, too_big, 0
+        self.unused = unused
         self.start = _rss() if budget is not None else None
         self.calls = 0
 
     def __call__(self, d):
-        for k in _UNUSED.intersection(d):
+        for k in self.unused.intersection(d):
             del d[k]
         self.calls += 1
         if not self.calls & 0x1FFF and self.start is not None:
@@ -133,6 +135,12 @@ class CocoDetection:
     gaps, named ``"N/A"`` in ``categories``); ids from 1 to ``MAX_CATEGORY_ID``
     (2**20) only, as ``categories`` holds one entry per label up to the largest.
 
+    ``keypoints=True`` reads pose targets too: each annotation's ``keypoints`` (x, y,
+    visibility per point; none labelled where an annotation has none), named by the
+    categories' ``keypoints`` list, whose ``left_``/``right_`` names pair the points a
+    flip swaps (``self.keypoints``, a :class:`~echo_native.keypoints.Keypoints`).
+    Batches then carry ``objects.keypoints`` (B, M, K, 3) in output pixels.
+
     ``keep_empty=False`` drops the images that have no annotation (torchvision's
     detection training reference drops them; it also drops images whose every
     box is at most 1 px wide or tall, and leaves crowd annotations out, which
@@ -164,7 +172,10 @@ class CocoDetection:
 
     def __init__(self, images_root, annotation_json, *, keep_empty=True,
                  contiguous_labels=True, max_file_bytes=DEFAULT_MAX_FILE_BYTES,
-                 max_annotation_bytes=DEFAULT_MAX_ANNOTATION_BYTES, trust_links=False):
+                 max_annotation_bytes=DEFAULT_MAX_ANNOTATION_BYTES, trust_links=False,
+                 keypoints=False):
+        self._pose = bool(keypoints)
+        self.keypoints = None   # the Keypoints spec, with keypoints=True
         self.max_file_bytes = _check_max_file_bytes("CocoDetection", max_file_bytes)
         limit = _check_max_file_bytes("CocoDetection", max_annotation_bytes)
         self.root = Path(images_root)
@@ -199,9 +210,10 @@ class CocoDetection:
                 raise ValueError(f"{name}: {key!r} must be a list")
         ids, hw, files = self._images(doc["images"])
         cats = self._categories(doc.get("categories", []), contiguous_labels)
-        img_of, boxes, labels, crowd = self._annotations(doc.get("annotations", []), ids, hw,
-                                                         cats)
-        del doc
+        anns = doc.get("annotations", [])
+        img_of, boxes, labels, crowd = self._annotations(anns, ids, hw, cats)
+        points = self._keypoints(anns, doc.get("categories", [])) if self._pose else None
+        del doc, anns
         counts = np.bincount(img_of, minlength=len(ids))
         keep = np.ones(len(ids), bool) if keep_empty else counts > 0
         if not keep.any():
@@ -211,6 +223,7 @@ class CocoDetection:
         self._boxes = np.ascontiguousarray(boxes[order])
         self._labels = labels[order]
         self._crowd = crowd[order]
+        self._points = None if points is None else np.ascontiguousarray(points[order])
         self._starts = np.zeros(int(keep.sum()) + 1, np.int64)
         np.cumsum(counts[keep], out=self._starts[1:])
         self.image_ids = ids[keep]
@@ -231,7 +244,8 @@ class CocoDetection:
                 f"available ({where}); free memory or use a larger machine "
                 f"(max_annotation_bytes={limit} bounds the file's size, not the memory its "
                 f"parse takes)"))
-        guard = _Guard(budget, too_big)  # counts from here: the bytes and the text too
+        # counts from here: the bytes and the text too
+        guard = _Guard(budget, too_big, _UNUSED - {"keypoints"} if self._pose else _UNUSED)
         size = os.path.getsize(self.annotation_json)
         # Its bytes and their text, at least (a file over the limit is read_file's to name).
         if budget is not None and size <= limit and 2 * size > budget:
@@ -373,6 +387,47 @@ class CocoDetection:
         xyxy = self._checked_boxes(box, hw[where], aids, img)
         return where.astype(np.int64), xyxy, labels, flags.astype(bool)
 
+    def _keypoints(self, anns, categories):
+        """Each annotation's keypoints (N, K, 3) float32, and ``self.keypoints`` from the
+        categories' keypoint names (an annotation without keypoints has none labelled)."""
+        lists = {tuple(c["keypoints"]) for c in categories
+                 if isinstance(c, dict) and isinstance(c.get("keypoints"), list) and c["keypoints"]}
+        if len(lists) != 1:
+            raise self._bad("categories", "keypoints", "keypoints=True needs the categories' "
+                            "keypoint names, one list shared by every category that has "
+                            f"them; found {len(lists)}")
+        names = next(iter(lists))
+        try:
+            self.keypoints = Keypoints(names)
+        except ValueError as e:
+            raise self._bad("categories", "keypoints", str(e)) from None
+        k = len(names)
+        values = [a.get("keypoints") for a in anns]
+        have = [j for j, v in enumerate(values) if v is not None]
+        out = np.zeros((len(anns), k, 3), np.float32)
+        rows = None
+        if set(map(type, (values[j] for j in have))) <= {list} and \
+                set(len(values[j]) for j in have) <= {3 * k}:
+            try:  # at C speed, as the boxes: COCO has 250,000 people
+                rows = np.asarray([values[j] for j in have], np.float64).reshape(-1, k, 3)
+            except (TypeError, ValueError):
+                rows = None
+        good = rows is not None and np.isfinite(rows).all() and \
+            np.isin(rows[..., 2], (0, 1, 2)).all()
+        if not good:  # name the first bad one
+            for j in have:
+                row = np.asarray(values[j], dtype=object).ravel()
+                ok = len(row) == 3 * k and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x)
+                    for x in row) and all(x in (0, 1, 2) for x in row[2::3])
+                if not ok:
+                    raise self._bad("annotation id", anns[j].get("id"), f"keypoints must be "
+                                    f"{3 * k} finite numbers, x, y and visibility 0, 1 or 2 "
+                                    f"per point, got {str(values[j])[:80]}")
+            rows = np.array([np.asarray(values[j], np.float64) for j in have]).reshape(-1, k, 3)
+        out[have] = rows
+        return out
+
     def _positions(self, known, ids, aids, field, table):
         """Where each of ``ids`` is in the sorted ``known`` ids; the first unknown one is
         named with its annotation id."""
@@ -500,7 +555,8 @@ class CocoDetection:
         s, e = int(self._starts[i]), int(self._starts[i + 1])
         h, w = self._hw[i]
         return _trusted(self._boxes[s:e], self._labels[s:e].astype(np.int64),
-                        self._crowd[s:e], (int(h), int(w)))
+                        self._crowd[s:e], (int(h), int(w)),
+                        None if self._points is None else self._points[s:e])
 
     @property
     def num_annotations(self) -> int:

@@ -122,9 +122,11 @@ class Loader(Started):
             raise ValueError("the source is empty")
         check_labels(source)  # here, once: a bad label would crash-loop the workers
         # Object slots per sample in the ring: only a source with targets needs them.
-        self.max_objects = 0
+        self.max_objects, self.keypoints = 0, None
         if source_targets(source) is not None:
             self.max_objects = positive_int("", "max_objects", max_objects, 1, MAX_OBJECTS)
+            # Pose targets: each object's keypoints ride in the record with its box.
+            self.keypoints = hook(source, "keypoints")
         elif getattr(specs.crop, "iou_crop", None) is not None:
             raise ValueError(f"RandomIoUCrop crops around the boxes of each sample, but the "
                              f"source {_source_name(source)} has none: give a source with "
@@ -196,7 +198,8 @@ class Loader(Started):
             # Every page reserved now, after a check against the memory available:
             # a ring that does not fit fails here, before any worker starts.
             ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket,
-                               budget=self._budget(), max_objects=self.max_objects)
+                               budget=self._budget(), max_objects=self.max_objects,
+                               max_keypoints=len(self.keypoints or ()))
         except RingMemoryError as e:
             t = self.plan.transform
             per = ", ".join(f"{k}={getattr(t, k)!r}" for k in ("size", "min_side", "max_pixels")
@@ -453,7 +456,7 @@ class Loader(Started):
         return Batch.from_columns(
             slot.pixels[:n].reshape(n, h, w, 3), Columns.of_slot(slot, n),
             sample_ids=fresh.sample_ids, fresh=fresh.ok, echo_index=np.zeros(n, np.int64),
-            epoch=fresh.epoch, sanitize=self.specs.sanitize,
+            epoch=fresh.epoch, sanitize=self.specs.sanitize, keypoints=self.keypoints,
             release=functools.partial(self.release, fresh.ticket))
 
     # -- the Upstream of the echo stages ---------------------------------------------------

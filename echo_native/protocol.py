@@ -13,6 +13,8 @@ rest are hooks the pipeline uses when a source has them, each for one purpose:
 ``targets(i)``       detection targets of sample ``i`` (``Targets`` or its dict),
                      with ``has_targets`` False when a source that can carry them
                      does not
+``keypoints``        the ``Keypoints`` (names, flip pairs) its targets' objects
+                     carry, for pose targets
 ``epoch_order``      ``(seed, epoch) -> ids``: the source's own shuffle (shards read
                      in sequence, row groups whole); the plan's otherwise
 ``prefetch``         ``(ids, upcoming=())``: a hint of the samples a worker reads
@@ -60,6 +62,7 @@ HOOKS = {
     "classes": "class names, classes[label]",
     "targets": "detection targets of sample i",
     "has_targets": "False where a source that can carry targets carries none",
+    "keypoints": "the Keypoints (names, flip pairs) its targets' objects carry",
     "epoch_order": "(seed, epoch) -> the epoch's order of sample ids",
     "prefetch": "(ids, upcoming=()) -> None: the samples a worker reads next",
     "remote_options": "the RemoteOptions of a source that reads object storage",

@@ -23,31 +23,25 @@ from types import SimpleNamespace
 import numpy as np
 
 from echo_native.failures import NO_SAMPLE, Failure, decode_failures, encode_failures
-from echo_native.ring import ERR_WORKER, REASON_NONE, REPORT_BYTES, Meta
+from echo_native.ring import COLUMNS as RECORD
+from echo_native.ring import ERR_WORKER, REASON_NONE, REPORT_BYTES, Meta, record_shape
 from echo_native.workers import _Filler, describe
 
-# The per-sample arrays of a slot (see echo_native.ring): name, dtype, shape per sample.
-_FIELDS = (("labels", np.int64, ()), ("sample_ids", np.int64, ()), ("status", np.uint8, ()),
-           ("reason", np.uint8, ()), ("flip", np.uint8, ()), ("boxes", np.float32, (4,)),
-           ("shapes", np.uint16, (2,)), ("source_hw", np.int32, (2,)),
-           ("canvas_scale", np.float32, (2,)), ("obj_count", np.uint16, ()))
-_OBJECT_FIELDS = (("obj_boxes", np.float32, (4,)), ("obj_labels", np.int64, ()),
-                  ("obj_flags", np.uint8, ()))
-#: Columns of a trainer-bound batch besides the pixels, one per slot array.
-COLUMNS = tuple(name for name, _, _ in _FIELDS)
-OBJECT_COLUMNS = tuple(name for name, _, _ in _OBJECT_FIELDS)
+#: Columns of a trainer-bound batch besides the pixels, one per slot array (the ring's
+#: record table, echo_native.ring.COLUMNS): per sample, and per object.
+COLUMNS = tuple(name for name, _, rows, _ in RECORD if rows == "sample")
+OBJECT_COLUMNS = tuple(name for name, _, rows, _ in RECORD if rows == "object")
 
 
 class HostSlot:
     """A ring slot's arrays in plain host memory: what a worker's transform writes and
     what an echo stage reads (``pixels`` is (batch, sample_bytes) uint8)."""
 
-    def __init__(self, batch_size, sample_bytes, max_objects=0):
-        B, M = int(batch_size), int(max_objects)
-        for name, dtype, shape in _FIELDS:
-            setattr(self, name, np.zeros((B,) + shape, dtype))
-        for name, dtype, shape in _OBJECT_FIELDS:
-            setattr(self, name, np.zeros((B, M) + shape, dtype))
+    def __init__(self, batch_size, sample_bytes, max_objects=0, max_keypoints=0):
+        B = int(batch_size)
+        for name, dtype, rows, width in RECORD:
+            setattr(self, name, np.zeros(record_shape(rows, width, B, int(max_objects),
+                                                      int(max_keypoints)), dtype))
         self.pixels = np.empty((B, int(sample_bytes)), np.uint8)
 
 
@@ -102,6 +96,9 @@ class TicketDecoder:
         self.ring = _OneSlot(self.plan.batch_size, transform.sample_bytes, max_objects)
         self.max_objects = int(max_objects)
         self.filler = _Filler(self.ring, self.plan, self.source)
+        # This instance, on every row it sends: a restarted or replaced actor is a new
+        # one, so the trainer counts how many decoded for it (``stats()["ray_actors"]``).
+        self.instance = int.from_bytes(os.urandom(8), "little") >> 1
 
     def fill(self, ticket):
         """Fill one ticket: ``(slot, meta)``, meta as :meth:`_OneSlot.write_meta` keeps it.
@@ -137,6 +134,7 @@ class TicketDecoder:
                "epoch": np.full(n, epoch, np.int64), "ticket": np.full(n, ticket, np.int64)}
         if self.trainer:
             out["row"] = np.arange(n, dtype=np.int32)
+            out["actor"] = np.full(n, self.instance, np.int64)
             out["count"] = np.full(n, count, np.int32)
             out["error"] = np.full(n, error, np.uint8)
             out["failures"] = np.full(n, failures, np.int32)

@@ -86,6 +86,7 @@ ERR_NONE, ERR_WORKER, ERR_DECODE = _ring.ERR_NONE, _ring.ERR_WORKER, _ring.ERR_D
 OK, REPLACED, SKIPPED = _ring.STATUS_OK, _ring.STATUS_REPLACED, _ring.STATUS_SKIPPED
 # Per-object flag bits; the most objects a sample's slots may hold.
 OBJ_CROWD, OBJ_DROPPED, MAX_OBJECTS = _ring.OBJ_CROWD, _ring.OBJ_DROPPED, _ring.MAX_OBJECTS
+MAX_KEYPOINTS = _ring.MAX_KEYPOINTS
 # Per-sample failure reasons (stats key names).
 REASON_NONE, REASON_DECODE = _ring.REASON_NONE, _ring.REASON_DECODE
 REASON_READ, REASON_LIMIT = _ring.REASON_READ, _ring.REASON_LIMIT
@@ -115,8 +116,17 @@ def _saturate(name, value):
 # ---- layout -----------------------------------------------------------------------------
 #: A sample's record in a slot, the one definition (EN_RING_COLUMNS in en_ring.h):
 #: ``(name, dtype, rows, width)`` per column, in slot order; ``rows`` is "sample" (a row
-#: per sample) or "object" (``max_objects`` rows per sample), ``width`` a row's elements.
+#: per sample), "object" (``max_objects`` rows per sample) or "keypoint"
+#: (``max_keypoints`` rows per object), ``width`` a row's elements.
 COLUMNS = _ring.COLUMNS
+
+
+def record_shape(rows, width, samples, max_objects=0, max_keypoints=0):
+    """The shape of a record column of ``rows`` ("sample", "object", "keypoint") and
+    ``width`` for ``samples`` samples."""
+    shape = {"sample": (samples,), "object": (samples, max_objects),
+             "keypoint": (samples, max_objects, max_keypoints)}[rows]
+    return shape + ((width,) if width > 1 else ())
 
 
 def _offset(name):
@@ -132,11 +142,13 @@ class Layout:
     batch_size: int
     sample_bytes: int
     max_objects: int = 0
+    max_keypoints: int = 0
     _c: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_c", _ring.layout(self.nslots, self.batch_size,
-                                                    self.sample_bytes, self.max_objects))
+                                                    self.sample_bytes, self.max_objects,
+                                                    self.max_keypoints))
 
     # The offset in a slot of each column of COLUMNS (an attribute of its name, set
     # below), of the pixels (u8[B, sample_bytes], page-aligned); and the bytes of a slot
@@ -147,11 +159,11 @@ class Layout:
         return HEADER_BYTES + (i % self.nslots) * self.slot_bytes
 
     def column_shape(self, rows, width):
-        """The shape of a column's array in one slot: (B,) or (B, max_objects), and the
-        row's width when it is more than one element."""
-        shape = (self.batch_size,) if rows == "sample" else (self.batch_size,
-                                                              self.max_objects)
-        return shape + ((width,) if width > 1 else ())
+        """The shape of a column's array in one slot: (B,), (B, max_objects) or (B,
+        max_objects, max_keypoints) by its rows, and the row's width when it is more than
+        one element."""
+        return record_shape(rows, width, self.batch_size, self.max_objects,
+                            self.max_keypoints)
 
 
 for _name, *_ in COLUMNS:
@@ -223,10 +235,11 @@ class Ring:
     # -- life cycle ------------------------------------------------------------
     @classmethod
     def create(cls, nslots, batch_size, sample_bytes, first_ticket=0, backing=None, *,
-               budget=None, max_objects=0):
+               budget=None, max_objects=0, max_keypoints=0):
         """A new ring, every page reserved.
 
-        ``max_objects``: object slots per sample, for sources with detection targets.
+        ``max_objects``: object slots per sample, for sources with detection targets;
+        ``max_keypoints``: keypoints per object, for sources with pose targets.
 
         ``backing``: "memfd", "shm" (a named segment in /dev/shm) or "auto" (memfd
         where the kernel has it); default: ``$ECHO_NATIVE_RING_BACKING``, else "auto".
@@ -244,7 +257,8 @@ class Ring:
         elif not isinstance(budget, MemoryBudget):
             raise TypeError(f"budget must be a MemoryBudget, got {budget!r}")
         choice = _backing(backing)
-        layout = Layout(int(nslots), int(batch_size), int(sample_bytes), int(max_objects))
+        layout = Layout(int(nslots), int(batch_size), int(sample_bytes), int(max_objects),
+                        int(max_keypoints))
         seg = None
         if choice != "shm":
             available, where = _check_budget(layout, budget, "memfd")
@@ -269,7 +283,7 @@ class Ring:
                 raise
         try:
             seg.ring_init(layout.nslots, layout.batch_size, layout.sample_bytes,
-                          first_ticket, os.getpid(), layout.max_objects)
+                          first_ticket, os.getpid(), layout.max_objects, layout.max_keypoints)
         except BaseException:
             seg.unlink()
             raise
@@ -287,7 +301,8 @@ class Ring:
         except ValueError as e:
             raise ValueError(f"shared memory {name} is not an echo_native ring this build "
                              f"can read: {e}") from None
-        return cls(seg, Layout(c["nslots"], c["batch"], c["sample_bytes"], c["max_objects"]))
+        return cls(seg, Layout(c["nslots"], c["batch"], c["sample_bytes"], c["max_objects"],
+                               c["max_keypoints"]))
 
     def handle(self):
         """How a child process reaches this ring: ``("fd", fd, name)`` for a memfd (the

@@ -43,10 +43,12 @@ TOLERANCE_PX = 1.0
 @dataclass(frozen=True, eq=False)
 class Targets:
     """The objects of one image: ``boxes`` (N, 4) float32 xyxy in source pixels,
-    ``labels`` (N,) int64, ``iscrowd`` (N,) bool (read-only arrays) and ``image_hw``,
-    the image's (height, width) or None.
+    ``labels`` (N,) int64, ``iscrowd`` (N,) bool (read-only arrays), ``image_hw``,
+    the image's (height, width) or None, and ``keypoints``, (N, K, 3) float32 x, y and
+    COCO visibility (0, 1, 2) per object, or None.
 
-    ``Targets(boxes, labels, iscrowd=None, image_hw=None)`` checks its input as
+    ``Targets(boxes, labels, iscrowd=None, image_hw=None, keypoints=None)`` checks its
+    input as
     :func:`as_targets` does (ValueError naming the first bad object); ``len()`` is
     the number of objects; two are equal when every array and ``image_hw`` are."""
 
@@ -54,12 +56,13 @@ class Targets:
     labels: np.ndarray
     iscrowd: np.ndarray = None
     image_hw: tuple = None
+    keypoints: np.ndarray = None
 
     def __post_init__(self):
-        boxes, labels, iscrowd, hw = _checked(self.boxes, self.labels, self.iscrowd,
-                                              self.image_hw, "Targets")
-        for name, value in (("boxes", boxes), ("labels", labels), ("iscrowd", iscrowd),
-                            ("image_hw", hw)):
+        checked = _checked(self.boxes, self.labels, self.iscrowd, self.image_hw, "Targets",
+                           self.keypoints)
+        for name, value in zip(("boxes", "labels", "iscrowd", "image_hw", "keypoints"),
+                               checked):
             object.__setattr__(self, name, value)
 
     def __len__(self):
@@ -70,7 +73,9 @@ class Targets:
             return NotImplemented
         return (self.image_hw == other.image_hw and np.array_equal(self.boxes, other.boxes)
                 and np.array_equal(self.labels, other.labels)
-                and np.array_equal(self.iscrowd, other.iscrowd))
+                and np.array_equal(self.iscrowd, other.iscrowd)
+                and (self.keypoints is None) == (other.keypoints is None)
+                and (self.keypoints is None or np.array_equal(self.keypoints, other.keypoints)))
 
     __hash__ = None
 
@@ -78,7 +83,7 @@ class Targets:
         return f"Targets({len(self)} objects, image_hw={self.image_hw})"
 
     def __reduce__(self):  # unpickled as is: it was checked when made
-        return _trusted, (self.boxes, self.labels, self.iscrowd, self.image_hw)
+        return _trusted, (self.boxes, self.labels, self.iscrowd, self.image_hw, self.keypoints)
 
 
 def _read_only(a):
@@ -86,7 +91,7 @@ def _read_only(a):
     return a
 
 
-def _trusted(boxes, labels, iscrowd, image_hw=None):
+def _trusted(boxes, labels, iscrowd, image_hw=None, keypoints=None):
     """A Targets of arrays already checked (of the right dtypes and shapes): made
     without checking them again, e.g. a source's slices of its own packed arrays."""
     t = object.__new__(Targets)
@@ -95,6 +100,8 @@ def _trusted(boxes, labels, iscrowd, image_hw=None):
     object.__setattr__(t, "iscrowd", _read_only(np.asarray(iscrowd, bool).view()))
     object.__setattr__(t, "image_hw", None if image_hw is None else
                        (int(image_hw[0]), int(image_hw[1])))
+    object.__setattr__(t, "keypoints", None if keypoints is None else
+                       _read_only(np.asarray(keypoints, np.float32).view()))
     return t
 
 
@@ -139,7 +146,25 @@ def _numbers(value, where, what, dtype):
     return arr
 
 
-def _checked(boxes, labels, iscrowd, image_hw, where):
+def _checked_keypoints(keypoints, n, where):
+    """Keypoints (N, K, 3): finite x and y, visibility 0, 1 or 2, as read-only float32."""
+    k = _numbers(keypoints, where, "keypoints", np.float32)
+    if k.size == 0 and n == 0:
+        k = k.reshape(0, k.shape[1] if k.ndim == 3 else 0, 3)
+    if k.ndim != 3 or k.shape[0] != n or k.shape[2] != 3:
+        raise ValueError(f"{where}: keypoints must have shape (N, K, 3) (x, y, visibility) "
+                         f"for the {n} objects, got shape {k.shape}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        k32 = k.astype(np.float32)
+        bad = ~np.isfinite(k32).all(axis=2) | ~np.isin(k32[..., 2], (0, 1, 2))
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"{where}: object {i}: keypoint {j} {k[i, j].tolist()} is not a "
+                         f"finite x, y with visibility 0, 1 or 2")
+    return _read_only(k32)
+
+
+def _checked(boxes, labels, iscrowd, image_hw, where, keypoints=None):
     """The checked arrays (boxes clipped to the image within the tolerance)."""
     hw = _image_hw(image_hw, where)
     b = _numbers(boxes, where, "boxes", np.float64)
@@ -209,12 +234,14 @@ def _checked(boxes, labels, iscrowd, image_hw, where):
     if not np.isfinite(b32).all():  # finite in float64, too large for float32
         i = int(np.flatnonzero(~np.isfinite(b32).all(axis=1))[0])
         raise ValueError(f"{where}: object {i}: box {b[i].tolist()} does not fit float32")
-    return _read_only(b32), _read_only(lab), _read_only(crowd), hw
+    points = None if keypoints is None else _checked_keypoints(keypoints, n, where)
+    return _read_only(b32), _read_only(lab), _read_only(crowd), hw, points
 
 
 def as_targets(value, where, image_hw=None) -> Targets:
     """``value`` (a :class:`Targets`, or a dict with ``boxes`` (N, 4) xyxy, ``labels``
-    (N,) and optionally ``iscrowd`` (N,) and ``image_hw``) as a checked Targets.
+    (N,) and optionally ``iscrowd`` (N,), ``image_hw`` and ``keypoints`` (N, K, 3)) as a
+    checked Targets.
 
     ``image_hw`` (height, width), when given, is the image's size: boxes reaching
     past it by at most 1 px are clipped to it, further is an error.  A ValueError
@@ -229,7 +256,8 @@ def as_targets(value, where, image_hw=None) -> Targets:
         if value.image_hw is not None:
             raise ValueError(f"{where}: targets for a {value.image_hw[0]}x{value.image_hw[1]}"
                              f" image, the image is {hw[0]}x{hw[1]} (height x width)")
-        return _trusted(*_checked(value.boxes, value.labels, value.iscrowd, hw, where))
+        return _trusted(*_checked(value.boxes, value.labels, value.iscrowd, hw, where,
+                                  value.keypoints))
     if not isinstance(value, dict):
         raise ValueError(f"{where}: targets must be a Targets or a dict with 'boxes' and "
                          f"'labels', got {type(value).__name__}")
@@ -242,7 +270,7 @@ def as_targets(value, where, image_hw=None) -> Targets:
         raise ValueError(f"{where}: targets for a {own[0]}x{own[1]} image, the image is "
                          f"{hw[0]}x{hw[1]} (height x width)")
     return _trusted(*_checked(value["boxes"], value["labels"], value.get("iscrowd"),
-                              hw or own, where))
+                              hw or own, where, value.get("keypoints")))
 
 
 def targets_from_json(data, where, image_hw=None) -> Targets:
@@ -261,7 +289,7 @@ def targets_from_json(data, where, image_hw=None) -> Targets:
     if not isinstance(doc, dict):
         raise ValueError(f"{where}: targets JSON must be an object with 'boxes' and "
                          f"'labels', got {type(doc).__name__}")
-    for key in ("boxes", "labels", "iscrowd"):
+    for key in ("boxes", "labels", "iscrowd", "keypoints"):
         if key in doc and not isinstance(doc[key], list):
             raise ValueError(f"{where}: {key!r} must be a list, got {type(doc[key]).__name__}")
     try:
@@ -278,6 +306,8 @@ def targets_to_json(t: Targets) -> bytes:
            "iscrowd": t.iscrowd.astype(np.uint8).tolist()}
     if t.image_hw is not None:
         doc["image_hw"] = list(t.image_hw)
+    if t.keypoints is not None:
+        doc["keypoints"] = t.keypoints.tolist()
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 

@@ -80,6 +80,7 @@ class _Filler:
         self.labels = check_labels(source)
         self.targets = source_targets(source)   # a detection source's targets(i), or None
         self.max_objects = ring.layout.max_objects
+        self.max_keypoints = getattr(ring.layout, "max_keypoints", 0)
         self._takes_targets = getattr(plan.transform, "takes_targets", False)
         self.current = None           # the sample being read and decoded, for error reports
         self.prefetch = hook(source, "prefetch")
@@ -162,6 +163,13 @@ class _Filler:
         slot.obj_boxes[i, :n] = t.boxes
         slot.obj_labels[i, :n] = t.labels
         slot.obj_flags[i, :n] = t.iscrowd.astype(np.uint8) * OBJ_CROWD
+        if self.max_keypoints:
+            slot.obj_keypoints[i, :n] = 0.0  # an object without keypoints: none labelled
+            if t.keypoints is not None:
+                if t.keypoints.shape[1] != self.max_keypoints:
+                    raise ValueError(f"its objects have {t.keypoints.shape[1]} keypoints, "
+                                     f"the source's have {self.max_keypoints}")
+                slot.obj_keypoints[i, :n] = t.keypoints
         if self._takes_targets:
             dropped = self.plan.transform.apply(self.dec, data, key, slot, i, targets=t)
             slot.obj_flags[i, :n] |= np.asarray(dropped, np.uint8) * OBJ_DROPPED

@@ -30,8 +30,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from echo_native import pipeline
-from echo_native.echo import stages
+from echo_native.echo import stage, stages
 from echo_native.echo import AutoEcho
 
 HERE = Path(__file__).resolve().parent
@@ -256,7 +255,7 @@ def scripted(monkeypatch):
     """Rings made in the test run echo="auto" on a ScriptedAuto (``ring.stage.auto``); the
     class returned is the test's own, so rates set on it stay in the test."""
     cls = type("ScriptedAuto", (ScriptedAuto,), {})
-    monkeypatch.setattr(pipeline, "AutoEcho", cls)
+    monkeypatch.setattr(stages, "AutoEcho", cls)  # what make_stage builds
     return cls
 
 
@@ -268,7 +267,8 @@ def test_ring_reports_the_consumer_time_less_its_waits(small, scripted, monkeypa
     exactly 0.25 s (the step and the ring's own work, which takes no scripted time),
     never with the waits; stats() counts the same step time and waits."""
     clock = ScriptedClock()
-    monkeypatch.setattr(stages, "time", _TimeOn(clock))
+    for module in (stage, stages):  # the base times the takes, a stage its work
+        monkeypatch.setattr(module, "time", _TimeOn(clock))
     with _ring(small, echo="auto", placement=placement) as ring:
         take = ring.loader.next_fresh
 

@@ -26,10 +26,10 @@ class ImageStore:
     device, and each entry's record as its ring slot carried it (:class:`~echo_native.
     batch.Columns`, host memory: small, and the batch's metadata lives there)."""
 
-    def __init__(self, capacity, entry_bytes, device=np, max_objects=0):
+    def __init__(self, capacity, entry_bytes, device=np, max_objects=0, max_keypoints=0):
         self.capacity = int(capacity)
         self.pixels = device.empty((self.capacity, int(entry_bytes)), np.uint8)
-        self.columns = Columns.allocate(self.capacity, max_objects)
+        self.columns = Columns.allocate(self.capacity, max_objects, max_keypoints)
 
     @property
     def shape(self):
@@ -50,11 +50,14 @@ class ImageExamples:
     sample_bytes : bytes per ring sample (a canvas budget before augmentation)
     max_objects : object slots per sample (detection targets), or 0
     sanitize : the SanitizeBoundingBoxes spec applied to the objects, or None
+    keypoints : the source's :class:`~echo_native.keypoints.Keypoints` (pose targets), or None
     """
 
     def __init__(self, device, outputs, crop, program, echo, seed, sample_bytes,
-                 max_objects=0, sanitize=None):
+                 max_objects=0, sanitize=None, keypoints=None):
         self.max_objects, self.sanitize = int(max_objects), sanitize
+        # What a batch's objects follow besides the crop: both given to every batch made.
+        self.rules = {"sanitize": sanitize, "keypoints": keypoints}
         self.device, self.outputs = device, outputs
         self.program, self.seed = program, seed
         self.after_augment = echo.placement == "after_augment"
@@ -73,7 +76,7 @@ class ImageExamples:
     def allocate(self, capacity):
         if self.stored is None:
             self.stored = ImageStore(capacity, self.sample_bytes, self.device,
-                                     self.max_objects)
+                                     self.max_objects, len(self.rules["keypoints"] or ()))
 
     def free(self):
         self.stored = None
@@ -106,7 +109,7 @@ class ImageExamples:
                                    None if args is None else args[rows])
         return job, Batch.from_columns(images, columns, sample_ids=sample_ids, fresh=fresh,
                                        echo_index=echo_index, epoch=epoch,
-                                       sanitize=self.sanitize)
+                                       **self.rules)
 
     # -- whole slots -------------------------------------------------------------------
     def pass_through(self, fresh, keep=None):
@@ -127,7 +130,7 @@ class ImageExamples:
             columns, ids, ok = columns.copy(), ids.copy(), ok.copy()
         return Batch.from_columns(images, columns, sample_ids=ids, fresh=ok,
                                   echo_index=np.zeros(len(ids), np.int64), epoch=fresh.epoch,
-                                  sanitize=self.sanitize), copied
+                                  **self.rules), copied
 
     def keep(self, fresh):
         """A fresh batch that owns its memory (on the device), for batch echo."""
@@ -137,7 +140,7 @@ class ImageExamples:
         return Batch.from_columns(images, Columns.of_slot(slot, n).copy(),
                                   sample_ids=fresh.sample_ids.copy(), fresh=fresh.ok.copy(),
                                   echo_index=np.zeros(n, np.int64), epoch=fresh.epoch,
-                                  sanitize=self.sanitize)
+                                  **self.rules)
 
     def repeat(self, kept, echo, epoch):
         """One emission of a kept batch (``echo`` 0 for its first)."""

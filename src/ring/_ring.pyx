@@ -33,7 +33,7 @@ cdef extern from "en_ring.h" nogil:
     uint64_t EN_RING_MAGIC
     unsigned EN_RING_VERSION, EN_RING_PAGE, EN_RING_HEADER_BYTES, EN_RING_MAX_WORKERS
     unsigned EN_RING_REPORT_BYTES, EN_RING_FAILURE_ALIGN, EN_RING_FAILURE_CLIPPED
-    unsigned EN_RING_FAILURE_DROPPED, EN_RING_MAX_OBJECTS
+    unsigned EN_RING_FAILURE_DROPPED, EN_RING_MAX_OBJECTS, EN_RING_MAX_KEYPOINTS
     uint64_t EN_RING_CLAIM_PENDING, EN_RING_NO_SAMPLE
     int EN_RING_ERR_NONE, EN_RING_ERR_WORKER, EN_RING_ERR_DECODE
     int EN_RING_OK, EN_RING_REPLACED, EN_RING_SKIPPED, EN_RING_OBJ_CROWD, EN_RING_OBJ_DROPPED
@@ -51,6 +51,7 @@ cdef extern from "en_ring.h" nogil:
         uint32_t batch
         uint64_t sample_bytes
         uint32_t max_objects
+        uint32_t max_keypoints
         # the columns' offsets: read through en_ring_columns (EN_RING_COLUMNS)
         size_t pixels, slot_bytes, total_bytes
     ctypedef struct en_ring_column:
@@ -59,7 +60,7 @@ cdef extern from "en_ring.h" nogil:
         uint32_t rows, width
         size_t layout_field
     const en_ring_column en_ring_columns[]
-    int EN_RING_ROWS_SAMPLE, EN_RING_ROWS_OBJECT
+    int EN_RING_ROWS_SAMPLE, EN_RING_ROWS_OBJECT, EN_RING_ROWS_KEYPOINT
     ctypedef struct en_ring_field:
         const char *name
         size_t offset, size, width
@@ -68,7 +69,8 @@ cdef extern from "en_ring.h" nogil:
     const en_ring_field en_ring_failure_fields[]
 
     int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                               uint32_t max_objects, en_ring_layout *out)
+                               uint32_t max_objects, uint32_t max_keypoints,
+                               en_ring_layout *out)
     int en_ring_init(void *mem, size_t size, const en_ring_layout *layout,
                      uint64_t first_ticket, uint32_t owner_pid)
     int en_ring_check(const void *mem, size_t size, en_ring_layout *out)
@@ -99,6 +101,7 @@ ERR_NONE, ERR_WORKER, ERR_DECODE = EN_RING_ERR_NONE, EN_RING_ERR_WORKER, EN_RING
 STATUS_OK, STATUS_REPLACED, STATUS_SKIPPED = EN_RING_OK, EN_RING_REPLACED, EN_RING_SKIPPED
 OBJ_CROWD, OBJ_DROPPED = EN_RING_OBJ_CROWD, EN_RING_OBJ_DROPPED
 MAX_OBJECTS = EN_RING_MAX_OBJECTS
+MAX_KEYPOINTS = EN_RING_MAX_KEYPOINTS
 REASON_NONE, REASON_DECODE = EN_RING_REASON_NONE, EN_RING_REASON_DECODE
 REASON_READ, REASON_LIMIT = EN_RING_REASON_READ, EN_RING_REASON_LIMIT
 HEADER_STRUCT_BYTES = sizeof(en_ring_header)
@@ -126,22 +129,24 @@ cdef tuple _columns():
     cdef size_t i = 0
     while en_ring_columns[i].name != NULL:
         c = en_ring_columns[i]
-        out.append((c.name.decode(), c.dtype.decode(),
-                    "sample" if c.rows == EN_RING_ROWS_SAMPLE else "object", int(c.width)))
+        rows = {EN_RING_ROWS_SAMPLE: "sample", EN_RING_ROWS_OBJECT: "object",
+                EN_RING_ROWS_KEYPOINT: "keypoint"}[c.rows]
+        out.append((c.name.decode(), c.dtype.decode(), rows, int(c.width)))
         i += 1
     return tuple(out)
 
 
 #: A sample's record in a slot, as C lays it out (EN_RING_COLUMNS in en_ring.h): one
 #: ``(name, dtype, rows, width)`` per column, in slot order; ``rows`` is "sample" (one
-#: row per sample of the batch) or "object" (max_objects rows per sample), ``width``
-#: the elements of a row.
+#: row per sample of the batch), "object" (max_objects rows per sample) or "keypoint"
+#: (max_keypoints rows per object), ``width`` the elements of a row.
 COLUMNS = _columns()
 
 
 cdef dict _layout_dict(const en_ring_layout *l):
     cdef dict d = {"nslots": l.nslots, "batch": l.batch, "sample_bytes": l.sample_bytes,
-                   "max_objects": l.max_objects, "pixels": l.pixels,
+                   "max_objects": l.max_objects, "max_keypoints": l.max_keypoints,
+                   "pixels": l.pixels,
                    "slot_bytes": l.slot_bytes, "total_bytes": l.total_bytes}
     cdef size_t i = 0
     cdef const char *base = <const char *>l
@@ -153,16 +158,19 @@ cdef dict _layout_dict(const en_ring_layout *l):
 
 
 cdef en_ring_layout _compute(object nslots, object batch, object sample_bytes,
-                             object max_objects) except *:
+                             object max_objects, object max_keypoints) except *:
     cdef en_ring_layout l
     nslots, batch, sample_bytes = int(nslots), int(batch), int(sample_bytes)
-    max_objects = int(max_objects)
+    max_objects, max_keypoints = int(max_objects), int(max_keypoints)
     # Values no C field can hold are as impossible as those C refuses.
     if (not 0 <= nslots <= UINT32_MAX or not 0 <= batch <= UINT32_MAX
             or not 0 <= sample_bytes <= UINT64_MAX or not 0 <= max_objects <= UINT32_MAX
-            or en_ring_compute_layout(nslots, batch, sample_bytes, max_objects, &l) != 0):
+            or not 0 <= max_keypoints <= UINT32_MAX
+            or en_ring_compute_layout(nslots, batch, sample_bytes, max_objects, max_keypoints,
+                                      &l) != 0):
         raise ValueError(f"impossible ring geometry: {nslots} slots of {batch} samples of "
-                         f"{sample_bytes} bytes and {max_objects} objects")
+                         f"{sample_bytes} bytes, {max_objects} objects and {max_keypoints} "
+                         f"keypoints")
     return l
 
 
@@ -176,11 +184,11 @@ def seq_filled(uint64_t ticket):
     return en_ring_seq_filled(ticket)
 
 
-def layout(nslots, batch, sample_bytes, max_objects=0):
+def layout(nslots, batch, sample_bytes, max_objects=0, max_keypoints=0):
     """Offsets (from a slot's start) of the per-sample arrays, slot_bytes and
     total_bytes, as en_ring_compute_layout places them; ValueError for a
     geometry it refuses."""
-    cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects)
+    cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects, max_keypoints)
     return _layout_dict(&l)
 
 
@@ -333,9 +341,9 @@ cdef class Segment:
         pass
 
     def ring_init(self, nslots, batch, sample_bytes, uint64_t first_ticket, uint32_t owner_pid,
-                  max_objects=0):
+                  max_objects=0, max_keypoints=0):
         """Write a new ring's header into this (fresh) segment; returns the layout dict."""
-        cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects)
+        cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects, max_keypoints)
         if en_ring_init(self._addr, self._size, &l, first_ticket, owner_pid) != 0:
             raise ValueError(f"a {self._size}-byte segment cannot hold a "
                              f"{l.total_bytes}-byte ring")

@@ -21,8 +21,9 @@
  *   then nslots slots of en_ring_layout.slot_bytes each (page multiples):
  *     en_ring_slot (sequence word, metadata, failure records)
  *     a sample's record: the columns of EN_RING_COLUMNS below, each at its
- *     en_ring_layout offset ([B] rows, or [B][M] for an object column, M =
- *     max_objects per sample, 0 without targets)
+ *     en_ring_layout offset ([B] rows, [B][M] for an object column, M =
+ *     max_objects per sample, 0 without targets, [B][M][K] for a keypoint
+ *     column, K = max_keypoints per object, 0 without keypoints)
  *     then (page-aligned) pixels u8[B][S]
  *
  * All fields are native-endian: a segment never leaves the machine.
@@ -55,6 +56,8 @@ extern "C" {
 #define EN_RING_CLAIM_PENDING UINT64_MAX
 /* Object slots per sample at most (the count is a u16). */
 #define EN_RING_MAX_OBJECTS 65535u
+/* Keypoints per object: COCO-WholeBody has 133; a skeleton of thousands is no pose. */
+#define EN_RING_MAX_KEYPOINTS 1024u
 
 /* en_ring_slot.error */
 enum { EN_RING_ERR_NONE = 0, EN_RING_ERR_WORKER = 1, EN_RING_ERR_DECODE = 2 };
@@ -79,7 +82,8 @@ typedef struct en_ring_header {
     uint32_t closed;       /* futex word: non-zero once the consumer closes */
     uint32_t max_objects;  /* object slots per sample (detection targets), or 0 */
     uint64_t next_ticket;  /* fetch-add counter */
-    uint64_t reserved1;
+    uint32_t max_keypoints; /* keypoints per object (pose targets), or 0 */
+    uint32_t reserved1;
     /* claims[w]: what worker w holds (0, t + 1, or EN_RING_CLAIM_PENDING), so
      * the consumer can tell which tickets a dead worker lost. */
     uint64_t claims[EN_RING_MAX_WORKERS];
@@ -161,8 +165,8 @@ _Static_assert(EN_RING_REPORT_BYTES % EN_RING_FAILURE_ALIGN == 0, "records stay 
  *
  *   X(name, C type, NumPy dtype, alignment, rows, width)
  *
- * rows: SAMPLE (one row per sample of the batch) or OBJECT (max_objects rows per
- * sample); width: elements of the type per row.  Alignment is the array's: boxes on
+ * rows: SAMPLE (one row per sample of the batch), OBJECT (max_objects rows per
+ * sample) or KEYPOINT (max_keypoints rows per object); width: elements of the type per row.  Alignment is the array's: boxes on
  * 16 bytes, for SIMD loads of a whole box.  Pixels (page-aligned, sample_bytes a
  * sample) follow the columns. */
 #define EN_RING_COLUMNS(X) \
@@ -178,9 +182,10 @@ _Static_assert(EN_RING_REPORT_BYTES % EN_RING_FAILURE_ALIGN == 0, "records stay 
     X(obj_count,    uint16_t, "u2", 2,  SAMPLE, 1) /* objects of the sample */         \
     X(obj_boxes,    float,    "f4", 16, OBJECT, 4) /* xyxy in source pixels */         \
     X(obj_labels,   int64_t,  "i8", 8,  OBJECT, 1)                                     \
-    X(obj_flags,    uint8_t,  "u1", 1,  OBJECT, 1) /* EN_RING_OBJ_* */
+    X(obj_flags,    uint8_t,  "u1", 1,  OBJECT, 1) /* EN_RING_OBJ_* */           \
+    X(obj_keypoints, float,   "f4", 4,  KEYPOINT, 3) /* x, y, visibility, source px */
 
-enum { EN_RING_ROWS_SAMPLE = 0, EN_RING_ROWS_OBJECT = 1 };
+enum { EN_RING_ROWS_SAMPLE = 0, EN_RING_ROWS_OBJECT = 1, EN_RING_ROWS_KEYPOINT = 2 };
 
 /* Where the per-sample arrays of a slot lie, for one geometry.  Offsets are
  * from the start of a slot. */
@@ -189,6 +194,7 @@ typedef struct en_ring_layout {
     uint32_t batch;
     uint64_t sample_bytes;
     uint32_t max_objects;
+    uint32_t max_keypoints;
 #define EN_RING_OFFSET_FIELD(name, type, dtype, align, rows, width) size_t name;
     EN_RING_COLUMNS(EN_RING_OFFSET_FIELD)
 #undef EN_RING_OFFSET_FIELD
@@ -210,9 +216,11 @@ extern const en_ring_column en_ring_columns[];   /* ends with a NULL name */
 
 /* Fill *out for a geometry; 0 on success, -1 (out untouched) for one that
  * cannot exist: no slots, an empty batch, more than EN_RING_MAX_OBJECTS
- * objects per sample, or sizes that overflow. */
+ * objects per sample or EN_RING_MAX_KEYPOINTS keypoints per object, or sizes that
+ * overflow. */
 int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                           uint32_t max_objects, en_ring_layout *out);
+                           uint32_t max_objects, uint32_t max_keypoints,
+                           en_ring_layout *out);
 
 /* Write the header of a new, zero-filled segment of at least
  * layout->total_bytes and free slot t % nslots for ticket t, for the nslots
