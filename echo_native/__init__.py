@@ -33,10 +33,11 @@ batch from file bytes to the GPU; each imports only modules above it):
   workers     what a worker does: fill the slot of each ticket it takes
   pool        the supervisor: starts workers, replaces the dead, redoes their tickets
   batch       Batch, and the Fresh batch an echo stage takes
-  resume      the state format, its checks, elastic resume (merge_states)
+  resume      the loader's state format, its checks, elastic resume (merge_states)
   specs       the constructor's arguments as specs, folded once (Workers)
   loader      the ring's consumer end: ordered zero-copy batches, supervision
   echo        data echoing: Echo, counts, shuffle buffer, auto echo, the stages
+              and their state (the loader's nested in it; merge_states of them)
   output      Output: normalisation, layout, dtype; BFloat16Array
   mix         MixUp / CutMix with soft targets
   backends    where echoes are made: NumPy on the CPU, CuPy on a GPU
@@ -81,11 +82,11 @@ from echo_native.augment import ColorJitter, RandomErasing, RandomGrayscale, Tri
 from echo_native.plan import Shard
 from echo_native.memory import RingMemoryError
 from echo_native.batch import Batch
-from echo_native.resume import merge_states
 from echo_native.specs import Workers
 from echo_native.failures import SampleFailureWarning
 from echo_native.loader import Loader, WorkerError
 from echo_native.echo import Echo
+from echo_native.echo.state import merge_states
 from echo_native.output import BFloat16Array, DeviceArray, Output
 from echo_native.mix import Mix
 from echo_native.pipeline import EchoRing

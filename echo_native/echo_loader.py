@@ -20,12 +20,19 @@ from echo_native._iteration import IterationGuard, Started
 from echo_native.backends.array import ArrayDevice
 from echo_native.echo.pytree import PytreeExamples
 from echo_native.echo.spec import Echo, fold_echo
+from echo_native.echo.iterable import STATE_KEYS as UPSTREAM_KEYS
 from echo_native.echo.iterable import (IterableUpstream, _declared_batch_size,
                                        _refuse_non_loader, _shuffle_seed)
 from echo_native.echo.stage import check_stage_args
+from echo_native.echo.state import STAGE_KEYS, checked_split, nest
 from echo_native.echo.stages import BatchEcho, make_stage
 from echo_native.echo.upstream import EpochEnd
-from echo_native.resume import check_epoch, check_state_values
+from echo_native.resume import check_epoch
+
+#: An EchoLoader's own keys in its state: the stage's, and its seed (a flat state, saved
+#: before the nesting, holds them beside the wrapped loader's position).
+_OWN_KEYS = (*STAGE_KEYS, "seed")
+
 
 class EchoLoader(Started):
     """Data echoing around any loader: an iterable of batches in, the same kind out.
@@ -210,19 +217,22 @@ class EchoLoader(Started):
     # -- resume ------------------------------------------------------------------------------
     def state_dict(self):
         """Where the fresh stream stands, for a resume that neither repeats nor loses a
-        fresh example: the wrapped loader's own ``state_dict()`` from before the oldest
-        fresh batch with an example not yet emitted, and the ids emitted since
-        (``skip``).  Needs a wrapped loader with ``state_dict``/``load_state_dict``
-        (torchdata's ``StatefulDataLoader``, a Hugging Face ``IterableDataset``...)."""
+        fresh example: ``parent``, the wrapped loader's position from before the oldest
+        fresh batch with an example not yet emitted (its own ``state_dict()`` under
+        ``wrapped``, the batch and example counts, what the wrapped loader was), the
+        ids emitted since (``skip``), ``echo``, ``placement`` and ``seed``
+        (:mod:`echo_native.echo.state`).  Needs a wrapped loader with
+        ``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``, a
+        Hugging Face ``IterableDataset``...)."""
         if not hasattr(self.iterable, "state_dict"):
             raise TypeError(f"EchoLoader.state_dict needs a wrapped loader with state_dict() "
                             f"and load_state_dict() (e.g. torchdata's StatefulDataLoader); "
                             f"{type(self.iterable).__name__} has none")
-        if self._reopen is not None and "wrapped" in self._reopen:
+        if self._reopen is not None and "parent" in self._reopen:
             state = copy.deepcopy(self._reopen)   # closed: where the next iteration starts
         elif self.stage is None:
-            state = self.upstream.state_at(self.upstream.position)
-            state["skip"] = sorted(self._restored_skip)
+            state = nest(self.upstream.state_at(self.upstream.position),
+                         sorted(self._restored_skip))
         else:
             state = self.stage.state()
         state.update(echo=self.spec.factor, placement=self.spec.placement, seed=self.seed)
@@ -231,15 +241,21 @@ class EchoLoader(Started):
     def load_state_dict(self, state):
         """Continue from a :meth:`state_dict` (of an EchoLoader over the same wrapped
         loader: the same length, batch size and order).  Every value is checked, and
-        refused naming its key, before anything is loaded."""
-        self._check_state(state)
+        refused naming its key, before anything is loaded.  A state saved flat, before
+        the wrapped loader's position was nested in it, loads too."""
+        parent, own = self._check_state(state)
         self._iteration.end()
         self._reopen = None
-        self._load(state)
+        self._load(parent, own["skip"])
 
     def _check_state(self, state):
-        check_state_values(state, required=("ticket", "epoch", "index", "first_id", "wrapped",
-                                            "skip"), owner="an EchoLoader")
+        """``(parent, own)`` of ``state`` once every value is one this loader can
+        continue from; a ValueError (TypeError) naming the key otherwise."""
+        parent, own = checked_split(state, "an EchoLoader", own=_OWN_KEYS, required=("skip",),
+                                    parent_required=("ticket", "epoch", "index", "first_id",
+                                                     "wrapped"),
+                                    parent_keys=UPSTREAM_KEYS, merged=False)
+        at = "state['parent']" if "parent" in state else "state"
         if not self.resumable:
             raise TypeError(f"EchoLoader.load_state_dict needs a wrapped loader with "
                             f"state_dict() and load_state_dict(); "
@@ -252,7 +268,7 @@ class EchoLoader(Started):
                 "upstream_batch_size": _declared_batch_size(self.iterable),
                 "upstream_seed": _shuffle_seed(self.iterable)}
         for key, value in mine.items():
-            theirs = state.get(key)
+            theirs = (own if key in _OWN_KEYS else parent).get(key)
             if theirs is not None and value is not None and theirs != value:
                 what = {"upstream_batches": "batches per epoch (len())",
                         "upstream_samples": "examples per epoch",
@@ -265,17 +281,17 @@ class EchoLoader(Started):
         # Where the state stands must be inside an epoch of this wrapped loader: ids are
         # positions in the epoch's stream, at most B per batch.
         nb, B = up.batches_per_epoch, _declared_batch_size(self.iterable)
-        index, first = state["index"], state["first_id"]
+        index, first = parent["index"], parent["first_id"]
         if nb is not None and index > nb:
-            raise ValueError(f"state['index'] is {index}, past the wrapped loader's {nb} "
+            raise ValueError(f"{at}['index'] is {index}, past the wrapped loader's {nb} "
                              f"batches per epoch")
         n = up.samples_per_epoch or (nb * B if nb and B else None)
         if (n is not None and first > n) or (B is not None and first > index * B):
-            raise ValueError(f"state['first_id'] is {first}, more examples than "
+            raise ValueError(f"{at}['first_id'] is {first}, more examples than "
                              f"{index} batches of the wrapped loader hold"
                              + (f" (an epoch has {n})" if n is not None else ""))
         if n is not None:
-            skip = [int(i) for i in state["skip"]]
+            skip = [int(i) for i in own["skip"]]
             if skip and max(skip) >= n:
                 raise ValueError(f"state['skip'] lists example {max(skip)}, past the "
                                  f"{n} of an epoch of the wrapped loader")
@@ -283,10 +299,11 @@ class EchoLoader(Started):
                 raise ValueError(f"state['skip'] lists every example from {first} to the end "
                                  f"of the epoch ({n}) as emitted, yet the state stands before "
                                  f"them: it is not a state_dict() of this EchoLoader")
+        return parent, own
 
-    def _load(self, state):
-        self.upstream.load(state)
-        skip = tuple(int(i) for i in state.get("skip", ()))
+    def _load(self, parent, skip):
+        self.upstream.load(parent)
+        skip = tuple(int(i) for i in skip)
         if self.stage is not None:
             self.stage.reset(skip)
         else:
@@ -336,8 +353,8 @@ class EchoLoader(Started):
         state, self._reopen = self._reopen, None
         if state is None:
             return
-        if "wrapped" in state:
-            self._load(state)
+        if "parent" in state:   # a state_dict(), taken as close() closed
+            self._load(state["parent"], state["skip"])
             return
         it = self.iterable
         if iter(it) is it:   # an iterator reads on; what the buffer held is gone

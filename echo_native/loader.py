@@ -342,7 +342,10 @@ class Loader(Started):
             no saved rank had consumed are split over this job's ranks in the
             epoch's order, with equal steps per rank as in any epoch (the padding
             or truncation of :class:`Shard`), and the epochs after it are those
-            of a fresh job of this size.
+            of a fresh job of this size.  A rank's state may list the samples of
+            its batches from the ticket on that its consumer had already taken
+            (``consumed``: an echo stage's, put in these terms by the stage),
+            and the merge leaves them out too.
 
         Raises
         ------

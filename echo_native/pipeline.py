@@ -20,6 +20,7 @@ from echo_native.echo.images import ImageExamples
 from echo_native.echo.spec import SHORTHANDS as echo_shorthands
 from echo_native.echo.spec import fold_echo
 from echo_native.echo.stage import check_stage_args
+from echo_native.echo.state import checked_split, merge_states
 from echo_native.echo.stages import make_stage
 from echo_native.loader import DEFAULT_MAX_OBJECTS, Loader
 from echo_native.mix import Mix
@@ -275,10 +276,11 @@ class EchoRing(Started):
         is read fresh twice or skipped.  The echo buffer itself is not saved:
         echoes still owed for examples emitted before the save are dropped.
 
-        The dict holds plain values (JSON and pickle): :meth:`Loader.state_dict`'s
-        at that ticket, plus ``skip``, ``echo`` and ``placement``.  The states of
-        all ranks together resume in a job of another world size (see
-        :meth:`load_state_dict`).
+        The dict holds plain values (JSON and pickle), the loader's nested in it
+        (:mod:`echo_native.echo.state`): ``parent``, :meth:`Loader.state_dict`'s at
+        that ticket; ``skip``, the ids emitted fresh from there on; ``echo`` and
+        ``placement``.  The states of all ranks together resume in a job of
+        another world size (see :meth:`load_state_dict`).
         """
         state = self.stage.state()
         state.update(echo=self.echo, placement=self.placement)
@@ -295,23 +297,22 @@ class EchoRing(Started):
             :func:`echo_native.merge_states` of it), in a job of any world size:
             the samples no saved rank had emitted fresh are split over this
             job's ranks, each read fresh once, with equal steps per rank (see
-            :meth:`Loader.load_state_dict`).
+            :meth:`Loader.load_state_dict`).  A state saved flat, before the
+            loader's was nested in it, loads too.
         """
         if not isinstance(state, (dict, list, tuple)):
             raise TypeError(f"load_state_dict takes a state_dict() (a dict), or the list of "
                             f"every rank's, got {type(state).__name__}")
         if not isinstance(state, dict):
-            state = list(state)
-        saved = state if isinstance(state, list) else [state] + state.get("ranks", [])
-        for s in saved:
-            if isinstance(s, dict) and s.get("placement", self.placement) != self.placement:
-                raise ValueError(f"state was saved with placement={s['placement']!r}, this "
-                                 f"ring has {self.placement!r}")
+            state = merge_states(state)
+        parent, own = checked_split(state, "an EchoRing")
+        if own.get("placement", self.placement) != self.placement:
+            raise ValueError(f"state was saved with placement={own['placement']!r}, this "
+                             f"ring has {self.placement!r}")
         self._iteration.end()  # an iterator of the old stream must not read the new one
-        self.loader.load_state_dict(state)
+        self.loader.load_state_dict(parent)
         # Resumed from all ranks, the plan leaves out what was emitted: nothing to skip.
-        elastic = isinstance(state, list) or "ranks" in state
-        self.stage.reset(() if elastic else state.get("skip", ()))
+        self.stage.reset(() if "ranks" in parent else own.get("skip", ()))
 
     # -- books ------------------------------------------------------------------------
     def report(self, losses):

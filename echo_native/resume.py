@@ -1,15 +1,20 @@
 """Resume: the state format, its checks, and a job of any size resuming another's.
 
 A state is a small dict of plain values (JSON and pickle) that
-:meth:`Loader.state_dict` writes: the ``ticket`` of the next fresh batch, the
-plan's settings, and ``skip``, the ids of later batches that were already
-consumed (an echo stage emits examples out of order).  Loaded by a rank of a
-job of the same size, the stream continues exactly.  The states of *all*
-ranks (:func:`merge_states`) resume a job of any size: the samples of the
-interrupted epoch that no saved rank had consumed are split over the new
-ranks (:func:`resumed_plan`), and the epochs after it are a fresh job's.
-Keys that a stage after the loader adds (an echo stage's ``placement``) are
-carried, and checked to agree across ranks, without this module knowing them.
+:meth:`Loader.state_dict` writes: the ``ticket`` of the next fresh batch and the
+plan's settings.  Loaded by a rank of a job of the same size, the stream
+continues exactly.  The states of *all* ranks (:func:`merge_states`) resume a
+job of any size: the samples of the interrupted epoch that no saved rank had
+consumed are split over the new ranks (:func:`resumed_plan`), and the epochs
+after it are a fresh job's.
+
+A consumer that takes a batch's samples out of order (an echo stage) says in a
+rank's state which samples of the batches from its ticket on it had already
+consumed (``consumed``), and a merge leaves them out too.  Such a stage saves
+the loader's state nested in its own, under ``parent`` (as Grain's iterators
+do), and puts it in these terms itself before a merge: this module knows the
+loader's keys only.  Keys it does not know are carried, and checked to agree
+across ranks.
 """
 from __future__ import annotations
 
@@ -21,11 +26,19 @@ from echo_native._checks import is_int
 from echo_native.plan import Plan, ResumedPlan, share
 
 #: Keys that differ between the ranks of one job; every other key must agree.
-_RANK_KEYS = {"ticket", "epoch", "rank", "skip", "resumed", "batches_per_epoch"}
+_RANK_KEYS = {"ticket", "epoch", "rank", "consumed", "resumed", "batches_per_epoch"}
 
 
 #: A resume position beyond this is no real job's (and would overflow the ring's words).
 MAX_TICKET = 2**62
+
+
+def is_id_list(v):
+    """Whether ``v`` is a list (tuple, 1-D array) of distinct sample ids."""
+    return isinstance(v, (list, tuple, np.ndarray)) and \
+        all(is_int(x) and 0 <= x <= MAX_TICKET for x in v) and \
+        len(set(int(x) for x in v)) == len(v)
+
 
 #: The type of each key a state may hold, and the test its value must pass.
 _STATE_KEYS = {
@@ -40,40 +53,33 @@ _STATE_KEYS = {
     "shuffle": ("True or False", lambda v: isinstance(v, (bool, np.bool_))),
     "pad": ("True or False", lambda v: isinstance(v, (bool, np.bool_))),
     "drop_last": ("True or False", lambda v: isinstance(v, (bool, np.bool_))),
-    "skip": ("a list of distinct sample ids", lambda v: isinstance(v, (list, tuple, np.ndarray))
-             and all(is_int(x) and 0 <= x <= MAX_TICKET for x in v) and len(set(
-                 int(x) for x in v)) == len(v)),
+    "consumed": ("a list of distinct sample ids", is_id_list),
     "resumed": ("a merged state or None", lambda v: v is None or isinstance(v, dict)),
-    # An EchoLoader's: where in its epoch the wrapped loader's state stands, and what
-    # the wrapped loader was (a state loaded into another would read examples twice or
-    # never).
-    "index": ("an integer in [0, 2**62]", lambda v: is_int(v) and 0 <= v <= MAX_TICKET),
-    "first_id": ("an integer in [0, 2**62]", lambda v: is_int(v) and 0 <= v <= MAX_TICKET),
-    "upstream_batches": ("a positive integer or None",
-                         lambda v: v is None or is_int(v) and 1 <= v <= MAX_TICKET),
-    "upstream_samples": ("an integer >= 0 or None",
-                         lambda v: v is None or is_int(v) and 0 <= v <= MAX_TICKET),
-    "upstream_batch_size": ("a positive integer or None",
-                            lambda v: v is None or is_int(v) and 1 <= v <= MAX_TICKET),
-    "upstream_seed": ("an integer or None", lambda v: v is None or is_int(v)),
-    "placement": ("a placement name", lambda v: isinstance(v, str)),
 }
 
 
-def check_state_values(state, required=("ticket",), owner="a Loader or EchoRing"):
-    """Refuse a state whose values are not what :meth:`Loader.state_dict` (or
-    :meth:`EchoLoader.state_dict`) writes, naming the key: a float, string or bool
-    ticket, a negative or absurd one, a wrong type anywhere, a key missing (a state
-    edited by hand, or from another program).  Nothing is loaded before this passes."""
+def check_state_values(state, required=("ticket",), owner="a Loader", keys=None,
+                       name="state"):
+    """Refuse a state whose values are not what :meth:`Loader.state_dict` writes, naming
+    the key: a float, string or bool ticket, a negative or absurd one, a wrong type
+    anywhere, a key missing (a state edited by hand, or from another program).  Nothing
+    is loaded before this passes.  ``keys``: a stage's own keys, checked as the loader's
+    are (``{key: (what it must be, test)}``); ``name``: where ``state`` is, for the
+    messages (``"state['parent']"`` for a stage's upstream's)."""
     if not isinstance(state, dict):
         raise TypeError(f"a state must be a dict from state_dict(), got "
                         f"{type(state).__name__}")
     for key in required:
         if key not in state:
-            raise ValueError(f"state has no {key!r}: it is not a state_dict() of {owner}")
-    for key, (what, ok) in _STATE_KEYS.items():
+            # A stage's state holds its upstream's under 'parent': said, as a state given
+            # to the wrong object is the likely mistake.
+            nested = " (it nests its upstream's state under 'parent': a stage's state " \
+                     "loads into that stage)" if "parent" in state else ""
+            raise ValueError(f"{name} has no {key!r}: it is not a state_dict() of "
+                             f"{owner}{nested}")
+    for key, (what, ok) in {**_STATE_KEYS, **(keys or {})}.items():
         if key in state and not ok(state[key]):
-            raise ValueError(f"state[{key!r}] must be {what}, got {state[key]!r:.80}")
+            raise ValueError(f"{name}[{key!r}] must be {what}, got {state[key]!r:.80}")
 
 
 def check_epoch(epoch, batches_per_epoch):
@@ -110,9 +116,10 @@ def check_state(plan, state):
 
 
 def merge_states(states):
-    """The states of all ranks of a job, as one state any job can resume from.
+    """The loader states of all ranks of a job, as one state any job can resume from.
 
-    Pass the result (or the list itself) to ``load_state_dict`` of every rank
+    (``echo_native.merge_states`` takes an echo stage's states as well, and puts
+    them in these terms before calling this.)  Pass the result (or the list itself) to ``load_state_dict`` of every rank
     of the resuming job, whatever its world size and worker count: the samples
     of the interrupted epoch that no saved rank had consumed are split over the
     new ranks, each sample once (up to :class:`Shard`'s padding), with equal
@@ -121,8 +128,9 @@ def merge_states(states):
     Parameters
     ----------
     states : sequence of dict
-        The ``state_dict()`` of every rank of one job (a :class:`Loader`'s or an
-        :class:`EchoRing`'s), taken at the same step, in any order: gathered
+        The ``state_dict()`` of every rank of one job (a :class:`Loader`'s, with
+        ``consumed`` where its consumer took samples ahead of the ticket), taken
+        at the same step, in any order: gathered
         with ``torch.distributed.all_gather_object``, or one file per rank.
 
     Returns
@@ -136,7 +144,7 @@ def merge_states(states):
     ------
     ValueError
         When the states are not one job saved at one step: a rank missing or
-        given twice, different seeds, world sizes, plans or placements, or
+        given twice, different seeds, world sizes or plans, or
         states from different epochs.
     """
     if isinstance(states, dict):
@@ -150,17 +158,8 @@ def merge_states(states):
                 not {"ticket", "rank", "world_size", "batches_per_epoch"} <= set(s):
             raise ValueError(f"merge_states takes the state_dict() of each rank, got {s!r:.200}")
         check_state_values(s)
-    merged = {}
-    for key in sorted({k for s in states for k in s} - _RANK_KEYS):
-        missing = [s.get("rank") for s in states if key not in s]
-        if missing:
-            raise ValueError(f"merge_states: the state of rank(s) {missing} has no {key!r} "
-                             f"where the others have one: they are not from one job")
-        values = {repr(s[key]) for s in states if key in s}
-        if len(values) > 1:
-            raise ValueError(f"merge_states: the states disagree on {key} "
-                             f"({', '.join(sorted(values))}): they are not from one job")
-        merged[key] = next(s[key] for s in states if key in s)
+    merged = shared([{k: v for k, v in s.items() if k not in _RANK_KEYS} for s in states],
+                    [s.get("rank") for s in states])
     world = merged["world_size"]
     ranks = sorted(int(s["rank"]) for s in states)
     if ranks != list(range(world)):
@@ -190,6 +189,23 @@ def merge_states(states):
     merged["ranks"] = [{k: v for k, v in s.items() if k != "resumed"} for s in states]
     if histories[0] is not None:
         merged["resumed"] = histories[0]
+    return merged
+
+
+def shared(states, ranks):
+    """The keys of ``states`` (one per rank, ``ranks`` their numbers), each once: every
+    state must hold each key, with one value.  A ValueError names the key otherwise."""
+    merged = {}
+    for key in sorted({k for s in states for k in s}):
+        missing = [r for s, r in zip(states, ranks) if key not in s]
+        if missing:
+            raise ValueError(f"merge_states: the state of rank(s) {missing} has no {key!r} "
+                             f"where the others have one: they are not from one job")
+        values = {repr(s[key]) for s in states}
+        if len(values) > 1:
+            raise ValueError(f"merge_states: the states disagree on {key} "
+                             f"({', '.join(sorted(values))}): they are not from one job")
+        merged[key] = states[0][key]
     return merged
 
 
@@ -231,11 +247,11 @@ def epoch_left(base, source, merged):
         else:
             shard, k = plan.epoch_order(epoch, source), bpe
         # Batches before the state's ticket were all consumed; the ids of later
-        # ones that were (emitted before the save) are its skip list.
+        # ones that were (an echo stage emitted them before the save) are listed.
         taken = min(max(int(state["ticket"]) - (epoch + 1) * bpe + k, 0), k)
         read.append(shard[:k * B])
         done.append(shard[:taken * B])
-        done.append(np.asarray(state.get("skip", ()), np.int64))
+        done.append(np.asarray(state.get("consumed", ()), np.int64))
     read, done = np.concatenate(read), np.concatenate(done)
     left = order[np.isin(order, read) & ~np.isin(order, done)]
     return epoch, left, len(done) > 0 or history is not None

@@ -91,5 +91,5 @@ with ring:
             "delivered_per_s": round(stats["delivered_per_s"], 1),
             "ray_bytes_per_fresh": round(stats["ray_bytes_per_fresh"]),
             "duplicates_dropped": stats["duplicates"],
-            "checkpoint_ticket": checkpoint["ticket"]}), flush=True)
+            "checkpoint_ticket": checkpoint["parent"]["ticket"]}), flush=True)
 ray.shutdown()

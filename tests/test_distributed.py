@@ -361,7 +361,7 @@ def test_resume_continues_fresh_stream_exactly(samples, placement, echo):
     for k in (1, 3):
         fresh, state = _resume_run(samples, placement, echo, [k])
         assert Counter(fresh) == Counter(whole), k
-        assert state["ticket"] % math.ceil(N / B) == 0  # the end: the next epoch's start
+        assert state["parent"]["ticket"] % math.ceil(N / B) == 0  # the next epoch's start
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -400,7 +400,7 @@ def test_resume_on_a_rank_in_a_later_epoch(samples):
         sh.run_epoch(ring)
         part = fresh_of(sh.run_epoch(ring, 2))
         state = ring.state_dict()
-    assert state["rank"] == 1 and state["world_size"] == 2
+    assert state["parent"]["rank"] == 1 and state["parent"]["world_size"] == 2
     ring = _ring(samples, "before_augment", 2, 2, "thread", **kw)
     ring.load_state_dict(state)
     with ring:

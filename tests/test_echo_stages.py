@@ -300,7 +300,7 @@ def test_the_state_rereads_from_the_oldest_unsent_batch_and_skips_what_was_sent(
     sent = set(ids_of(before)[np.concatenate([b.fresh for b in before])].tolist())
     assert set(state["skip"]) <= sent
     restored_up = ScriptedUpstream(n=64, B=8)
-    restored_up.seek(state["ticket"])
+    restored_up.seek(state["parent"]["ticket"])
     restored = make("example", restored_up, factor=2.0)
     restored.reset(state["skip"])
     after = epoch_of(restored)
@@ -395,7 +395,7 @@ def test_batch_echo_restored_skips_batches_emitted_before_the_save():
     state = stage.state()
     it.close()
     restored_up = ScriptedUpstream(n=48, B=8)
-    restored_up.seek(state["ticket"])
+    restored_up.seek(state["parent"]["ticket"])
     restored = make("batch", restored_up, factor=2.0, window=3)
     restored.reset(state["skip"])
     after = epoch_of(restored)

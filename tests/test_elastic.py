@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from echo_native.resume import merge_states
+from echo_native import merge_states
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -193,7 +193,7 @@ def test_own_state_inside_a_resumed_epoch(samples):
     with _loaded(make(1, 3), states) as ring:
         part = sh.run_epoch(ring, 1)
         own = json.loads(json.dumps(ring.state_dict()))
-    assert own["resumed"]["world_size"] == 2 and own["world_size"] == 3
+    assert own["parent"]["resumed"]["world_size"] == 2 and own["parent"]["world_size"] == 3
     with _loaded(make(1, 3), own) as ring:
         rest = sh.run_epoch(ring)
         assert ring.epoch == 1
@@ -208,7 +208,7 @@ def test_saved_at_epoch_end_gives_a_fresh_jobs_next_epoch(samples):
         return _ring(samples, rank, world, 2)
 
     _, states = _save(make, 2, [None, None])
-    assert [s["epoch"] for s in states] == [1, 1]
+    assert [s["parent"]["epoch"] for s in states] == [1, 1]
     resumed = _resume(make, 3, states)
     for rank, (_, rest, _) in enumerate(resumed):
         with make(rank, 3) as ring:
@@ -282,26 +282,36 @@ def test_one_rank_state_in_another_world_size_raises(samples):
             _ring(samples, 0, world, 2).load_state_dict(states[0])
     ring = _ring(samples, 1, 2, 2)
     ring.load_state_dict(states[1])
-    assert ring.loader.position == states[1]["ticket"]
+    assert ring.loader.position == states[1]["parent"]["ticket"]
 
 
 def test_merge_states_checks_one_job(samples):
     """merge_states refuses a missing or repeated rank, mixed jobs and mixed epochs."""
     _, states = _save(lambda r, w: _ring(samples, r, w, 2), 3, [1, 1, 1])
     merged = merge_states(reversed(states))
-    assert [s["rank"] for s in merged["ranks"]] == [0, 1, 2]
-    assert merged["world_size"] == 3 and merged["epoch"] == 0
+    jobs = merged["parent"]
+    assert [s["rank"] for s in jobs["ranks"]] == [0, 1, 2]
+    assert jobs["world_size"] == 3 and jobs["epoch"] == 0
+    assert [s["consumed"] for s in jobs["ranks"]] == [s["skip"] for s in states]
+    assert {k: v for k, v in merged.items() if k != "parent"} == {
+        "echo": 2.0, "placement": "before_augment"}
     assert json.loads(json.dumps(merged)) == merged
     with pytest.raises(ValueError, match=r"missing rank\(s\) \[1\]"):
         merge_states([states[0], states[2]])
     with pytest.raises(ValueError, match=r"\[2\] given twice"):
         merge_states([states[0], states[2], states[2]])
-    with pytest.raises(ValueError, match="seed"):
-        merge_states([states[0], states[1], dict(states[2], seed=1)])
-    with pytest.raises(ValueError, match="placement"):
+
+    def other(**kw):
+        return dict(states[2], parent=dict(states[2]["parent"], **kw))
+
+    with pytest.raises(ValueError, match="disagree on seed"):
+        merge_states([states[0], states[1], other(seed=1)])
+    with pytest.raises(ValueError, match="disagree on placement"):
         merge_states([states[0], states[1], dict(states[2], placement="batch")])
+    with pytest.raises(ValueError, match="disagree on echo"):
+        merge_states([states[0], states[1], dict(states[2], echo=3.0)])
     with pytest.raises(ValueError, match="different epochs"):
-        merge_states([states[0], states[1], dict(states[2], ticket=states[2]["ticket"] + 5)])
+        merge_states([states[0], states[1], other(ticket=states[2]["parent"]["ticket"] + 5)])
     with pytest.raises(ValueError, match="no states"):
         merge_states([])
     with pytest.raises(TypeError, match="list"):

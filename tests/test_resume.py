@@ -68,7 +68,7 @@ def test_state_at_carries_the_history_only_inside_the_resumed_epoch():
     ("world_size", 0), ("rank", -1), ("rank", "0"),
     ("seed", 2**64), ("seed", -1),
     ("shuffle", 1), ("pad", "yes"), ("drop_last", None),
-    ("skip", [3, -1]), ("skip", [1.0]), ("skip", "12"), ("skip", {4}),
+    ("consumed", [3, -1]), ("consumed", [1.0]), ("consumed", "12"), ("consumed", {4}),
     ("resumed", []), ("resumed", "merged"),
 ])
 def test_each_key_of_a_state_is_checked_naming_it(key, bad):
@@ -81,11 +81,11 @@ def test_each_key_of_a_state_is_checked_naming_it(key, bad):
 
 
 def test_what_a_state_may_hold_is_accepted():
-    """The largest ticket, NumPy integers and bools, a skip list as an array, no skip, a
-    merged history, and keys of later stages (an echo stage's) pass."""
+    """The largest ticket, NumPy integers and bools, a consumed list as an array, none, a
+    merged history, and keys this module does not know pass."""
     state = state_at(plan(), 3)
     state.update(ticket=MAX_TICKET, epoch=np.int64(2), seed=2**64 - 1, shuffle=np.bool_(True),
-                 skip=np.array([0, 4], np.int64), resumed={"epoch": 0}, placement="batch")
+                 consumed=np.array([0, 4], np.int64), resumed={"epoch": 0}, placement="batch")
     check_state_values(state)
     check_state_values({"ticket": 0})
 
@@ -133,10 +133,10 @@ def test_an_older_state_without_the_plan_settings_is_checked_by_what_it_has():
 # ---- merging the ranks of a job -------------------------------------------------------------
 def test_merge_orders_the_ranks_and_keeps_the_job_settings_once():
     """The merged state holds each setting the ranks share once, the interrupted epoch,
-    and the ranks' own states ordered by rank, their own keys (ticket, skip) kept there
-    and their histories left out."""
+    and the ranks' own states ordered by rank, their own keys (ticket, consumed) kept
+    there and their histories left out."""
     states = job([1, 0, 2])                       # 2 tickets an epoch: rank 2 is done
-    states[1]["skip"] = [7]
+    states[1]["consumed"] = [7]
     states[2]["resumed"] = None
     merged = merge_states([states[2], states[0], states[1]])
     assert {k: v for k, v in merged.items() if k != "ranks"} == {
@@ -144,7 +144,7 @@ def test_merge_orders_the_ranks_and_keeps_the_job_settings_once():
         "total_samples": N, "world_size": 3, "epoch": 0}
     assert [s["rank"] for s in merged["ranks"]] == [0, 1, 2]
     assert [s["ticket"] for s in merged["ranks"]] == [1, 0, 2]
-    assert merged["ranks"][1]["skip"] == [7] and "resumed" not in merged["ranks"][2]
+    assert merged["ranks"][1]["consumed"] == [7] and "resumed" not in merged["ranks"][2]
 
 
 @pytest.mark.parametrize("key, value", [("total_samples", 21), ("batch_size", 5),
@@ -152,9 +152,9 @@ def test_merge_orders_the_ranks_and_keeps_the_job_settings_once():
                                         ("drop_last", True), ("world_size", 4),
                                         ("echo_factor", 3.0)])
 def test_states_that_disagree_on_a_job_setting_are_not_one_job(key, value):
-    """Every key but the ranks' own (ticket, epoch, rank, skip, resumed,
-    batches_per_epoch) must agree, a later stage's keys included: the message names the
-    key and the values."""
+    """Every key but the ranks' own (ticket, epoch, rank, consumed, resumed,
+    batches_per_epoch) must agree, keys this module does not know included: the message
+    names the key and the values."""
     states = job([1, 1])
     for s in states:
         s.setdefault(key, 2.0)          # a later stage's key, where the plan has none
@@ -164,15 +164,15 @@ def test_states_that_disagree_on_a_job_setting_are_not_one_job(key, value):
 
 
 def test_the_ranks_own_keys_may_differ():
-    """Ranks stand at different tickets, with different skips and, without padding,
+    """Ranks stand at different tickets, with different consumed lists and, without padding,
     different epoch lengths: they merge."""
     states = [state_at(Plan(17, B, CROP, seed=SEED, rank=r, world_size=2, pad=False), t)
               for r, t in ((0, 2), (1, 1))]
-    states[0]["skip"] = [1, 2]
+    states[0]["consumed"] = [1, 2]
     assert [s["batches_per_epoch"] for s in states] == [3, 2]
     merged = merge_states(states)
     assert merged["epoch"] == 0 and [s["ticket"] for s in merged["ranks"]] == [2, 1]
-    assert merged["ranks"][0]["skip"] == [1, 2] and "batches_per_epoch" not in merged
+    assert merged["ranks"][0]["consumed"] == [1, 2] and "batches_per_epoch" not in merged
 
 
 def test_ranks_must_be_the_jobs_own_each_once():
@@ -230,13 +230,13 @@ def test_histories_of_the_epoch_must_agree_and_older_ones_are_dropped():
 
 # ---- what a merged job left of its epoch -------------------------------------------------
 def test_the_rest_of_the_epoch_is_what_no_rank_consumed_split_over_the_new_ranks():
-    """A 2-rank job at tickets 2 and 1 (rank 1 also consumed one later sample, in its skip):
+    """A 2-rank job at tickets 2 and 1 (rank 1 also consumed one later sample, listed):
     what is left of the epoch is the global order less those, and 3 new ranks split it
     as their plan's rule (no padding: every left sample once)."""
     old = [plan(r, 2) for r in range(2)]
     states = [state_at(old[0], 2), state_at(old[1], 1)]
     later = int(old[1].epoch_order(0)[2 * B])
-    states[1]["skip"] = [later]
+    states[1]["consumed"] = [later]
     merged = merge_states(states)
     consumed = set(old[0].epoch_order(0)[:2 * B].tolist()) | \
         set(old[1].epoch_order(0)[:B].tolist()) | {later}
@@ -249,7 +249,7 @@ def test_the_rest_of_the_epoch_is_what_no_rank_consumed_split_over_the_new_ranks
 
 
 def test_a_job_that_consumed_nothing_resumes_no_differently():
-    """States all at the epoch's first ticket, nothing skipped: no resumed plan (the epoch
+    """States all at the epoch's first ticket, nothing consumed: no resumed plan (the epoch
     is read whole, as usual)."""
     merged = merge_states(job([0, 0]))
     assert resume.resumed_plan(plan(0, 3), None, merged) is None
@@ -271,8 +271,8 @@ def test_a_merged_state_another_plan_cannot_resume_is_refused():
 
 
 def test_merge_states_refuses_a_setting_some_ranks_lack():
-    """A setting in one rank's state and missing from another's (a stage's key such as
-    placement) means the states are not from one job: refused, naming the key."""
+    """A setting in one rank's state and missing from another's (a key this module does
+    not know, such as placement) means the states are not from one job: refused, naming the key."""
     base = {"ticket": 3, "rank": 0, "world_size": 2, "batches_per_epoch": 5, "seed": 0,
             "placement": "before_augment"}
     other = {k: v for k, v in base.items() if k != "placement"}

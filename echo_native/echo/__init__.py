@@ -6,6 +6,8 @@
 - :mod:`~echo_native.echo.buffer`: the shuffle buffer's books, and batch echo's window;
 - :mod:`~echo_native.echo.auto`: ``echo="auto"``, e from measured rates;
 - :mod:`~echo_native.echo.ledger`: first emissions, for an exact resume;
+- :mod:`~echo_native.echo.state`: a stage's state, its upstream's nested in it, and
+  ``merge_states`` of a job's stage states;
 - :mod:`~echo_native.echo.upstream`: the protocol of whatever makes fresh batches;
 - :mod:`~echo_native.echo.stage`: the steps every stage shares;
 - :mod:`~echo_native.echo.stages`: the stages, one per placement, and ``make_stage``;

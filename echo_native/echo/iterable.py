@@ -18,10 +18,27 @@ from echo_native._checks import is_int
 from echo_native._iteration import deferred_interrupts, second_press
 from echo_native.batch import Fresh
 from echo_native.echo.upstream import EpochEnd
+from echo_native.resume import MAX_TICKET
 
 #: A wait for the wrapped loader shorter than this share of the time between two of its
 #: batches says it kept up (the consumer did not wait for it).
 _WAIT_SHARE = 0.05
+
+#: The keys of this upstream's state beside ``ticket``, ``epoch`` and the wrapped
+#: loader's own state (``wrapped``), and the test each value must pass: where in its
+#: epoch the wrapped loader's state stands, and what the wrapped loader was (a state
+#: loaded into another would read examples twice or never).
+STATE_KEYS = {
+    "index": ("an integer in [0, 2**62]", lambda v: is_int(v) and 0 <= v <= MAX_TICKET),
+    "first_id": ("an integer in [0, 2**62]", lambda v: is_int(v) and 0 <= v <= MAX_TICKET),
+    "upstream_batches": ("a positive integer or None",
+                         lambda v: v is None or is_int(v) and 1 <= v <= MAX_TICKET),
+    "upstream_samples": ("an integer >= 0 or None",
+                         lambda v: v is None or is_int(v) and 0 <= v <= MAX_TICKET),
+    "upstream_batch_size": ("a positive integer or None",
+                            lambda v: v is None or is_int(v) and 1 <= v <= MAX_TICKET),
+    "upstream_seed": ("an integer or None", lambda v: v is None or is_int(v)),
+}
 
 
 class IterableUpstream:

@@ -19,6 +19,7 @@ from echo_native._iteration import _Sigint
 from echo_native.batch import Books
 from echo_native.echo.counts import counts_from
 from echo_native.echo.ledger import FreshLedger
+from echo_native.echo.state import nest
 
 
 def check_stage_args(seed, batch_size, shuffle_buffer):
@@ -236,12 +237,11 @@ class Stage:
         raise NotImplementedError
 
     def state(self):
-        """The upstream's state at the position a resume re-reads from, with the ids
-        emitted from there on (``skip``)."""
+        """The stage's state, its upstream's nested in it (:mod:`echo_native.echo.state`):
+        the upstream's state at the position a resume re-reads from (``parent``), and
+        the ids emitted from there on (``skip``)."""
         ticket, skip = self.ledger.position(self.upstream.position)
-        state = self.upstream.state_at(ticket)
-        state["skip"] = skip
-        return state
+        return nest(self.upstream.state_at(ticket), skip)
 
     def stats(self):
         b = self.books

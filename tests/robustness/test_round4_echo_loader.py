@@ -337,13 +337,16 @@ class Watched(Batches):
         super().load_state_dict(state)
 
 
+P = "state['parent']"   # where the wrapped loader's position is, in an EchoLoader's state
+
+
 @pytest.mark.parametrize("key, value, says", [
-    ("ticket", -5, "state['ticket']"), ("epoch", -3, "state['epoch']"),
-    ("ticket", 2**70, "state['ticket']"), ("epoch", 2**70, "state['epoch']"),
-    ("ticket", "3", "state['ticket']"), ("ticket", 3.0, "state['ticket']"),
-    ("ticket", True, "state['ticket']"), ("index", -1, "state['index']"),
-    ("index", 26, "state['index']"), ("first_id", "0", "state['first_id']"),
-    ("first_id", 10**6, "state['first_id']"), ("skip", "all", "state['skip']"),
+    ("ticket", -5, f"{P}['ticket']"), ("epoch", -3, f"{P}['epoch']"),
+    ("ticket", 2**70, f"{P}['ticket']"), ("epoch", 2**70, f"{P}['epoch']"),
+    ("ticket", "3", f"{P}['ticket']"), ("ticket", 3.0, f"{P}['ticket']"),
+    ("ticket", True, f"{P}['ticket']"), ("index", -1, f"{P}['index']"),
+    ("index", 26, f"{P}['index']"), ("first_id", "0", f"{P}['first_id']"),
+    ("first_id", 10**6, f"{P}['first_id']"), ("skip", "all", "state['skip']"),
     ("skip", [1.5], "state['skip']"), ("skip", [3, 3], "state['skip']"),
     ("skip", list(range(400)), "state['skip']"), ("seed", 8, "seed=8"),
     ("placement", "batch", "placement='batch'"), ("seed", 2**64, "state['seed']"),
@@ -353,7 +356,7 @@ def test_a_bad_state_is_refused_by_name_before_anything_is_loaded(key, value, sa
     it = iter(el)
     [next(it) for _ in range(3)]
     state = el.state_dict()
-    state[key] = value
+    (state if key in state else state["parent"])[key] = value
     fresh = en.EchoLoader(Watched(rows([16] * 25)), echo=2, seed=7)
     with pytest.raises((ValueError, TypeError)) as err:
         fresh.load_state_dict(state)
@@ -365,8 +368,10 @@ def test_a_bad_state_is_refused_by_name_before_anything_is_loaded(key, value, sa
 def test_a_state_missing_a_key_is_refused_naming_it(missing):
     el = en.EchoLoader(Watched(rows([16] * 25)), echo=2)
     state = el.state_dict()
-    del state[missing]
-    with pytest.raises(ValueError, match=f"state has no {missing!r}"):
+    at = state if missing in state else state["parent"]
+    del at[missing]
+    where = "state" if at is state else r"state\['parent'\]"
+    with pytest.raises(ValueError, match=f"{where} has no {missing!r}"):
         en.EchoLoader(Watched(rows([16] * 25)), echo=2).load_state_dict(state)
 
 
@@ -423,7 +428,7 @@ def test_a_state_of_a_loader_shuffled_with_another_seed_is_refused():
         it = iter(el)
         next(it)
         state = el.state_dict()
-        assert state["upstream_seed"] == 11
+        assert state["parent"]["upstream_seed"] == 11
         other = en.EchoLoader(make(12), echo=2)
         with pytest.raises(ValueError, match="upstream_seed=11, this EchoLoader has "
                                              "upstream_seed=12"):
@@ -463,7 +468,7 @@ def test_a_live_state_dict_is_copied_not_kept_by_reference():
     after = list(again)
     fresh = [int(i) for b, info in before + after for i in b["x"][info["fresh"]]]
     assert sorted(fresh) == list(range(400))
-    assert state["wrapped"]["pos"] < 25   # the saved state did not move on with the loader
+    assert state["parent"]["wrapped"]["pos"] < 25   # the state did not move on with the loader
 
 
 # -- item 9: len() with a sampler that is not the whole dataset ------------------------------
