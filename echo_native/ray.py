@@ -143,6 +143,7 @@ class RayStream:
         self._complete = set()  # tickets assembled (a later copy of their rows is a repeat)
         self._stop, self._error = False, None
         self.duplicates = self.bytes = self.rows = 0
+        self.actors = set()    # the decoding actor instances that sent rows
         self.assemble_s = 0.0  # the trainer's time putting Ray's rows into slots
         self._slot_wait_s = 0.0
         self.job = ship(self.plan, self.source)
@@ -184,6 +185,7 @@ class RayStream:
     def _take(self, cols):
         """Assemble a batch of Ray's rows into their tickets' slots; False once stopped."""
         tickets, rows = np.asarray(cols["ticket"]), np.asarray(cols["row"])
+        self.actors.update(np.unique(cols["actor"]).tolist())
         # Booked when the consumer takes the ticket: what crossed for what it used.
         per_row = sum(_nbytes(v) for v in cols.values()) / max(1, len(tickets))
         for t in np.unique(tickets):
@@ -327,6 +329,7 @@ class RayLoader(Loader):
     #: What the streams of this loader delivered: rows Ray sent twice (dropped), bytes
     #: and rows received.  A stream's books join them when it stops.
     _ray_totals = None
+    _ray_actors = None
 
     @classmethod
     def adopt(cls, loader, concurrency=None):
@@ -336,6 +339,7 @@ class RayLoader(Loader):
         loader.__class__ = cls
         loader.concurrency = None if concurrency is None else _concurrency(concurrency)
         loader._ray_totals = {"duplicates": 0, "bytes": 0, "rows": 0, "assemble_s": 0.0}
+        loader._ray_actors = set()
         return loader
 
     def _stop(self):
@@ -346,6 +350,7 @@ class RayLoader(Loader):
             if stream is not None:
                 for k in self._ray_totals:
                     self._ray_totals[k] += getattr(stream, k)
+                self._ray_actors |= stream.actors
 
     def start(self):
         if self._ring is not None:
@@ -401,6 +406,9 @@ class RayLoader(Loader):
         books = {k: v + (getattr(s, k) if s is not None else 0)
                  for k, v in self._ray_totals.items()}
         books["concurrency"] = s.concurrency if s is not None else self.concurrency
+        # Decoding actor instances heard from: each stream starts `concurrency` of them,
+        # and Ray's restart of one (its worker or node lost) is a new one.
+        books["actors"] = len(self._ray_actors | (s.actors if s is not None else set()))
         out["ray"] = books
         return out
 
@@ -418,8 +426,10 @@ class EchoRing(_LocalEchoRing):
         of the cluster.
 
     ``stats()`` adds ``duplicates`` (rows Ray delivered twice after a retry,
-    dropped), ``ray_bytes`` (what crossed from the cluster) and
-    ``ray_bytes_per_fresh``.
+    dropped), ``ray_bytes`` (what crossed from the cluster),
+    ``ray_bytes_per_fresh``, and ``ray_actors`` (the decoding actor instances
+    that delivered rows: more than ``concurrency`` per stream when Ray
+    restarted one after losing its process or node).
     """
 
     def __init__(self, source, batch_size=256, *, concurrency=None, **kwargs):
@@ -440,6 +450,7 @@ class EchoRing(_LocalEchoRing):
         out["ray_bytes_per_fresh"] = ray_books["bytes"] / out["fresh"] if out["fresh"] else 0.0
         out["ray_assemble_s"] = ray_books["assemble_s"]
         out["concurrency"] = ray_books["concurrency"]
+        out["ray_actors"] = ray_books["actors"]
         return out
 
 

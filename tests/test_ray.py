@@ -329,7 +329,7 @@ def test_tar_shards_and_a_detection_source_on_the_cluster(corpus, cluster, tmp_p
 
 
 @pytest.mark.slow
-def test_the_example_trains_on_a_two_node_cluster(corpus, _session, tmp_path):
+def test_the_example_trains_on_a_two_node_cluster(corpus, _session, tmp_path, monkeypatch):
     """examples/train_ray.py on a local 2-node cluster (ray.cluster_utils.Cluster): it
     connects by address, decodes on both nodes, echoes on the trainer, and says every
     id was delivered fresh once per epoch."""
@@ -337,6 +337,10 @@ def test_the_example_trains_on_a_two_node_cluster(corpus, _session, tmp_path):
 
     if ray.is_initialized():
         ray.shutdown()   # the module's instance: this test runs its own cluster
+    # The package this test imports (the source tree, where it is not installed), for the
+    # example and the cluster's workers alike.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
                                                       "include_dashboard": False})
     try:
@@ -378,3 +382,171 @@ def test_close_mid_epoch_then_iterating_again_goes_on_as_a_local_ring_does(corpu
     _same([runs[0]], [runs[1]])
     fresh = np.concatenate([b.sample_ids[b.fresh] for b in runs[1]])
     assert len(set(fresh.tolist())) == len(fresh)
+
+
+def _wait_for(what, cond, timeout=120.0):
+    """Wait until ``cond()`` is true (polling), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class HeldSource:
+    """Every read is logged as ``pid node_id sample_id`` to ``log`` (which actor, on which
+    node, reads what); on the node named in the file ``hold``, a read waits while that
+    file exists (at most ``timeout`` s), logged first as ``held pid node_id sample_id``."""
+
+    def __init__(self, root, log, hold, timeout=300.0):
+        self.inner, self.log, self.hold = en.ImageFolder(root), str(log), str(hold)
+        self.timeout = timeout
+
+    def __len__(self):
+        return len(self.inner)
+
+    @property
+    def labels(self):
+        return self.inner.labels
+
+    def describe(self, i):
+        return self.inner.describe(i)
+
+    def _held_here(self, node):
+        try:
+            with open(self.hold) as f:
+                return f.read().strip() == node
+        except OSError:
+            return False
+
+    def read(self, i):
+        node = ray.get_runtime_context().get_node_id()
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {node} {i}\n")
+        if self._held_here(node):
+            with open(self.log, "a") as f:
+                f.write(f"held {os.getpid()} {node} {i}\n")
+            deadline = time.monotonic() + self.timeout
+            while self._held_here(node):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the test never removed {self.hold}")
+                time.sleep(0.01)
+        return self.inner.read(i)
+
+
+def _reads(log, held=False):
+    """(pid, node id, sample id) of every read logged so far (``held``: of the reads that
+    waited)."""
+    if not log.exists():
+        return []
+    lines = [line.split() for line in log.read_text().splitlines()]
+    return [(int(p), n, int(i)) for *h, p, n, i in
+            (w for w in lines if len(w) == 3 + held and (w[0] == "held") == held)]
+
+
+def _shutdown_cluster(c):
+    """Ray down, then the cluster: a ring's stream thread ends first (it would start
+    Ray again through Ray's auto-init, and the cluster refuses to remove the node of a
+    connected driver)."""
+    try:
+        _leaked_threads()
+    finally:
+        ray.shutdown()
+        try:
+            c.shutdown()
+        except ValueError:   # connected again meanwhile
+            ray.shutdown()
+            c.shutdown()
+
+
+@pytest.fixture
+def three_node_cluster(_session):
+    """A local Cluster: a head with no CPU (the driver's) and three 1-CPU worker nodes,
+    this process its driver; shut down on every path."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()   # the module's instance: this test runs its own cluster
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
+                                                      "include_dashboard": False})
+    try:
+        for _ in range(3):
+            c.add_node(num_cpus=1)
+        c.wait_for_nodes(timeout=120)
+        ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+        yield c
+    finally:
+        _shutdown_cluster(c)
+    assert not _leaked_threads(), "a RayStream thread outlived its ring"
+
+
+@pytest.mark.slow
+def test_a_node_removed_mid_epoch_loses_and_repeats_nothing(corpus, three_node_cluster,
+                                                            tmp_path):
+    """Two decoding actors on a 3-node cluster; after the first batch, one actor's node is
+    chosen, its next read held there, and the node is removed from the cluster while
+    the actor is mid-batch.  Ray retries the batch and restarts the actor on the spare
+    node: the trainer delivers every id exactly once in every epoch, in the batches of
+    a local ring, drops any row Ray sends twice (counted), and counts the new actor."""
+    import threading
+
+    c = three_node_cluster
+    log, hold = tmp_path / "reads", tmp_path / "hold"
+    kw = dict(image_size=SIZE, seed=8, echo=2.0, placement="after_augment", shuffle=False)
+    remote = er.EchoRing(HeldSource(corpus, log, hold), BATCH, concurrency=2, **kw)
+    driver = ray.get_runtime_context().get_node_id()
+    epochs, failed, removed = [[]], [], threading.Event()
+
+    def consume(it):
+        # Epoch after epoch (more batches than Ray decodes ahead, so the held actor is
+        # given one), until a whole epoch began after the removal and Ray's replacement
+        # for the lost actor has delivered rows (once Ray has declared the node dead).
+        try:
+            epochs[0] += [b.copy() for b in it]
+            after = None
+            while after is None or len(epochs) <= after or remote.stats()["ray_actors"] <= 2:
+                if after is None and removed.is_set():
+                    after = len(epochs)
+                assert len(epochs) < 500, "Ray's replacement actor never delivered"
+                remote.set_epoch(len(epochs))
+                epochs.append([b.copy() for b in remote])
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread
+            failed.append(e)
+
+    try:
+        with remote:
+            remote.set_epoch(0)
+            it = iter(remote)
+            epochs[0].append(next(it).copy())
+            node_id = next(n for _, n, _ in _reads(log) if n != driver)  # an actor's node
+            hold.write_text(node_id)
+            consumer = threading.Thread(target=consume, args=(it,), daemon=True)
+            consumer.start()
+            _wait_for("the chosen actor to be held mid-batch", lambda: _reads(log, held=True))
+            pid = _reads(log, held=True)[0][0]
+            victim = next(n for n in c.worker_nodes if n.node_id == node_id)
+            c.remove_node(victim, allow_graceful=False)
+            removed.set()
+            hold.unlink()
+            consumer.join(timeout=300)
+            assert not consumer.is_alive(), "the consumer did not finish"
+            if failed:
+                raise failed[0]
+            stats = remote.stats()
+            ray_books = remote.loader.stats()["ray"]
+    finally:
+        removed.set()
+        hold.unlink(missing_ok=True)   # no actor left waiting, whatever failed
+    with en.EchoRing(en.ImageFolder(corpus), BATCH, workers=1, **kw) as local:
+        want = _epochs(local, len(epochs))
+    _same(want, epochs)
+    for epoch in epochs:
+        fresh = np.concatenate([b.sample_ids[b.fresh] for b in epoch])
+        assert sorted(fresh.tolist()) == list(range(48))
+    assert stats["fresh"] == 48 * len(epochs) and stats["concurrency"] == 2
+    # The actor on the lost node was replaced: a new instance delivered rows.  Whatever
+    # Ray sent twice was dropped and counted (a retry after the node's loss usually
+    # sends nothing twice: the lost task's rows never left the node).
+    assert stats["ray_actors"] >= 3
+    assert stats["duplicates"] == ray_books["duplicates"] >= 0
+    assert pid not in {p for p, n, _ in _reads(log) if n != node_id}
