@@ -13,6 +13,8 @@ batch from file bytes to the GPU; each imports only modules above it):
   targets     a detection sample's boxes and labels (Targets), their JSON form;
               labels (a source's labels checked: one integer per sample)
   keypoints   a pose's keypoints: which point mirrors which, where points land
+  files       local files read safely: bounded reads, packed paths, a walk that
+              enters each directory once
   source      where the bytes come from: ImageFolder, FileList, Samples;
               tarindex (a tar shard's index), tarshards (TarShards),
               coco (CocoDetection: a COCO-format folder with its annotations),

@@ -21,8 +21,8 @@ import numpy as np
 from echo_native.errors import ReadLimitError
 from echo_native.keypoints import Keypoints
 from echo_native.memory import _gib, memory_available
-from echo_native.source import (DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes, _PackedPaths,
-                                open_file, read_file, read_open)
+from echo_native.files import (DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes, _PackedPaths,
+                               open_file, read_file, read_open)
 from echo_native.targets import TOLERANCE_PX, _trusted
 
 __all__ = ["DEFAULT_MAX_ANNOTATION_BYTES", "MAX_CATEGORY_ID", "CocoDetection"]

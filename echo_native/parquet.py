@@ -30,8 +30,8 @@ import numpy as np
 from echo_native import prefetch as _prefetch
 from echo_native import remote as _remote
 from echo_native.errors import ReadLimitError
-from echo_native.source import (_LAZY, DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes,
-                                check_labels, read_file)
+from echo_native.files import DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes, read_file
+from echo_native.source import _LAZY, check_labels
 from echo_native.parquet_index import (BOX_FORMATS, DatasetIndex, FileIndex, objects_targets,
                                        pyarrow)
 

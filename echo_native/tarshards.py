@@ -19,8 +19,8 @@ from echo_native import prefetch as _prefetch
 from echo_native import remote as _remote
 from echo_native import tarindex
 from echo_native.errors import ReadLimitError
-from echo_native.source import (_LAZY, DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes,
-                                _PackedPaths, _prefetcher_of)
+from echo_native.files import DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes, _PackedPaths
+from echo_native.source import _LAZY, _prefetcher_of
 from echo_native.targets import MAX_JSON_BYTES, targets_from_json
 
 #: Block size of the one streaming read that indexes a remote shard without a sidecar.
