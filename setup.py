@@ -223,6 +223,8 @@ EXTENSIONS = [
     ext("echo_native.lab._bench", ["src/bench/_bench.pyx", "src/bench/roi_ceiling.c"], ["jpeg"]),
 ]
 
+# src/kernel on the include path: _seek.pyx includes the kernel's _kernel_args.pxi (the
+# argument checks Decoder and Seeker share); "." is Cython's default, kept.
 setup(ext_modules=cythonize(EXTENSIONS, compiler_directives=directives,
-                            build_dir="build/cython"),
+                            build_dir="build/cython", include_path=[".", "src/kernel"]),
       cmdclass={"build_ext": BuildExt})

@@ -13,7 +13,7 @@ its e moved and why (:mod:`echo_native.profile` holds the measurements).
 Benchmarks, data-set builders and the training demo are lab tooling: they live in
 ``echo-native-lab`` (:mod:`echo_native.lab.cli`).  The small helpers here
 (:class:`UsageError`, :func:`open_folder`, :func:`check_device`, :func:`echo_list`,
-:func:`run`) are shared with it.  Errors a user can hit print one line: a bad argument
+:func:`run`, :func:`command_parser`, :func:`loader_options`) are shared with it.  Errors a user can hit print one line: a bad argument
 exits 2 (found before anything runs, as argparse does), a failure while running
 (memory, the step function, the store) exits 1.
 """
@@ -29,8 +29,9 @@ import tempfile
 from echo_native.errors import DecodeError
 from echo_native.profile import measure_upstream, recommend, time_step, trial_auto
 
-__all__ = ["UsageError", "CommandError", "open_folder", "check_device", "echo_list", "run", "build_parser",
-           "main", "recommend", "storage_option"]
+__all__ = ["UsageError", "CommandError", "open_folder", "check_device", "echo_list", "run",
+           "command_parser", "loader_options", "build_parser", "main", "recommend",
+           "storage_option"]
 
 # Commands that moved to the lab's command line (``echo-native-lab``).
 LAB_COMMANDS = ("bench", "make-dataset", "demo")
@@ -83,6 +84,21 @@ def echo_list(text):
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of echo factors: {text!r}") from None
     return [int(v) if isinstance(v, float) and v.is_integer() else v for v in values]
+
+
+def command_parser(prog, description, epilog):
+    """(parser, its subcommands) of one of the package's commands: ``echo-native`` and
+    ``echo-native-lab`` are built alike, a subcommand required, so they fail alike."""
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
+    return p, p.add_subparsers(dest="command", required=True)
+
+
+def loader_options(p):
+    """The loader a measuring command runs over a folder (``profile`` here, the lab's
+    ``bench``): one meaning and one default for both, so their figures compare."""
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--workers", type=int, default=0, help="default: available cores")
 
 
 def run(parser, argv=None):
@@ -437,11 +453,9 @@ def _store_failure(e, where):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        prog="echo-native",
-        description="echo_native: fused JPEG decode + shared-memory ring + data echoing.",
-        epilog="Benchmarks, data sets and the training demo: echo-native-lab --help.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p, sub = command_parser(
+        "echo-native", "echo_native: fused JPEG decode + shared-memory ring + data echoing.",
+        "Benchmarks, data sets and the training demo: echo-native-lab --help.")
     pr = sub.add_parser("profile", help="measure R = t_upstream / t_downstream and recommend "
                                         "an echo factor")
     pr.add_argument("dir", help="ImageFolder root")
@@ -450,9 +464,7 @@ def build_parser():
     pr.add_argument("--model-fn", default=None, metavar="MODULE:FUNCTION",
                     help="time FUNCTION(batch) on a real batch instead of --step-ms "
                          "(batch.images is (B,H,W,3) uint8, batch.labels (B,))")
-    pr.add_argument("--batch-size", type=int, default=64)
-    pr.add_argument("--image-size", type=int, default=224)
-    pr.add_argument("--workers", type=int, default=0, help="default: available cores")
+    loader_options(pr)
     pr.add_argument("--seconds", type=float, default=3.0, help="upstream measuring time")
     pr.add_argument("--min-batches", type=int, default=8)
     pr.add_argument("--max-echo", type=float, default=4.0, help="cap on the recommended e")

@@ -38,7 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
-from echo_native.cli import UsageError, check_device, echo_list, open_folder, run
+from echo_native.cli import (UsageError, check_device, command_parser, echo_list,
+                             loader_options, open_folder, run)
 
 # Demo defaults: small enough to finish in a few minutes on 2 cores.
 DEMO_TARGET = 0.72
@@ -777,22 +778,32 @@ def _lm_settings(cfg):
     return settings(cfg)
 
 
+# The options of every echo sweep (bench, demo, lm-demo): its two axes, and for the
+# training demos the seeds each setting runs with.  Declared once, so that the three
+# commands parse and explain them alike; each command gives its own defaults.
+def _echo_options(p, echo=(1, 2, 4), placements=("before_augment", "after_augment", "batch"),
+                  placements_help=None):
+    p.add_argument("--echo", type=echo_list, default=list(echo),
+                   help="comma-separated echo factors (numbers or 'auto')")
+    p.add_argument("--placements", type=lambda s: s.split(","), default=list(placements),
+                   help=placements_help)
+
+
+def _seed_options(p, seeds, seeds_help=None):
+    p.add_argument("--seeds", type=int, default=seeds, help=seeds_help)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="run seeds FIRST .. FIRST + SEEDS - 1 (to split a long sweep)")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(
-        prog="echo-native-lab",
-        description="echo_native lab: benchmarks, data sets and the echo training demo.",
-        epilog="Profiling your own data and step time: echo-native profile --help.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p, sub = command_parser(
+        "echo-native-lab", "echo_native lab: benchmarks, data sets and the echo training demo.",
+        "Profiling your own data and step time: echo-native profile --help.")
     b = sub.add_parser("bench", help="measure the pipeline (and peers) on a folder")
     b.add_argument("dir", nargs="?", help="ImageFolder root (default: built-in corpus)")
     b.add_argument("--images", type=int, default=1000, help="size of the built-in corpus")
-    b.add_argument("--batch-size", type=int, default=64)
-    b.add_argument("--image-size", type=int, default=224)
-    b.add_argument("--workers", type=int, default=0, help="default: available cores")
-    b.add_argument("--echo", type=echo_list, default=[1, 2, 4],
-                   help="comma-separated echo factors (numbers or 'auto')")
-    b.add_argument("--placements", type=lambda s: s.split(","),
-                   default=["before_augment", "after_augment", "batch"])
+    loader_options(b)
+    _echo_options(b)
     b.add_argument("--step-ms", type=float, default=0.0,
                    help="consumer step time per batch (models the accelerator)")
     b.add_argument("--repeats", type=int, default=3,
@@ -830,15 +841,11 @@ def build_parser():
     d.add_argument("--data", default=None,
                    help="folder with train/ and test/ ImageFolders (default: Fashion-MNIST "
                         "converted once into the cache)")
-    d.add_argument("--echo", type=echo_list, default=[1, 2, 4])
-    d.add_argument("--placements", type=lambda s: s.split(","),
-                   default=["before_augment", "after_augment", "batch"])
+    _echo_options(d)
     d.add_argument("--augment", type=lambda s: s.split(","), default=["basic"],
                    help="basic (crop + flip), rich (+ ColorJitter and RandomErasing), or "
                         "both: basic,rich")
-    d.add_argument("--seeds", type=int, default=3)
-    d.add_argument("--first-seed", type=int, default=0,
-                   help="run seeds FIRST .. FIRST + SEEDS - 1 (to split a long sweep)")
+    _seed_options(d, 3)
     d.add_argument("--max-echo", type=float, default=8.0, help="echo='auto''s cap")
     d.add_argument("--R", type=float, default=4.0,
                    help="upstream time / training step time per batch (throttle)")
@@ -875,13 +882,9 @@ def build_parser():
                                         "tokenizer of the Python standard library's sources, "
                                         "a small GRU, fresh tokens and wall time to a target "
                                         "loss per echo setting")
-    lm.add_argument("--echo", type=echo_list, default=[1, 2, 4, "auto"],
-                    help="comma-separated echo factors (numbers or 'auto')")
-    lm.add_argument("--placements", type=lambda s: s.split(","),
-                    default=["batch", "after_augment"],
-                    help="batch, after_augment (example echo) or both")
-    lm.add_argument("--seeds", type=int, default=None, help="default 3")
-    lm.add_argument("--first-seed", type=int, default=0)
+    _echo_options(lm, (1, 2, 4, "auto"), ("batch", "after_augment"),
+                  "batch, after_augment (example echo) or both")
+    _seed_options(lm, None, "default 3")
     lm.add_argument("--R", type=float, default=3.0,
                     help="tokenizer time / training step time per batch (calibrated)")
     lm.add_argument("--target", type=float, default=None,

@@ -205,6 +205,21 @@ def torch_loader(folder, batch_size, workers, size=224, seed=0, rich=False, pass
                                        drop_last=drop_last)
 
 
+class _PeerLoader:
+    """What the peers' loaders below share: ``with`` closing the peer's threads, and an
+    epoch of ``ceil(n / batch_size)`` batches, the last one short (TurboLoader, which can
+    drop it, asks its own loader)."""
+
+    def __len__(self):
+        return (self.n + self.batch_size - 1) // self.batch_size
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 # ---- NVIDIA DALI, CPU only ---------------------------------------------------------------
 DALI_INSTALL = "pip install nvidia-dali-cuda120"
 DALI_READER = "Reader"
@@ -292,7 +307,7 @@ def dali_batch(outputs, count=None, root=None):
     return (*arrays, names)
 
 
-class DaliLoader:
+class DaliLoader(_PeerLoader):
     """The DALI CPU pipeline as an iterable: each ``iter()`` is one epoch, every file once,
     in ``ceil(N / batch_size)`` NumPy batches ``(images, labels)`` (the last one
     short), like a DataLoader without ``drop_last``.  An epoch left unfinished is
@@ -306,9 +321,6 @@ class DaliLoader:
                                   with_paths=with_paths)
         self.n = self.pipe.epoch_size(DALI_READER)
         self._left = 0          # samples of the current epoch not yet produced
-
-    def __len__(self):
-        return (self.n + self.batch_size - 1) // self.batch_size
 
     def __iter__(self):
         if self.pipe is None:
@@ -326,12 +338,6 @@ class DaliLoader:
     def close(self):
         """Shut the pipeline's threads down (dropping the last reference does)."""
         self.pipe = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def dali_loader(folder, batch_size, workers, size=224, seed=0, with_paths=False):
@@ -475,7 +481,7 @@ def spdl_pipeline(folder, batch_size, workers, size=224, seed=0, *, source=None,
     return pipe, decode
 
 
-class SpdlLoader:
+class SpdlLoader(_PeerLoader):
     """The SPDL pipeline as an iterable: each ``iter()`` is one epoch, every file once, in
     ``ceil(N / batch_size)`` NumPy batches ``(images, labels)`` (the last one short);
     ``with_ids`` adds the sample ids as a third element.  The pipeline starts here
@@ -499,9 +505,6 @@ class SpdlLoader:
     def errors(self):
         return list(self._decode.errors)
 
-    def __len__(self):
-        return (self.n + self.batch_size - 1) // self.batch_size
-
     def __iter__(self):
         if self.pipe is None:
             raise RuntimeError("SpdlLoader is closed")
@@ -518,12 +521,6 @@ class SpdlLoader:
         pipe, self.pipe, self._rest = self.pipe, None, None
         if pipe is not None:
             pipe.stop(timeout=self.timeout)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def spdl_loader(folder, batch_size, workers, size=224, seed=0, with_ids=False):
@@ -608,7 +605,7 @@ def pack_tar(folder, cache_dir=None, keep=TAR_CACHE_KEEP):
     return out
 
 
-class TurboLoader:
+class TurboLoader(_PeerLoader):
     """turboloader's fused loader over the folder packed by :func:`pack_tar`: each
     ``iter()`` is one epoch (its shuffle and crops keyed on the epoch), batches
     ``(images, labels)``, images (b, H, W, 3) float32 in [0, 1]; ``with_ids`` adds the
@@ -657,12 +654,6 @@ class TurboLoader:
         loader, self.loader = self.loader, None
         if loader is not None:
             loader.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def turbo_loader(folder, batch_size, size=224, seed=0, antialias=True, with_ids=False,

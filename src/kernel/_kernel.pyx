@@ -18,40 +18,8 @@ cnp.import_array()
 # The components live in the .pxi files included at the end rather than in extensions of
 # their own: the Decoder's methods span decoding and resizing over one C decoder, and
 # separate modules would each link their own copy of the C kernel.  This file holds what
-# several components share.
-
-
-cdef extern from "en_kernel.h" nogil:
-    ctypedef struct en_decoder:
-        pass
-    ctypedef struct en_box:
-        double top, left, height, width
-    ctypedef struct en_rrc_spec:
-        double scale_lo, scale_hi, ratio_lo, ratio_hi, flip_p
-    ctypedef struct en_key:
-        uint64_t seed, epoch, sample_id, echo_index
-
-    int EN_OK, EN_ERR_DECODE, EN_ERR_LIMIT, EN_ERR_ARG, EN_ERR_NOMEM
-    const char *en_decoder_errmsg(const en_decoder *d)
-
-
-cdef int _raise(en_decoder *d, int status) except -1:
-    msg = en_decoder_errmsg(d).decode("utf-8", "replace")
-    if status == EN_ERR_ARG:
-        raise ValueError(msg)
-    if status == EN_ERR_NOMEM:
-        raise MemoryError(msg)
-    raise DecodeError(msg)
-
-
-cdef en_box _box(box) except *:
-    try:
-        top, left, height, width = box
-    except (TypeError, ValueError):
-        raise TypeError(f"box must be (top, left, height, width), got {box!r}") from None
-    cdef en_box b
-    b.top, b.left, b.height, b.width = float(top), float(left), float(height), float(width)
-    return b
+# several components share; _kernel_args.pxi, what _seek's Seeker shares with them too.
+include "_kernel_args.pxi"
 
 
 cpdef tuple check_size(size):
@@ -64,22 +32,6 @@ cpdef tuple check_size(size):
     if h <= 0 or w <= 0 or h > 65535 or w > 65535:
         raise ValueError(f"size must be positive and at most 65535, got {size!r}")
     return h, w
-
-
-cdef cnp.ndarray _output(out, int h, int w):
-    """A fresh (h, w, 3) uint8 array, or `out` checked to be one we may write."""
-    if out is None:
-        return np.empty((h, w, 3), dtype=np.uint8)
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
-    shape, strides = out.shape, out.strides
-    if out.dtype != np.uint8 or shape != (h, w, 3):
-        raise ValueError(f"out must be a ({h}, {w}, 3) uint8 array, got {shape} {out.dtype}")
-    if not out.flags.writeable:
-        raise ValueError("out is read-only")
-    if strides[2] != 1 or strides[1] != 3 or strides[0] < w * 3:
-        raise ValueError(f"out rows must be contiguous RGB pixels, got strides {strides}")
-    return out
 
 
 def _array(x, name, dtype, ndim, writable=False):

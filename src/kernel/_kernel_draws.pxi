@@ -28,20 +28,6 @@ cdef extern from "en_kernel.h" nogil:
 
 # -- crops -----------------------------------------------------------------------------------
 
-cdef en_rrc_spec _spec(scale, ratio, double flip_p) except *:
-    cdef en_rrc_spec spec
-    spec.scale_lo, spec.scale_hi = float(scale[0]), float(scale[1])
-    spec.ratio_lo, spec.ratio_hi = float(ratio[0]), float(ratio[1])
-    spec.flip_p = flip_p
-    if not (0 < spec.scale_lo <= spec.scale_hi <= 1):
-        raise ValueError(f"scale must satisfy 0 < lo <= hi <= 1, got {tuple(scale)!r}")
-    if not (0 < spec.ratio_lo <= spec.ratio_hi):
-        raise ValueError(f"ratio must satisfy 0 < lo <= hi, got {tuple(ratio)!r}")
-    if not (0 <= flip_p <= 1):
-        raise ValueError(f"flip_p must be in [0, 1], got {flip_p}")
-    return spec
-
-
 def random_resized_crop_params(uint64_t seed, uint64_t epoch, uint64_t sample_id,
                                uint64_t echo_index, int height, int width,
                                scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0 / 3.0),

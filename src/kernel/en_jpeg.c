@@ -347,6 +347,36 @@ static void check_tail(en_decoder *d) {
          "(strict mode: the file is truncated, a full decode fills the missing rows with grey)");
 }
 
+/* Fancy chroma upsampling treats the first and last column of a jpeg_crop_scanline
+ * region as the image edge, which changes the pixel next to each (up to ~20 levels on
+ * 4:2:2 / 4:2:0 against a full decode).  Two extra columns per side keep those pixels
+ * out of the filter's reach; on the left libjpeg then aligns down to the previous iMCU
+ * boundary anyway.  (Checked exact against full decode + resize over thousands of crops.) */
+enum { EN_CROP_MARGIN = 2 };
+
+/* A planned crop from its header on: decode the planned rows (the margin's columns
+ * added), check the tail, resample vertically into out, stop.  One function for the
+ * plain crop (crop_resize) and the seekable one (en_seek.c's seek_crop, which compiles
+ * this file in and calls it with the plan moved onto its sub-image), so that both
+ * decode a plan with the same steps and give the same pixels. */
+static void decode_planned_crop(en_decoder *d, int denom, const en_axis *ax, const en_axis *ay,
+                                int flip, uint8_t *out, size_t stride) {
+    j_decompress_ptr ci = &d->cinfo;
+    const int sw = ceil_div((int)ci->image_width, denom);
+    stage(d, &d->prof.header_ns);
+    const int x0 = ax->lo > EN_CROP_MARGIN ? ax->lo - EN_CROP_MARGIN : 0;
+    const int x1 = ax->hi + EN_CROP_MARGIN < sw ? ax->hi + EN_CROP_MARGIN : sw;
+    decode_resample_h(d, denom, x0, x1, ax, ay, flip);
+    check_tail(d); /* before writing out: a refused file leaves it untouched */
+    stage(d, &d->prof.tail_ns);
+    en_resample_v(&d->rs, ax, ay, out, stride);
+    stage(d, &d->prof.vpass_ns);
+    /* The rows below the crop are never decoded: abort instead of finishing. */
+    jpeg_abort_decompress(ci);
+    stage(d, &d->prof.finish_ns);
+    d->prof.calls += d->profiling;
+}
+
 static int check_box(en_decoder *d, en_box b) {
     const double eps = 1e-6;
     const j_decompress_ptr ci = &d->cinfo;
@@ -369,25 +399,7 @@ static void crop_resize(en_decoder *d, en_box box, int out_h, int out_w, int fli
     if (en_plan_axis(&d->rs, 1, box.left / denom, (box.left + box.width) / denom, sw, out_w, &ax) ||
         en_plan_axis(&d->rs, 0, box.top / denom, (box.top + box.height) / denom, sh, out_h, &ay))
         fail(d, EN_ERR_NOMEM, "cannot plan a resize to %dx%d", out_h, out_w);
-    stage(d, &d->prof.header_ns);
-    /* Fancy chroma upsampling treats the first and last column of a
-     * jpeg_crop_scanline region as the image edge, which changes the pixel
-     * next to each (up to ~20 levels on 4:2:2 / 4:2:0 against a full decode).
-     * Two extra columns per side keep those pixels out of the filter's reach;
-     * on the left libjpeg then aligns down to the previous iMCU boundary anyway.
-     * (Checked exact against full decode + resize over thousands of crops.) */
-    enum { EN_CROP_MARGIN = 2 };
-    const int x0 = ax.lo > EN_CROP_MARGIN ? ax.lo - EN_CROP_MARGIN : 0;
-    const int x1 = ax.hi + EN_CROP_MARGIN < sw ? ax.hi + EN_CROP_MARGIN : sw;
-    decode_resample_h(d, denom, x0, x1, &ax, &ay, flip);
-    check_tail(d); /* before writing out: a refused file leaves it untouched */
-    stage(d, &d->prof.tail_ns);
-    en_resample_v(&d->rs, &ax, &ay, out, stride);
-    stage(d, &d->prof.vpass_ns);
-    /* The rows below the crop are never decoded: abort instead of finishing. */
-    jpeg_abort_decompress(ci);
-    stage(d, &d->prof.finish_ns);
-    d->prof.calls += d->profiling;
+    decode_planned_crop(d, denom, &ax, &ay, flip, out, stride);
 }
 
 int en_jpeg_decode_crop(en_decoder *d, const uint8_t *data, size_t len, en_box box, int out_h,

@@ -15,26 +15,20 @@ from echo_native.errors import DecodeError
 
 cnp.import_array()
 
+# The kernel's types and its crop calls' argument checks (_box, _spec, _output, _raise):
+# one definition for Decoder and Seeker, so both refuse the same arguments in the same words.
+include "_kernel_args.pxi"
+
 
 cdef extern from "en_kernel.h" nogil:
-    ctypedef struct en_decoder:
-        pass
     ctypedef struct en_limits:
         uint64_t max_pixels
         int max_scans
         int strict
         uint64_t max_memory
-    ctypedef struct en_box:
-        double top, left, height, width
-    ctypedef struct en_rrc_spec:
-        double scale_lo, scale_hi, ratio_lo, ratio_hi, flip_p
-    ctypedef struct en_key:
-        uint64_t seed, epoch, sample_id, echo_index
     enum:
-        EN_OK, EN_ERR_DECODE, EN_ERR_LIMIT, EN_ERR_ARG, EN_ERR_NOMEM
         EN_DEFAULT_MAX_PIXELS, EN_DEFAULT_MAX_SCANS, EN_DEFAULT_MAX_MEMORY
     void en_decoder_set_limits(en_decoder *d, en_limits limits)
-    const char *en_decoder_errmsg(const en_decoder *d)
     int en_decoder_warnings(const en_decoder *d)
     int en_decoder_harmless_warnings(const en_decoder *d)
     int en_decoder_last_scale(const en_decoder *d)
@@ -137,45 +131,6 @@ cdef dict _facts(en_seek_index *ix):
             "scan_bytes": ix.scan_len, "index_bytes": 40 + 8 * ix.mcu_rows + ix.lens_len}
 
 
-cdef en_box _box(box) except *:
-    try:
-        top, left, height, width = box
-    except (TypeError, ValueError):
-        raise TypeError(f"box must be (top, left, height, width), got {box!r}") from None
-    cdef en_box b
-    b.top, b.left, b.height, b.width = float(top), float(left), float(height), float(width)
-    return b
-
-
-cdef cnp.ndarray _output(out, int h, int w):
-    if out is None:
-        return np.empty((h, w, 3), dtype=np.uint8)
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
-    shape, strides = out.shape, out.strides
-    if out.dtype != np.uint8 or shape != (h, w, 3):
-        raise ValueError(f"out must be a ({h}, {w}, 3) uint8 array, got {shape} {out.dtype}")
-    if not out.flags.writeable:
-        raise ValueError("out is read-only")
-    if strides[2] != 1 or strides[1] != 3 or strides[0] < w * 3:
-        raise ValueError(f"out rows must be contiguous RGB pixels, got strides {strides}")
-    return out
-
-
-cdef en_rrc_spec _spec(scale, ratio, double flip_p) except *:
-    cdef en_rrc_spec spec
-    spec.scale_lo, spec.scale_hi = float(scale[0]), float(scale[1])
-    spec.ratio_lo, spec.ratio_hi = float(ratio[0]), float(ratio[1])
-    spec.flip_p = flip_p
-    if not (0 < spec.scale_lo <= spec.scale_hi <= 1):
-        raise ValueError(f"scale must satisfy 0 < lo <= hi <= 1, got {tuple(scale)!r}")
-    if not (0 < spec.ratio_lo <= spec.ratio_hi):
-        raise ValueError(f"ratio must satisfy 0 < lo <= hi, got {tuple(ratio)!r}")
-    if not (0 <= flip_p <= 1):
-        raise ValueError(f"flip_p must be in [0, 1], got {flip_p}")
-    return spec
-
-
 cdef class Seeker:
     """A kernel decoder (the kernel's own code, compiled in) plus the sub-image buffer.
 
@@ -201,14 +156,6 @@ cdef class Seeker:
         lim.max_pixels, lim.max_scans = max_pixels, max_scans
         lim.strict, lim.max_memory = 1 if strict else 0, max_memory
         en_decoder_set_limits(en_seeker_decoder(self._s), lim)
-
-    cdef int _raise(self, int status) except -1:
-        msg = en_decoder_errmsg(en_seeker_decoder(self._s)).decode("utf-8", "replace")
-        if status == EN_ERR_ARG:
-            raise ValueError(msg)
-        if status == EN_ERR_NOMEM:
-            raise MemoryError(msg)
-        raise DecodeError(msg)
 
     @property
     def warnings(self):
@@ -276,7 +223,7 @@ cdef class Seeker:
         with nogil:
             st = en_seek_decode_crop(self._s, src, n, b, h, w, f, p, stride)
         if st:
-            self._raise(st)
+            _raise(en_seeker_decoder(self._s), st)
         return o
 
     def decode_random_crop(self, const uint8_t[::1] data not None, size, uint64_t seed,
@@ -298,7 +245,7 @@ cdef class Seeker:
             st = en_seek_decode_random_crop(self._s, src, n, key, spec, h, w, p, stride, &b,
                                             &f)
         if st:
-            self._raise(st)
+            _raise(en_seeker_decoder(self._s), st)
         return (int(b.top), int(b.left), int(b.height), int(b.width)), bool(f)
 
     def decode_center_crop(self, const uint8_t[::1] data not None, int resize_side, size,
@@ -316,5 +263,5 @@ cdef class Seeker:
         with nogil:
             st = en_seek_decode_center_crop(self._s, src, n, resize_side, h, w, p, stride, &b)
         if st:
-            self._raise(st)
+            _raise(en_seeker_decoder(self._s), st)
         return b.top, b.left, b.height, b.width

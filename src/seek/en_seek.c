@@ -372,7 +372,6 @@ static int seek_crop(en_seeker *s, const uint8_t *data, size_t len, const en_see
                      &ax) ||
         en_plan_axis(&d->rs, 0, box.top / denom, (box.top + box.height) / denom, sh, out_h, &ay))
         return 1;
-    enum { EN_CROP_MARGIN = 2 }; /* the kernel's, see crop_resize */
     const int k = ix->interval;
     int c0 = floor_div((ax.lo - EN_SEEK_SLACK) * denom, ix->mcu_w);
     int c1 = ceil_div((ax.hi + EN_SEEK_SLACK) * denom, ix->mcu_w);
@@ -405,17 +404,7 @@ static int seek_crop(en_seeker *s, const uint8_t *data, size_t len, const en_see
     const int ssw = ceil_div((int)ci->image_width, denom);
     if (ax.lo < 0 || ay.lo < 0 || ax.hi > ssw || ay.hi > ceil_div((int)ci->image_height, denom))
         fail(d, EN_ERR_DECODE, "internal error: the crop is not inside its sub-image");
-    stage(d, &d->prof.header_ns);
-    const int x0 = ax.lo > EN_CROP_MARGIN ? ax.lo - EN_CROP_MARGIN : 0;
-    const int x1 = ax.hi + EN_CROP_MARGIN < ssw ? ax.hi + EN_CROP_MARGIN : ssw;
-    decode_resample_h(d, denom, x0, x1, &ax, &ay, flip);
-    check_tail(d);
-    stage(d, &d->prof.tail_ns);
-    en_resample_v(&d->rs, &ax, &ay, out, stride);
-    stage(d, &d->prof.vpass_ns);
-    jpeg_abort_decompress(ci);
-    stage(d, &d->prof.finish_ns);
-    d->prof.calls += d->profiling;
+    decode_planned_crop(d, denom, &ax, &ay, flip, out, stride);
     s->stats.seek++;
     return 0;
 }
