@@ -23,8 +23,12 @@ in ``stats()["duplicates"]``), and after ``load_state_dict`` plan the rest of an
 epoch on the cluster with no id repeated or lost, for any number of ranks.
 
 Ranks: each rank makes its own ``EchoRing(..., rank=r, world_size=n)``, whose
-dataset holds that rank's share of the plan.  (``streaming_split(n)`` hands
-blocks to whichever split asks first: the order would be Ray's, not the plan's.)
+dataset holds that rank's share of the plan.  Or n ranks read one Ray stream:
+:func:`split` builds one dataset of every rank's tickets, dealt in turn, and
+returns ``streaming_split(n, equal=True)``'s iterators as :class:`Split` s, one
+per rank (``EchoRing(..., split=splits[r])``).  Ray's split deals whole tickets
+round the ranks in order (order preserved, every ticket the same number of
+rows); each rank checks the rank of every row it gets.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from echo_native.pool import ship
 from echo_native.ring import OK, WAIT_CLOSED, WAIT_OK, WAIT_TIMEOUT
 from echo_native.ray_decode import COLUMNS, OBJECT_COLUMNS, HostSlot, TicketDecoder, meta_of
 
-__all__ = ["EchoRing", "RayLoader", "dataset"]
+__all__ = ["EchoRing", "RayLoader", "Split", "dataset", "split"]
 
 #: Tickets one trainer-side dataset covers, in whole epochs (at least one): a new
 #: dataset starts a new actor pool (seconds), and its input rows cost the trainer
@@ -74,7 +78,7 @@ def _concurrency(concurrency):
 
 
 def build_dataset(plan, source, tickets, *, concurrency, max_objects=0, trainer=False,
-                  job=None, ahead_bytes=None):
+                  job=None, ahead_bytes=None, ranks=None):
     """The Dataset of ``tickets`` of ``plan``: one input row per ticket, its samples out.
 
     ``preserve_order`` is set on this dataset's own context (not the process's), so
@@ -90,8 +94,9 @@ def build_dataset(plan, source, tickets, *, concurrency, max_objects=0, trainer=
         job = ship(plan, source)
     ctx = ray.data.DataContext.get_current()
     progress = ctx.enable_progress_bars
-    ds = ray.data.from_items([{"ticket": t} for t in tickets],
-                             override_num_blocks=len(tickets))
+    rows = [{"ticket": t} for t in tickets] if ranks is None else \
+        [{"ticket": t, "rank": int(r)} for t, r in zip(tickets, ranks)]
+    ds = ray.data.from_items(rows, override_num_blocks=len(tickets))
     ds = ds.map_batches(TicketDecoder, batch_size=1,
                         compute=ray.data.ActorPoolStrategy(size=concurrency), num_cpus=1,
                         fn_constructor_kwargs=dict(job=job, max_objects=max_objects,
@@ -102,6 +107,12 @@ def build_dataset(plan, source, tickets, *, concurrency, max_objects=0, trainer=
         limits = ds.context.execution_options.resource_limits
         ds.context.execution_options.resource_limits = limits.copy(
             object_store_memory=float(ahead_bytes))
+    if ranks is not None:
+        # A ticket's rows stay one block (Ray slices a block past its target size):
+        # the split deals blocks.
+        ticket_bytes = plan.batch_size * plan.transform.sample_bytes
+        ds.context.target_max_block_size = max(ds.context.target_max_block_size or 0,
+                                               4 * ticket_bytes)
     ds.context.enable_progress_bars = progress and not trainer
     return ds
 
@@ -115,12 +126,14 @@ class RayStream:
     each ticket's rows into a :class:`~echo_native.ray_decode.HostSlot`; it holds
     at most ``nslots`` tickets (assembling, or complete and not yet given back),
     which bounds the trainer's memory as the ring's slots do.  A row seen before
-    (Ray retried its task after a fault) is dropped and counted.
+    (Ray retried its task after a fault) is dropped and counted.  With a
+    :class:`Split`, the thread reads that rank's share of a shared stream (once)
+    instead of datasets of its own.
     """
 
     restarts = 0
 
-    def __init__(self, loader, first, nslots, concurrency, start=True):
+    def __init__(self, loader, first, nslots, concurrency, start=True, split=None):
         self.plan, self.source = loader._work, loader.source
         self.bpe, self.first = self.plan.batches_per_epoch, int(first)
         self.concurrency, self.max_objects = concurrency, loader.max_objects
@@ -146,7 +159,8 @@ class RayStream:
         self.actors = set()    # the decoding actor instances that sent rows
         self.assemble_s = 0.0  # the trainer's time putting Ray's rows into slots
         self._slot_wait_s = 0.0
-        self.job = ship(self.plan, self.source)
+        self.split, self._ended = split, False
+        self.job = ship(self.plan, self.source) if split is None else None
         self.reading = None    # the epoch whose dataset is being read
         self._thread = threading.Thread(target=self._pull, daemon=True,
                                         name="echo_native-ray-stream")
@@ -157,6 +171,13 @@ class RayStream:
     def _pull(self):
         ticket = self.first
         try:
+            if self.split is not None:
+                self.reading = (ticket, self.split.end)
+                self._read(self.split.iterator)
+                with self._cond:
+                    self._ended = True
+                    self._cond.notify_all()
+                return
             while not self._stop:
                 # Several epochs per dataset: each new one starts its actor pool (seconds),
                 # and training reads epoch after epoch.
@@ -166,26 +187,39 @@ class RayStream:
                                    concurrency=self.concurrency, max_objects=self.max_objects,
                                    trainer=True, job=self.job, ahead_bytes=self.ahead_bytes)
                 self.reading = (ticket, end)
-                batches = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
-                                               prefetch_batches=PREFETCH))
-                try:
-                    for cols in batches:
-                        t0, self._slot_wait_s = time.perf_counter(), 0.0
-                        if self._stop or not self._take(cols):
-                            return
-                        self.assemble_s += time.perf_counter() - t0 - self._slot_wait_s
-                finally:
-                    batches.close()   # stops the dataset's execution and its actors
+                if not self._read(ds):
+                    return
                 ticket = end
         except BaseException as e:  # noqa: BLE001 - raised to the consumer by check()
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
 
+    def _read(self, ds):
+        """Read a dataset (or a split's iterator) to its end; False once stopped."""
+        batches = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
+                                       prefetch_batches=PREFETCH))
+        try:
+            for cols in batches:
+                t0, self._slot_wait_s = time.perf_counter(), 0.0
+                if self._stop or not self._take(cols):
+                    return False
+                self.assemble_s += time.perf_counter() - t0 - self._slot_wait_s
+        finally:
+            batches.close()   # stops the dataset's execution and its actors
+        return True
+
     def _take(self, cols):
         """Assemble a batch of Ray's rows into their tickets' slots; False once stopped."""
         tickets, rows = np.asarray(cols["ticket"]), np.asarray(cols["row"])
         self.actors.update(np.unique(cols["actor"]).tolist())
+        if self.split is not None and (np.asarray(cols["rank"]) != self.split.rank).any():
+            other = int(np.asarray(cols["rank"])[np.asarray(cols["rank"]) != self.split.rank][0])
+            raise RuntimeError(
+                f"rank {self.split.rank} of a shared stream got batch {int(tickets[0])} of rank "
+                f"{other}: Ray's streaming_split did not deal the tickets round the ranks in "
+                f"turn (it does with the order preserved and every ticket's rows in one "
+                f"block of the same size)")
         # Booked when the consumer takes the ticket: what crossed for what it used.
         per_row = sum(_nbytes(v) for v in cols.values()) / max(1, len(tickets))
         for t in np.unique(tickets):
@@ -290,6 +324,12 @@ class RayStream:
             raise WorkerError(f"the Ray stream failed while the trainer waited for batch "
                               f"{ticket} (epoch {ticket // self.bpe}): {type(err).__name__}: "
                               f"{err}") from err
+        if self._ended and not self.is_published(ticket):
+            raise WorkerError(
+                f"rank {self.split.rank}'s share of the shared stream ended (batches "
+                f"[{self.split.first}, {self.split.end}), epochs up to "
+                f"{(self.split.end - 1) // self.bpe}) without batch {ticket}: make a new "
+                f"split() from where the ranks stand (its epochs=) for more")
 
     def waiting_on(self, ticket):
         return (f"the Ray cluster has not delivered it ({self.concurrency} decoding actors, "
@@ -331,13 +371,26 @@ class RayLoader(Loader):
     _ray_totals = None
     _ray_actors = None
 
+    _split = None
+
     @classmethod
-    def adopt(cls, loader, concurrency=None):
-        """Turn a Loader that has not started into a RayLoader (same plan and books)."""
+    def adopt(cls, loader, concurrency=None, split=None):
+        """Turn a Loader that has not started into a RayLoader (same plan and books),
+        reading its own datasets, or its rank's share of a shared stream (``split``)."""
         if loader.ring is not None:
             raise RuntimeError("adopt() takes a loader that has not started")
+        if split is not None:
+            if not isinstance(split, Split):
+                raise TypeError(f"split= takes one of the Split objects echo_native.ray.split() "
+                                f"returns, got {type(split).__name__}")
+            if split.key != _key(loader):
+                raise ValueError(f"this ring's plan is not the one rank {split.rank} of the "
+                                 f"split was made for ({_key(loader)} != {split.key}: seed, "
+                                 f"samples, batch, rank, world size, shuffle, drop_last, "
+                                 f"bytes per sample): give split() the ring's own keywords")
         loader.__class__ = cls
         loader.concurrency = None if concurrency is None else _concurrency(concurrency)
+        loader._split = split
         loader._ray_totals = {"duplicates": 0, "bytes": 0, "rows": 0, "assemble_s": 0.0}
         loader._ray_actors = set()
         return loader
@@ -355,9 +408,14 @@ class RayLoader(Loader):
     def start(self):
         if self._ring is not None:
             return self
-        concurrency = _concurrency(self.concurrency)
+        split = self._split
+        if split is not None:
+            split.claim(self._ticket)
+            concurrency = split.concurrency
+        else:
+            concurrency = _concurrency(self.concurrency)
         self.workers = concurrency   # auto echo divides a ticket's fill time by them
-        stream = RayStream(self, self._ticket, self.slots, concurrency)
+        stream = RayStream(self, self._ticket, self.slots, concurrency, split=split)
         self._ring = self._pool = stream
         self._owner_pid = os.getpid()
         # Device watchers are not called: Ray's batches are not a ring to page-lock, and
@@ -424,6 +482,10 @@ class EchoRing(_LocalEchoRing):
     concurrency : int, optional
         Decoding actors (one native decoder and one CPU each); default one per CPU
         of the cluster.
+    split : Split, optional
+        This rank's share of a stream shared by all ranks (:func:`split`): the
+        ring reads it once, from its first batch (load the same state into the
+        ring as into ``split()``), and ``rank``/``world_size`` default to its own.
 
     ``stats()`` adds ``duplicates`` (rows Ray delivered twice after a retry,
     dropped), ``ray_bytes`` (what crossed from the cluster),
@@ -432,11 +494,14 @@ class EchoRing(_LocalEchoRing):
     restarted one after losing its process or node).
     """
 
-    def __init__(self, source, batch_size=256, *, concurrency=None, **kwargs):
+    def __init__(self, source, batch_size=256, *, concurrency=None, split=None, **kwargs):
+        if split is not None:
+            kwargs.setdefault("rank", getattr(split, "rank", None))
+            kwargs.setdefault("world_size", getattr(split, "world_size", None))
         super().__init__(source, batch_size, **kwargs)
         # Nothing has started: the loader becomes the Ray stream's reader, and the echo
         # stage built over it reads through it unchanged.
-        RayLoader.adopt(self.loader, concurrency)
+        RayLoader.adopt(self.loader, concurrency, split)
 
     def dataset(self, epoch=None):
         """The ``ray.data.Dataset`` this ring reads for ``epoch`` (see :func:`dataset`)."""
@@ -475,3 +540,106 @@ def dataset(source, batch_size=256, *, epoch=0, concurrency=None, **kwargs):
         return ring.dataset(epoch)
     finally:
         ring.close()
+
+
+def _key(loader):
+    """What a rank's ring and its share of a shared stream must agree on."""
+    p = loader._base
+    return (int(p.seed), p.total_samples, p.batch_size, p.rank, p.world_size, bool(p.shuffle),
+            bool(p.drop_last), int(p.transform.sample_bytes))
+
+
+class Split:
+    """One rank's share of a stream shared by ``world_size`` ranks (:func:`split`):
+    ``streaming_split``'s iterator, and the batches ``[first, end)`` of the rank's
+    plan it delivers.  It pickles (Ray's iterator does), so a driver can make the
+    splits and hand one to each rank's process; a rank reads it once."""
+
+    def __init__(self, iterator, rank, world_size, first, end, concurrency, key):
+        self.iterator, self.rank, self.world_size = iterator, rank, world_size
+        self.first, self.end, self.concurrency, self.key = first, end, concurrency, key
+        self._claimed = False
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_claimed"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _claimed=False)
+
+    def claim(self, ticket):
+        if self._claimed:
+            raise RuntimeError(
+                f"rank {self.rank}'s share of the shared stream is read once, from its start, "
+                f"and this ring has read it (a close(), seek or load_state_dict after iterating "
+                f"starts the stream again): make a new split() from where the ranks stand")
+        if ticket != self.first:
+            raise ValueError(
+                f"rank {self.rank} stands at batch {ticket}, its share of the shared stream "
+                f"starts at batch {self.first}: load the same state into the ring as into "
+                f"split(state=...)")
+        self._claimed = True
+
+    def __repr__(self):
+        return (f"Split(rank={self.rank}, world_size={self.world_size}, batches "
+                f"[{self.first}, {self.end}))")
+
+
+def split(source, batch_size=256, world_size=2, *, epochs=1, state=None, concurrency=None,
+          **kwargs):
+    """n ranks reading one Ray stream: ``streaming_split(n, equal=True)`` of one
+    dataset, as one :class:`Split` per rank.
+
+    The dataset holds every rank's tickets from where the ranks stand to the end
+    of ``epochs`` epochs, dealt in turn (rank 0's first, rank 1's first, ...),
+    decoded by one pool of ``concurrency`` actors.  Ray's split deals them back
+    round the ranks in the same turn: the order is preserved and every ticket
+    ships its batch's full rows in one block.  Each rank makes
+    ``EchoRing(source, batch_size, split=splits[r], **kwargs)`` (the same
+    keywords) and checks the rank of every row.
+
+    ``state``: what every rank's ring will load (``load_state_dict``), given
+    here too so that the stream starts where they stand: the list of every
+    saved rank's ``state_dict()`` (or ``merge_states`` of it), from a job of any
+    world size; the elastic-resume rules apply.  The ranks must stand at the same
+    step (as data-parallel ranks do), and the split ends after ``epochs``
+    epochs: make a new one for the next.
+    """
+    n = world_size
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"world_size must be a positive integer (ranks), got {n!r}")
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
+        raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+    kwargs.setdefault("device", "cpu")
+    rings = [EchoRing(source, batch_size, rank=r, world_size=int(n), concurrency=concurrency,
+                      **kwargs) for r in range(n)]
+    try:
+        if state is not None:
+            for ring in rings:
+                ring.load_state_dict(state)
+        loaders = [ring.loader for ring in rings]
+        bpe = loaders[0].batches_per_epoch
+        firsts = [lo.position for lo in loaders]
+        ends = [(f // bpe + int(epochs)) * bpe for f in firsts]
+        if len({e - f for f, e in zip(firsts, ends)}) != 1:
+            raise ValueError(
+                f"the ranks stand at different steps (batches {firsts} of {bpe} per epoch, "
+                f"or shards of unequal length: shuffle=False without drop_last or pad): a "
+                f"shared stream deals every rank's batches in turn, and needs them level")
+        length = ends[0] - firsts[0]
+        concurrency = _concurrency(concurrency)
+        plan = loaders[0]._work
+        source = loaders[0].source   # a path made a source
+        job = ship(tuple(lo._work for lo in loaders), source)
+        slots = loaders[0].slots
+        ahead = n * 2 * int(slots) + 4 * concurrency
+        ds = build_dataset(plan, source, [f + k for k in range(length) for f in firsts],
+                           ranks=[r for _ in range(length) for r in range(n)],
+                           concurrency=concurrency, max_objects=loaders[0].max_objects,
+                           trainer=True, job=job,
+                           ahead_bytes=ahead * plan.batch_size * plan.transform.sample_bytes)
+        iterators = ds.streaming_split(int(n), equal=True)
+        return [Split(it, r, int(n), firsts[r], ends[r], concurrency, _key(lo))
+                for r, (it, lo) in enumerate(zip(iterators, loaders))]
+    finally:
+        for ring in rings:
+            ring.close()

@@ -79,6 +79,8 @@ class TicketDecoder:
     job : bytes
         ``echo_native.pool.ship(plan, source)``: the plan (its transform, seed,
         shard, ``on_error``, decode limits) and the source, as every worker gets them.
+        For a stream shared by ranks (:func:`echo_native.ray.split`), ``plan`` is a
+        tuple of every rank's plan, and the input rows name their ``rank``.
     max_objects : int
         Object slots per sample (a detection source), else 0.
     trainer : bool
@@ -89,32 +91,48 @@ class TicketDecoder:
     """
 
     def __init__(self, job, max_objects=0, trainer=True):
-        self.plan, self.source = pickle.loads(job)
+        plan, self.source = pickle.loads(job)
+        # One plan per rank of a shared stream; its tickets always ship the batch's
+        # full rows (padding past the samples kept), so that Ray's split, which deals
+        # rows, deals whole tickets round the ranks in turn.
+        self.plans = tuple(plan) if isinstance(plan, (tuple, list)) else (plan,)
+        self.shared = isinstance(plan, (tuple, list))
+        self.plan = self.plans[0]
         self.trainer = bool(trainer)
         transform = self.plan.transform
         self.size = getattr(transform, "size", None)   # None: a canvas, variable size
         self.ring = _OneSlot(self.plan.batch_size, transform.sample_bytes, max_objects)
         self.max_objects = int(max_objects)
         self.filler = _Filler(self.ring, self.plan, self.source)
+        self._fillers = {0: self.filler}
         # This instance, on every row it sends: a restarted or replaced actor is a new
         # one, so the trainer counts how many decoded for it (``stats()["ray_actors"]``).
         self.instance = int.from_bytes(os.urandom(8), "little") >> 1
 
-    def fill(self, ticket):
-        """Fill one ticket: ``(slot, meta)``, meta as :meth:`_OneSlot.write_meta` keeps it.
-        A source that raises (a bug, not a bad sample) becomes the ticket's worker
-        error with its traceback, as a local worker reports it."""
+    def _filler(self, rank):
+        filler = self._fillers.get(rank)
+        if filler is None:
+            filler = self._fillers[rank] = _Filler(self.ring, self.plans[rank], self.source)
+            filler.dec = self.filler.dec   # one native decoder per actor, whatever the rank
+        return filler
+
+    def fill(self, ticket, rank=0):
+        """Fill one ticket (of ``rank``'s plan): ``(slot, meta)``, meta as
+        :meth:`_OneSlot.write_meta` keeps it.  A source that raises (a bug, not a bad
+        sample) becomes the ticket's worker error with its traceback, as a local
+        worker reports it."""
         if self.size is not None:
             self.ring.fresh_slot()
         self.ring.meta = None
+        filler = self._filler(rank)
         t0 = time.perf_counter()
         try:
-            self.filler.fill(ticket)
+            filler.fill(ticket)
         except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
-            sid, where = self.filler.current, ""
+            sid, where = filler.current, ""
             if sid is not None:
                 where = f" on sample {sid} ({describe(self.source, sid)})"
-            self.filler.current = None
+            filler.current = None
             self.ring.write_meta(ticket, 0, ERR_WORKER, 0, [Failure(
                 NO_SAMPLE, REASON_NONE, "",
                 f"Ray actor (pid {os.getpid()}){where}:\n{traceback.format_exc()}")],
@@ -122,16 +140,22 @@ class TicketDecoder:
         return self.ring.slots[0], self.ring.meta
 
     def __call__(self, batch):
-        parts = [self._rows(int(t)) for t in np.asarray(batch["ticket"]).reshape(-1)]
+        tickets = np.asarray(batch["ticket"]).reshape(-1)
+        ranks = np.asarray(batch["rank"]).reshape(-1) if "rank" in batch else \
+            np.zeros(len(tickets), np.int64)
+        parts = [self._rows(int(t), int(r)) for t, r in zip(tickets, ranks)]
         return {k: _concat([p[k] for p in parts]) for k in parts[0]}
 
-    def _rows(self, ticket):
-        slot, (count, error, failures, report, fill_s, warned) = self.fill(ticket)
+    def _rows(self, ticket, rank=0):
+        slot, (count, error, failures, report, fill_s, warned) = self.fill(ticket, rank)
         epoch = ticket // self.plan.batches_per_epoch
-        # The trainer needs a row even for a ticket that kept no sample (its meta).
-        n = max(count, 1) if self.trainer else count
+        # The trainer needs a row even for a ticket that kept no sample (its meta); a
+        # shared stream's ticket ships all its rows (see __init__).
+        n = len(slot.labels) if self.shared else max(count, 1) if self.trainer else count
         out = {"sample_id": slot.sample_ids[:n].copy(), "label": slot.labels[:n].copy(),
                "epoch": np.full(n, epoch, np.int64), "ticket": np.full(n, ticket, np.int64)}
+        if self.shared:
+            out["rank"] = np.full(n, rank, np.int32)
         if self.trainer:
             out["row"] = np.arange(n, dtype=np.int32)
             out["actor"] = np.full(n, self.instance, np.int64)

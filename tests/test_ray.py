@@ -8,6 +8,7 @@ safe.  Everything skips where Ray is not installed.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -121,6 +122,37 @@ def test_rows_ray_sends_twice_are_dropped_and_counted(corpus):
     assert stream.read_meta(0).count == BATCH and stream.read_meta(0).error == 0
     stream.close()
     ring.close()
+
+
+def test_a_shared_streams_tickets_ship_whole_and_a_rank_refuses_anothers(corpus):
+    """A stream shared by ranks (split()): every ticket ships its batch's full rows, even
+    the short last one (Ray's split deals rows: equal blocks keep it dealing whole
+    tickets in turn), each row names its rank, and a rank given another's rows fails
+    naming both, rather than deliver them."""
+    from echo_native.pool import ship
+
+    kw = dict(image_size=SIZE, seed=3, echo=1, concurrency=1, shuffle=False)
+    rings = [er.EchoRing(corpus, 5, rank=r, world_size=2, **kw) for r in range(2)]
+    try:
+        loaders = [ring.loader for ring in rings]
+        decoder = TicketDecoder(ship(tuple(lo._work for lo in loaders), loaders[0].source))
+        last = loaders[0].batches_per_epoch - 1          # 24 samples per rank: 4 of 5
+        cols = decoder({"ticket": np.array([0, last]), "rank": np.array([1, 1])})
+        assert len(cols["ticket"]) == 10 and set(cols["rank"].tolist()) == {1}
+        assert cols["count"].tolist() == [5] * 5 + [4] * 5
+        with en.EchoRing(corpus, 5, rank=1, world_size=2, workers=1,
+                         **{k: v for k, v in kw.items() if k != "concurrency"}) as local:
+            own = [b.sample_ids.copy() for b in local]
+        np.testing.assert_array_equal(cols["sample_id"][:5], own[0])
+        np.testing.assert_array_equal(cols["sample_id"][5:9], own[last])
+        fake = er.Split(None, 0, 2, 0, 5, 1, er._key(loaders[0]))
+        stream = er.RayStream(loaders[0], 0, 4, 1, start=False, split=fake)
+        with pytest.raises(RuntimeError, match="rank 0 of a shared stream got batch 0 of rank 1"):
+            stream._take(cols)
+        stream.close()
+    finally:
+        for ring in rings:
+            ring.close()
 
 
 # -- on a local cluster -----------------------------------------------------------------------
@@ -550,3 +582,65 @@ def test_a_node_removed_mid_epoch_loses_and_repeats_nothing(corpus, three_node_c
     assert stats["ray_actors"] >= 3
     assert stats["duplicates"] == ray_books["duplicates"] >= 0
     assert pid not in {p for p, n, _ in _reads(log) if n != node_id}
+
+
+def _lockstep(rings, epoch, limit=None):
+    """The ranks' batches of ``epoch``, taken in turn as data-parallel ranks take them
+    (at most ``limit`` each), copied; per rank."""
+    for ring in rings:
+        ring.set_epoch(epoch)
+    its, out = [iter(ring) for ring in rings], [[] for _ in rings]
+    for r in itertools.cycle(range(len(rings))):
+        if all(it is None for it in its):
+            return out
+        if its[r] is not None:
+            b = next(its[r], None) if limit is None or len(out[r]) < limit else None
+            if b is None:
+                its[r] = None
+            else:
+                out[r].append(b.copy())
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_stream_through_streaming_split(corpus, cluster):
+    """split(): one dataset of both ranks' tickets, streaming_split(2, equal=True), one
+    actor pool.  Each rank's batches are a local ring's of that rank, each id fresh
+    once per epoch across the ranks; states taken mid-epoch resume the rest of it on a
+    new split of 2 ranks or 3 (the elastic rules), as local rings resumed alike do."""
+    import contextlib
+
+    kw = dict(image_size=SIZE, seed=4, echo=2.0, shuffle=True)
+    splits = er.split(corpus, 4, 2, epochs=2, concurrency=2, **kw)
+    assert [(s.rank, s.first, s.end) for s in splits] == [(0, 0, 12), (1, 0, 12)]
+    rings = [er.EchoRing(corpus, 4, split=s, **kw) for s in splits]
+    with contextlib.ExitStack() as stack:
+        for ring in rings:   # all ranks start: Ray's split waits for every one
+            stack.enter_context(ring)
+        whole = _lockstep(rings, 0)
+        head = _lockstep(rings, 1, limit=3)
+        states = [ring.state_dict() for ring in rings]
+    with pytest.raises(RuntimeError, match="read once"):
+        next(iter(rings[0]))
+    for r in range(2):
+        with en.EchoRing(corpus, 4, rank=r, world_size=2, workers=1, **kw) as local:
+            want = _lockstep([local], 0)[0] + _lockstep([local], 1, limit=3)[0]
+        _same([want], [whole[r] + head[r]])
+    fresh = np.concatenate([b.sample_ids[b.fresh] for b in sum(whole, [])])
+    assert sorted(fresh.tolist()) == list(range(48))
+    for n in (2, 3):
+        resumed = er.split(corpus, 4, n, epochs=1, state=states, concurrency=2, **kw)
+        rings = [er.EchoRing(corpus, 4, split=s, **kw) for s in resumed]
+        with pytest.raises(ValueError, match="load the same state"):
+            rings[0].loader.start()           # not where its share starts
+        locals_ = [en.EchoRing(corpus, 4, rank=r, world_size=n, workers=1, **kw)
+                   for r in range(n)]
+        with contextlib.ExitStack() as stack:
+            for ring in rings + locals_:
+                ring.load_state_dict(states)
+                stack.enter_context(ring)
+            tail = _lockstep(rings, 1)
+            want = _lockstep(locals_, 1)
+        _same(want, tail)
+        fresh = np.concatenate([b.sample_ids[b.fresh] for b in sum(head, []) + sum(tail, [])])
+        assert set(fresh.tolist()) == set(range(48))
+        assert len(fresh) - 48 < n   # a rank's padding wraps at most one id each
