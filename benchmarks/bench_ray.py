@@ -33,11 +33,19 @@ scheduling); and the bytes that cross from the cluster per fresh example for
 each placement (crops: after augmentation and batch echo; DCT-scaled canvases:
 before augmentation).
 
+test_local_nodes (``-k nodes``, run alone or first: it makes its own clusters) checks
+docs/ray.md's model against local clusters of 1, 2 and 3 one-CPU nodes, one actor per
+node, the trainer on the head: the delivered rate, the CPU per image by role, and the
+cores other work left free (``benchmarks/results/ray_nodes.json``).
+
 Environment:
   ECHO_NATIVE_BENCH_RAY_N        images (default 600)
   ECHO_NATIVE_BENCH_BATCH        batch size (default 64)
   ECHO_NATIVE_BENCH_RAY_ROUNDS   timed rounds per pipeline (default 4)
   ECHO_NATIVE_BENCH_RAY_BATCHES  batches per timed round (default 24)
+  ECHO_NATIVE_BENCH_RAY_NODES    node counts of test_local_nodes (default 1,2,3)
+  ECHO_NATIVE_BENCH_RAY_NODE_ROUNDS   rounds of them (default 2)
+  ECHO_NATIVE_BENCH_RAY_NODE_BATCHES  batches timed per run (default 96)
 """
 from __future__ import annotations
 
@@ -79,6 +87,12 @@ AHEAD_BATCHES = 4       # the rings' slots (Workers(slots=4))
 WARM_BATCHES = 8
 # What the Ray ring lets Ray hold ahead (echo_native.ray.RayStream), Ray Data's path too.
 RAY_AHEAD = max(2 * AHEAD_BATCHES, 4 * WORKERS)
+# test_local_nodes: local clusters of these many 1-CPU nodes, batches timed in each.
+NODES = [int(k) for k in os.environ.get("ECHO_NATIVE_BENCH_RAY_NODES", "1,2,3").split(",")]
+NODE_BATCHES = env_int("ECHO_NATIVE_BENCH_RAY_NODE_BATCHES", 96)
+NODE_ROUNDS = env_int("ECHO_NATIVE_BENCH_RAY_NODE_ROUNDS", 2)
+NODE_RESULTS = RESULTS.with_name("ray_nodes.json")
+CORES = len(os.sched_getaffinity(0))
 
 _rates: dict = {}
 _books: dict = {}
@@ -248,6 +262,117 @@ def cpu_by_role():
         role = _role(pid, me)
         out[role] = out.get(role, 0.0) + table[pid][1] / os.sysconf("SC_CLK_TCK")
     return out
+
+
+def _cpu_jiffies():
+    """(busy, steal) ticks of the whole machine so far (/proc/stat's first line)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return sum(v[:8]) - v[3] - v[4] - v[7], v[7]
+
+
+def _node_run(root, k):
+    """One local Cluster of ``k`` 1-CPU nodes (the head, where the trainer runs, and k - 1
+    more), one decoding actor per node: the delivered rate, the CPU per image by role,
+    and the cores other work left free in the timed window."""
+    from ray.cluster_utils import Cluster
+
+    import echo_native.ray as er
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
+                                                      "include_dashboard": False})
+    stream = None
+    try:
+        for _ in range(k - 1):
+            c.add_node(num_cpus=1)
+        c.wait_for_nodes(timeout=120)
+        ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+        stream = RingStream(er.EchoRing(en.ImageFolder(root), BATCH, concurrency=k,
+                                        image_size=SIZE, echo=1, seed=0, drop_last=True,
+                                        slots=AHEAD_BATCHES))
+        for _ in range(WARM_BATCHES):
+            stream.next()
+        c0, (b0, s0), t0 = cpu_by_role(), _cpu_jiffies(), time.perf_counter()
+        n = sum(stream.next() for _ in range(NODE_BATCHES))
+        dt = time.perf_counter() - t0
+        c1, (b1, s1) = cpu_by_role(), _cpu_jiffies()
+        stats = stream.ring.stats()
+    finally:
+        if stream is not None:
+            stream.close()
+        ray.shutdown()
+        c.shutdown()
+    tick = os.sysconf("SC_CLK_TCK")
+    roles = {r: max(0.0, v - c0.get(r, 0.0)) for r, v in c1.items()}
+    run = sum(v for r, v in roles.items() if r != "gone")
+    others = max(0.0, (b1 - b0) / tick - run)          # other work's CPU, this run's aside
+    return {"nodes": k, "img_per_s": n / dt, "seconds": dt,
+            "cpu_ms_per_image": {r: 1e3 * v / n for r, v in sorted(roles.items()) if v > 0},
+            "cores_used": run / dt, "cores_free": max(0.0, CORES - others / dt),
+            "steal_cores": (s1 - s0) / tick / dt, "ray_actors": stats["ray_actors"],
+            "ray_bytes_per_fresh": stats["ray_bytes_per_fresh"]}
+
+
+def model(runs):
+    """The measured model's prediction for each run of k nodes (c: CPU ms per image):
+
+        rate(k) = min(k * 1000 / c_actor,  1000 * cores_free / c_total(k))
+        c_total(k) = c_actor + c_trainer + c_daemons + (k - 1) / k * c_move
+
+    k nodes decode at most one core's worth each, and processes sharing cores deliver
+    at most what the free cores give at their total cost per image.  A ticket decoded
+    off the trainer's node is moved to it by Ray's object managers (c_move of their
+    CPU per image; (k - 1) / k of the tickets with one actor per node).  c_actor,
+    c_trainer and c_daemons are the one-node runs' (nothing moves), c_move the
+    two-node runs' extra daemon CPU; three nodes are predicted, not fitted."""
+    def med(k, role):
+        vals = [r["cpu_ms_per_image"].get(role, 0.0) for r in runs if r["nodes"] == k]
+        return statistics.median(vals) if vals else None
+
+    actor, trainer, daemons = "ray actors (fused kernel)", "consumer", "ray system"
+    c = {"actor": med(1, actor), "trainer": med(1, trainer), "daemons": med(1, daemons)}
+    c["move"] = (2 * (med(2, daemons) - c["daemons"])) if med(2, daemons) is not None \
+        else 0.0
+
+    def rate(k, cores_free):
+        total = c["actor"] + c["trainer"] + c["daemons"] + (k - 1) / k * c["move"]
+        return min(1e3 * k / c["actor"], 1e3 * cores_free / total)
+    return rate, c
+
+
+def test_local_nodes():
+    """The model in docs/ray.md against 1, 2 and 3 local nodes (ECHO_NATIVE_BENCH_RAY_NODES),
+    each a local ray.cluster_utils.Cluster of its own, ECHO_NATIVE_BENCH_RAY_NODE_ROUNDS
+    rounds (the order rotating).  On a machine of CORES cores the nodes share them:
+    the check is that prediction and measurement agree given the cores (other work
+    on the machine is measured, /proc/stat, and left out of the cores free)."""
+    from echo_native.lab import corpus
+
+    try:
+        root = corpus.default_corpus(n_images=N_IMAGES, seed=env_int("ECHO_NATIVE_BENCH_SEED", 0))
+    except ImportError as e:
+        pytest.skip(str(e))
+    if ray.is_initialized():
+        ray.shutdown()
+    runs = [_node_run(root, k) for r in range(NODE_ROUNDS)
+            for k in NODES[r % len(NODES):] + NODES[:r % len(NODES)]]
+    rate, c = model(runs)
+    for r in runs:
+        r["predicted_img_per_s"] = rate(r["nodes"], r["cores_free"])
+        r["measured_over_predicted"] = r["img_per_s"] / r["predicted_img_per_s"]
+    out = {"runs": runs, "model_ms_per_image": c, "cores": CORES, "batch": BATCH,
+           "images": N_IMAGES, "batches_timed": NODE_BATCHES}
+    NODE_RESULTS.parent.mkdir(exist_ok=True)
+    NODE_RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    print("\nmodel, CPU ms per image: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) +
+          f"; {CORES} cores")
+    for r in sorted(runs, key=lambda r: r["nodes"]):
+        cpu = ", ".join(f"{role} {v:.2f}" for role, v in r["cpu_ms_per_image"].items())
+        print(f"{r['nodes']} node(s): {r['img_per_s']:,.0f} img/s, predicted "
+              f"{r['predicted_img_per_s']:,.0f} ({r['measured_over_predicted']:.2f}); cores "
+              f"free {r['cores_free']:.2f}, used {r['cores_used']:.2f}; CPU ms/img: {cpu}; "
+              f"actors {r['ray_actors']}")
+    print(NODE_RESULTS)
 
 
 def test_paired_rounds(pipelines):
