@@ -118,17 +118,17 @@ class Batch:
 
     @classmethod
     def from_columns(cls, images, columns, *, sample_ids, fresh, echo_index, epoch,
-                     sanitize=None, keypoints=None, release=None):
+                     sanitize=None, pose=None, release=None):
         """The batch of ``images`` whose records are ``columns``: labels, crop boxes and
         flips are the columns' (views), and with object columns the objects mapped
         through each row's crop and flip onto the images (``sanitize``: the
-        SanitizeBoundingBoxes spec, or None; ``keypoints``: the source's
-        :class:`~echo_native.keypoints.Keypoints`, or None)."""
+        SanitizeBoundingBoxes spec, or None; ``pose``: the source's
+        :class:`~echo_native.keypoints.Keypoints`, which point mirrors which, or None)."""
         flips = columns.flip.view(bool)
         objects = None
         if columns.max_objects:
             objects = columns.objects().map(columns.boxes, flips, images.shape[1:3],
-                                            sanitize, keypoints=keypoints)
+                                            sanitize, pose=pose)
         return cls(images, columns.labels, sample_ids, fresh, echo_index, columns.boxes, flips,
                    epoch, _release=release, objects=objects)
 

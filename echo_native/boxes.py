@@ -136,11 +136,11 @@ class SourceObjects:
     counts: np.ndarray
     keypoints: np.ndarray = None
 
-    def map(self, windows, flips, size, sanitize_spec=None, width=None, keypoints=None):
+    def map(self, windows, flips, size, sanitize_spec=None, width=None, pose=None):
         """The :class:`Objects` of these rows after each row's window, flip and resize
         to ``size``, kept as ``sanitize_spec`` (a SanitizeBoundingBoxes or None) says,
         packed to the front of each row, padded to ``width`` (default the most a row
-        keeps); their keypoints follow (``keypoints``: the source's
+        keeps); their keypoints follow (``pose``: the source's
         :class:`~echo_native.keypoints.Keypoints`, whose ``flip`` pairs mirrored points)."""
         m = self.boxes.shape[1]
         valid = np.arange(m) < self.counts[:, None]
@@ -153,7 +153,7 @@ class SourceObjects:
         arrays = [boxes, self.labels, crowd]
         if self.keypoints is not None:
             arrays.append(map_keypoints(self.keypoints, windows, flips, size,
-                                        None if keypoints is None else keypoints.flip))
+                                        None if pose is None else pose.flip))
         valid, boxes, labels, crowd, *points = pack(keep, *arrays, width=width)
         return Objects(boxes, labels, valid, crowd, canvas_size=tuple(int(v) for v in size),
                        keypoints=points[0] if points else None)

@@ -407,7 +407,8 @@ class CocoDetection:
         out = np.zeros((len(anns), k, 3), np.float32)
         rows = None
         if set(map(type, (values[j] for j in have))) <= {list} and \
-                set(len(values[j]) for j in have) <= {3 * k}:
+                set(len(values[j]) for j in have) <= {3 * k} and \
+                set(map(type, chain.from_iterable(values[j] for j in have))) <= {int, float}:
             try:  # at C speed, as the boxes: COCO has 250,000 people
                 rows = np.asarray([values[j] for j in have], np.float64).reshape(-1, k, 3)
             except (TypeError, ValueError):

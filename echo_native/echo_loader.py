@@ -73,9 +73,10 @@ class EchoLoader(Started):
         least (ceil(e) + 1) x batch_size (the default up to e = 3); a smaller one may
         end an epoch with one more short batch, when its last fresh examples' repeats
         outnumber the batches left.
-    max_buffer_bytes : int, default 4 GiB
+    max_buffer_bytes : int or None, default 4 GiB
         The most the shuffle buffer (batch echo: its window of batch copies) may
-        hold; more is a MemoryError at the first batch naming the setting to lower.
+        hold (None: no cap of its own); more is a MemoryError at the first batch
+        naming the setting to lower.
         A buffer in host memory is also checked then against the memory available
         (``MemAvailable``, the memory cgroup's headroom), as :class:`EchoRing`'s
         is: ``RingMemoryError`` naming ``shuffle_buffer``, never the OOM killer.
@@ -96,9 +97,10 @@ class EchoLoader(Started):
         if augment is not None and not callable(augment):
             raise TypeError(f"augment must be callable(batch, keys), got {augment!r}")
         seed, batch_size, shuffle_buffer = check_stage_args(seed, batch_size, shuffle_buffer)
-        if not is_int(max_buffer_bytes) or max_buffer_bytes < 1:
-            raise ValueError(f"max_buffer_bytes must be a positive integer, got "
-                             f"{max_buffer_bytes!r}")
+        if max_buffer_bytes is not None and (not is_int(max_buffer_bytes) or
+                                             max_buffer_bytes < 1):
+            raise ValueError(f"max_buffer_bytes must be a positive integer or None (no cap), "
+                             f"got {max_buffer_bytes!r}")
         self.spec = _placed(fold_echo("EchoLoader", echo), augment)
         if batch_size is not None and self.spec.placement == "batch" and not self.spec.off:
             raise ValueError("batch_size= does not apply to batch echo, which repeats the "
@@ -120,15 +122,15 @@ class EchoLoader(Started):
 
     # -- the stage, made at the first batch (its size is the wrapped loader's) --------------
     def _make_stage(self, B):
-        stage = self._new_stage(B)
+        stage = self._new_stage(B, self._shuffle_buffer)
         if isinstance(stage, BatchEcho):
             self.examples.window = stage.window_size
         stage.start()
         return stage
 
-    def _new_stage(self, B):
+    def _new_stage(self, B, shuffle_buffer):
         return make_stage(self.spec, self.upstream, self.examples, self._finish, seed=self.seed,
-                          batch_size=B, shuffle_buffer=self._shuffle_buffer,
+                          batch_size=B, shuffle_buffer=shuffle_buffer,
                           drop_last=self.drop_last, device=ArrayDevice(np))
 
     def _finish(self, emitted):
@@ -170,19 +172,26 @@ class EchoLoader(Started):
         """Batches in the coming epoch, as the stage counts them, where the wrapped loader
         has a length (for example echo, from its dataset's length; for auto, at the
         current e)."""
-        if self.upstream.batches_per_epoch is None:
-            raise TypeError(f"the wrapped {type(self.iterable).__name__} has no len()")
+        up, echo, name = self.upstream, self.spec, type(self.iterable).__name__
+        if up.batches_per_epoch is None:
+            raise TypeError(f"the wrapped {name} has no len()")
+        example_echo = not echo.off and echo.placement != "batch"
+        if example_echo and up.samples_per_epoch is None:
+            raise TypeError(f"EchoLoader: len() needs the examples per epoch, and the wrapped "
+                            f"{name} does not say how many (a DataLoader over a dataset with "
+                            f"len() does)")
         stage = self.stage
         if stage is None:  # not made yet (no batch taken): one like it, never started
             B = self.batch_size or _declared_batch_size(self.iterable)
-            if B is None and (self.spec.placement != "batch" or self.drop_last) and \
-                    not self.spec.off:
+            if B is None and example_echo:
                 raise TypeError(f"EchoLoader: len() needs the emitted batch size, and the "
-                                f"wrapped {type(self.iterable).__name__} does not say it: "
-                                f"give batch_size=, or take a batch first")
-            # Without it (pass-through, batch echo keeping short batches) the count does
-            # not depend on it.
-            stage = self._new_stage(B or 1)
+                                f"wrapped {name} does not say it: give batch_size=, or take "
+                                f"a batch first")
+            # Without it, pass-through and batch echo count the wrapped loader's batches
+            # (batch echo's short last batch is then counted: take a batch first to know
+            # it).  The count depends on neither the batch size nor the buffer's: the
+            # buffer is checked when the stage is made for iterating.
+            stage = self._new_stage(B or 1, None)
         return stage.batches_in(self.epoch)
 
     @property

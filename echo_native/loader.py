@@ -27,6 +27,7 @@ from echo_native._iteration import NOT_PICKLABLE, IterationGuard, Started
 from echo_native.augment import Program, WithOps
 from echo_native.batch import Batch, Books, Columns, Fresh
 from echo_native.errors import DecodeError
+from echo_native.keypoints import Keypoints
 from echo_native.failures import REASONS, FailureReport
 from echo_native.plan import ON_ERROR, Plan
 from echo_native.resume import (check_epoch, check_merged, check_state, merge_states,
@@ -127,6 +128,10 @@ class Loader(Started):
             self.max_objects = positive_int("", "max_objects", max_objects, 1, MAX_OBJECTS)
             # Pose targets: each object's keypoints ride in the record with its box.
             self.keypoints = hook(source, "keypoints")
+            if self.keypoints is not None and not isinstance(self.keypoints, Keypoints):
+                raise TypeError(f"the source {_source_name(source)}'s keypoints must be an "
+                                f"echo_native.Keypoints (the names, and which point mirrors "
+                                f"which) or None, got {type(self.keypoints).__name__}")
         elif getattr(specs.crop, "iou_crop", None) is not None:
             raise ValueError(f"RandomIoUCrop crops around the boxes of each sample, but the "
                              f"source {_source_name(source)} has none: give a source with "
@@ -459,7 +464,7 @@ class Loader(Started):
         return Batch.from_columns(
             slot.pixels[:n].reshape(n, h, w, 3), Columns.of_slot(slot, n),
             sample_ids=fresh.sample_ids, fresh=fresh.ok, echo_index=np.zeros(n, np.int64),
-            epoch=fresh.epoch, sanitize=self.specs.sanitize, keypoints=self.keypoints,
+            epoch=fresh.epoch, sanitize=self.specs.sanitize, pose=self.keypoints,
             release=functools.partial(self.release, fresh.ticket))
 
     # -- the Upstream of the echo stages ---------------------------------------------------

@@ -27,6 +27,7 @@ from echo_native.mix import Mix
 from echo_native.output import SHORTHANDS as output_shorthands
 from echo_native.output import fold_output
 from echo_native.protocol import hook
+from echo_native.ring import record_bytes
 from echo_native.resume import check_epoch
 from echo_native.source import as_source
 from echo_native.specs import fold
@@ -118,6 +119,10 @@ class EchoRing(Started):
         crop = specs.crop
         seed, batch_size, shuffle_buffer = check_stage_args(seed, batch_size,
                                                             echo.shuffle_buffer)
+        if isinstance(crop, CenterCrop) and not echo.off and echo.flip and \
+                echo.placement == "after_augment":
+            raise ValueError("CenterCrop draws no flip, so Echo(flip=True) would redraw none: "
+                             "leave flip=False, or use RandomResizedCrop(flip_p=...)")
         if isinstance(crop, CenterCrop) and not echo.off and echo.placement == "before_augment":
             raise ValueError("CenterCrop is deterministic: echoing it before augmentation would "
                              "repeat identical images at the cost of a canvas each; use echo=1 "
@@ -179,12 +184,17 @@ class EchoRing(Started):
                                 shuffle_buffer=shuffle_buffer, drop_last=bool(drop_last),
                                 device=self.device)
         self.shuffle_buffer = capacity = self.stage.shuffle_buffer
-        if self.device.host_resident and not echo.off:
-            # The echo buffer (or batch echo's window of batch copies) in host memory,
-            # checked with the ring at start: refused there, never OOM-killed later.
+        if not echo.off:
+            # The echo buffer (or batch echo's window of batch copies), checked with the
+            # ring at start: refused there, never OOM-killed later.  Its records (the
+            # objects and keypoints of detection samples) live in host memory on every
+            # device; its pixels too on the CPU.
             held = capacity if echo.placement != "batch" else \
                 (max(2, capacity // batch_size) + 1) * batch_size
-            self.loader.memory_extra = (("the echo buffer", held * transform.sample_bytes,
+            per_entry = record_bytes(self.loader.max_objects, len(self.loader.keypoints or ()))
+            if self.device.host_resident:
+                per_entry += transform.sample_bytes
+            self.loader.memory_extra = (("the echo buffer", held * per_entry,
                                          "shuffle_buffer"),)
         # A caught Ctrl-C is held while a batch moves through the stages, so that it
         # neither loses nor repeats one (the waits for a fresh batch stay interruptible).

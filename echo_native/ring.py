@@ -129,6 +129,13 @@ def record_shape(rows, width, samples, max_objects=0, max_keypoints=0):
     return shape + ((width,) if width > 1 else ())
 
 
+def record_bytes(max_objects=0, max_keypoints=0):
+    """The bytes of one sample's record (every column of :data:`COLUMNS`), without its
+    pixels: what an echo buffer keeps per entry besides them."""
+    return sum(int(np.prod(record_shape(rows, width, 1, max_objects, max_keypoints)))
+               * np.dtype(dtype).itemsize for _, dtype, rows, width in COLUMNS)
+
+
 def _offset(name):
     return property(lambda self: self._c[name], doc=f"byte offset of {name} (see en_ring.h)")
 

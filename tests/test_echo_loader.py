@@ -473,3 +473,23 @@ def test_a_loader_with_more_batches_than_its_len_is_named():
 
     with pytest.raises(RuntimeError, match="more batches than its len"):
         list(en.EchoLoader(Liar(), echo=2))
+
+
+# ---- len() before the first batch, and the buffer's cap ---------------------------------------
+def test_len_before_the_first_batch_counts_what_iterating_delivers():
+    """len() asks a stage like the one iterating makes: for batch echo with drop_last
+    over a loader that declares its batch size (its last batch short), and for example
+    echo whose buffer is given for the batch size read at the first batch, len() before
+    any batch is what one epoch delivers."""
+    for kw in ({"echo": en.Echo(2, placement="batch"), "drop_last": True},
+               {"echo": 2, "shuffle_buffer": 24}):
+        el = en.EchoLoader(loader(n=44, workers=0), seed=3, **kw)
+        expected = len(el)
+        assert expected == len(list(el))
+
+
+def test_max_buffer_bytes_none_leaves_the_buffer_uncapped():
+    el = en.EchoLoader(loader(n=32, workers=0), echo=2, seed=0, max_buffer_bytes=None)
+    assert sorted(ids_of(el)) == sorted(list(range(32)) * 2)
+    with pytest.raises(ValueError, match="max_buffer_bytes must be a positive integer or None"):
+        en.EchoLoader(loader(), echo=2, max_buffer_bytes=0)

@@ -214,6 +214,9 @@ def test_center_crop_refuses_echo_before_augmentation(val_folder):
     src = en.ImageFolder(val_folder)
     with pytest.raises(ValueError, match="CenterCrop is deterministic.*echo=1"):
         en.EchoRing(src, 2, augment=en.CenterCrop(32), echo=2)
+    with pytest.raises(ValueError, match="CenterCrop draws no flip"):
+        en.EchoRing(src, 2, augment=en.CenterCrop(32),
+                    echo=en.Echo(2, placement="after_augment", flip=True))
     ring = en.EchoRing(src, 2, augment=en.CenterCrop(32),
                        echo=en.Echo(2, placement="after_augment"), workers=1)
     with ring:

@@ -215,8 +215,10 @@ def test_coco_keypoints_are_read_with_their_flip_pairs(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [[1.0, 2.0, 2], [1.0, 2.0, 3] * 4, ["x", 2.0, 2] * 4,
+                                 ["1.5", 2.0, 2] * 4, [True, 2.0, 2] * 4,
                                  [float("nan"), 2.0, 2] * 4, "12"],
-                         ids=["short", "visibility", "string", "nan", "not a list"])
+                         ids=["short", "visibility", "string", "numeric string", "bool", "nan",
+                              "not a list"])
 def test_bad_coco_keypoints_are_named(tmp_path, bad):
     root, ann, _ = _coco_pose(tmp_path, lambda k, n: [bad] * n)
     with pytest.raises(ValueError, match="annotation id 1: keypoints must be 12 finite "
@@ -243,3 +245,23 @@ def test_targets_check_their_keypoints():
     assert t.keypoints.dtype == np.float32 and t == en.Targets(boxes, labels,
                                                                keypoints=[[[1, 2, 2]]])
     assert t != en.Targets(boxes, labels)
+
+
+def test_a_keypoints_hook_that_is_not_a_keypoints_spec_is_refused_by_name():
+    class Named(Poses):
+        keypoints = list(NAMES)   # names alone say nothing of which point mirrors which
+
+    with pytest.raises(TypeError, match="keypoints must be an echo_native.Keypoints"):
+        en.EchoRing(Named(4), batch_size=2, augment=SSD[2:], echo=1, workers=1)
+
+
+def test_the_echo_buffer_counts_its_records_in_the_memory_check():
+    """With keypoints, an entry's record (objects and their points) is counted with its
+    pixels in the memory the echo buffer asks for at start."""
+    from echo_native.ring import record_bytes
+
+    with en.EchoRing(Poses(4), batch_size=2, augment=SSD[2:], workers=1,
+                     echo=en.Echo(2, placement="after_augment"), max_objects=8) as ring:
+        (what, nbytes, setting), = ring.loader.memory_extra
+        per_entry = 160 * 160 * 3 + record_bytes(8, len(NAMES))
+        assert nbytes == ring.shuffle_buffer * per_entry and setting == "shuffle_buffer"

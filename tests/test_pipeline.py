@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
+from echo_native.ring import record_bytes
 from echo_native.backends.array import ArrayDevice, SlotReturns
 
 HERE = Path(__file__).resolve().parent
@@ -677,8 +678,9 @@ def test_echo_buffer_too_large_stops_the_workers_and_says_what_to_do():
     and a smaller setting, and the ring started for it is gone."""
     src = en.Samples(_jpegs(16), np.arange(16) % 3)
     before = _segments()
+    # Its records (61 bytes an entry, host memory) fit; its pixels (on the device) do not.
     ring = en.EchoRing(src, batch_size=8, image_size=224, echo=2, workers=1,
-                       shuffle_buffer=2**40, device=ArrayDevice(np))
+                       shuffle_buffer=2**24, device=ArrayDevice(np))
     with pytest.raises(MemoryError, match=r"needs .* GiB on array, which could not be allocated; each of these halves it: shuffle_buffer="):
         ring.start()
     assert ring.loader.ring is None and _segments() == before
@@ -694,8 +696,8 @@ def test_a_host_echo_buffer_is_budgeted_with_the_ring():
     with pytest.raises(en.RingMemoryError, match=r"the echo buffer \(.* GiB, lower "
                                                  r"shuffle_buffer\)") as info:
         ring.start()
-    assert ("the echo buffer", 2**40 * ring.loader.plan.transform.sample_bytes,
-            "shuffle_buffer") in info.value.parts
+    per_entry = ring.loader.plan.transform.sample_bytes + record_bytes()  # pixels, record
+    assert ("the echo buffer", 2**40 * per_entry, "shuffle_buffer") in info.value.parts
     assert ring.loader.ring is None and ring.loader.worker_pids() == [] and \
         _segments() == before
 

@@ -57,7 +57,7 @@ class ImageExamples:
                  max_objects=0, sanitize=None, keypoints=None):
         self.max_objects, self.sanitize = int(max_objects), sanitize
         # What a batch's objects follow besides the crop: both given to every batch made.
-        self.rules = {"sanitize": sanitize, "keypoints": keypoints}
+        self.rules = {"sanitize": sanitize, "pose": keypoints}
         self.device, self.outputs = device, outputs
         self.program, self.seed = program, seed
         self.after_augment = echo.placement == "after_augment"
@@ -76,7 +76,7 @@ class ImageExamples:
     def allocate(self, capacity):
         if self.stored is None:
             self.stored = ImageStore(capacity, self.sample_bytes, self.device,
-                                     self.max_objects, len(self.rules["keypoints"] or ()))
+                                     self.max_objects, len(self.rules["pose"] or ()))
 
     def free(self):
         self.stored = None

@@ -61,13 +61,15 @@ def name_batch(err, fresh):
 
 class Emission:
     """One emitted batch on its way to the consumer: the job making its pixels, the first
-    emissions it carries (booked at hand-over), its parts for ``finish``, the batch
-    once handed over, and the seconds the call that started it took."""
+    emissions it carries (booked at hand-over), what the examples made for ``finish``
+    (``made``: a :class:`~echo_native.batch.Batch` of ring examples, a user's batch for
+    :class:`EchoLoader`), the batch once handed over, and the seconds the call that
+    started it took."""
 
-    __slots__ = ("job", "sent", "parts", "batch", "made_s")
+    __slots__ = ("job", "sent", "made", "batch", "made_s")
 
-    def __init__(self, job, sent, parts, made_s=0.0):
-        self.job, self.sent, self.parts, self.batch = job, sent, parts, None
+    def __init__(self, job, sent, made, made_s=0.0):
+        self.job, self.sent, self.made, self.batch = job, sent, made, None
         self.made_s = made_s
 
 
@@ -79,7 +81,7 @@ class Stage:
     upstream : Upstream
     examples : what stores and emits examples (``store``, ``make``, ``pass_through``,
         ``keep``, ``repeat``; see :mod:`echo_native.echo.images`)
-    finish : callable(parts) -> batch, the delivery of an emission
+    finish : callable(made) -> batch, the delivery of what the examples made
     factor : float, or None with ``auto`` (an :class:`~echo_native.echo.auto.AutoEcho`)
     device : where the emissions are made (``release_after_copies``, ``synchronize``)
     """

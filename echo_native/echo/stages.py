@@ -76,17 +76,17 @@ class PassThrough(Stage):
             # Resumed from a state saved with echo > 1: its examples emitted before the
             # save (ahead of its position) are left out, never delivered fresh twice.
             keep = ~np.isin(fresh.sample_ids, list(skip)) | ~fresh.ok
-            parts, copied = self.examples.pass_through(fresh, None if keep.all() else keep)
+            made, copied = self.examples.pass_through(fresh, None if keep.all() else keep)
         else:
             keep = None
-            parts, copied = self.examples.pass_through(fresh)
+            made, copied = self.examples.pass_through(fresh)
         with deferred_interrupts():
             self.book_fresh(np.count_nonzero(fresh.ok if keep is None else fresh.ok & keep))
             if copied:  # the batch's pixels were copied out: the fresh batch goes back
                 self.release()
             # else the batch is the fresh batch's memory; it goes back with the next one.
             self._delivered = fresh.ticket
-        return self.finish(parts)
+        return self.finish(made)
 
     def batches_in(self, epoch):
         return _known(self.upstream.batches_per_epoch)
@@ -314,9 +314,9 @@ class ExampleEcho(Stage):
         first = echo_index == 0
         ok = buf.ok[entries]
         t0 = time.perf_counter()
-        job, parts = self.examples.make(entries, sample_ids, echo_index, first & ok,
-                                        buf.epoch[entries], epoch)
-        emission = Emission(job, (tickets[first], sample_ids[first], ok[first]), parts,
+        job, emitted = self.examples.make(entries, sample_ids, echo_index, first & ok,
+                                           buf.epoch[entries], epoch)
+        emission = Emission(job, (tickets[first], sample_ids[first], ok[first]), emitted,
                             time.perf_counter() - t0)
         with deferred_interrupts():
             buf.emit(entries)
@@ -333,7 +333,7 @@ class ExampleEcho(Stage):
                 # the device's work on it (auto echo's capacity).
                 busy = self.device.job_seconds(emission.job)
                 self.auto.emission(emission.made_s + (busy or 0.0))
-            batch = self.finish(emission.parts)
+            batch = self.finish(emission.made)
             with deferred_interrupts():
                 self.ledger.sent(*emission.sent)
                 emission.batch = batch
@@ -361,7 +361,8 @@ class BatchEcho(Stage):
     def batches_in(self, epoch):
         up, B = self.upstream, self.batch_size
         counts = echo_counts(self.seed, epoch, _known(up.batches_per_epoch), self.e)
-        if self.drop_last and up.samples_per_epoch % B:
+        n = up.samples_per_epoch
+        if self.drop_last and n is not None and n % B:
             counts = counts[:-1]  # the short last batch is never delivered
         return int(counts.sum())
 
