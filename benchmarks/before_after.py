@@ -1,29 +1,47 @@
-"""The same four jobs on one folder, for comparing two trees of echo_native: run it once
-per tree (PYTHONPATH=<tree>), alternating, and compare the JSON lines it prints.
+"""The same jobs on one folder, for comparing two trees of echo_native: run it once per
+tree (PYTHONPATH=<tree>), alternating, and compare the JSON lines it prints.
 
     python benchmarks/before_after.py FOLDER LABEL
 
-Jobs (images/s after the first batch, two epochs, 2 workers, RandomResizedCrop 224):
-Loader, EchoRing(echo=1), echo 2 before augmentation, echo 2 after augmentation.
-docs/results.md ("The house, round two: before and after") used it."""
-import json, sys, time
+Jobs (images/s after the first batch and images per CPU second, two epochs, 2 workers,
+RandomResizedCrop 224):
+Loader, EchoRing(echo=1), echo 2 before augmentation, echo 2 after augmentation; then
+detection on the folder's images as a COCO folder (2-4 boxes each, written once beside
+it, FOLDER.coco): SSD geometry at 300 px, echo 2 before and after augmentation.
+docs/results.md ("The house, round two/three: before and after") used it."""
+import json, os, resource, sys, time
+import numpy as np
 import echo_native as en
 
 folder, which = sys.argv[1], sys.argv[2]
 out = {"tree": which}
 
+def cpu_seconds():
+    """CPU time of this process and of its children that ended (the workers, once the
+    pipeline is closed): work done, which a shared machine's load does not inflate."""
+    own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                 resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def rate(make, epochs=2):
+    """Images/s after the first batch (wall time), and images per CPU second of the
+    whole run (workers included)."""
+    c0 = cpu_seconds()
     with make() as it:
-        n, t0 = 0, None
+        n, t0, total = 0, None, 0
         for e in range(epochs + 1):
             if hasattr(it, "set_epoch"):
                 it.set_epoch(e)
             for b in it:
+                total += len(b)
                 if t0 is None:           # the first batch starts the clock (workers up)
                     t0 = time.perf_counter()
                     continue
                 n += len(b)
-    return n / (time.perf_counter() - t0)
+        wall = n / (time.perf_counter() - t0)
+    return [round(wall, 1), round(total / (cpu_seconds() - c0), 1)]
+
 
 out["loader"] = rate(lambda: en.Loader(folder, 64, image_size=224, workers=2, seed=0))
 out["echo1"] = rate(lambda: en.EchoRing(folder, 64, image_size=224, workers=2, echo=1, seed=0))
@@ -31,4 +49,41 @@ out["before_e2"] = rate(lambda: en.EchoRing(folder, 64, image_size=224, workers=
                                             placement="before_augment", seed=0))
 out["after_e2"] = rate(lambda: en.EchoRing(folder, 64, image_size=224, workers=2, echo=2,
                                            placement="after_augment", seed=0))
+
+def coco_folder(folder):
+    """FOLDER's JPEGs as a COCO folder with 2-4 random boxes each (made once)."""
+    root = folder.rstrip("/") + ".coco"
+    ann = os.path.join(root, "instances.json")
+    if os.path.exists(ann):
+        return root, ann
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(0)
+    images, anns = [], []
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs
+                   if f.lower().endswith((".jpg", ".jpeg")))
+    for i, path in enumerate(files):
+        data = open(path, "rb").read()
+        name = f"{i:06d}.jpg"
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(data)
+        h, w = en.image_size(data)
+        images.append({"id": i + 1, "file_name": name, "height": h, "width": w})
+        for _ in range(int(rng.integers(2, 5))):
+            bw, bh = (float(v) for v in rng.uniform(0.06, 0.6, 2) * (w, h))
+            x, y = float(rng.uniform(0, w - bw)), float(rng.uniform(0, h - bh))
+            anns.append({"id": len(anns) + 1, "image_id": i + 1, "category_id": 1,
+                         "bbox": [x, y, bw, bh], "iscrowd": 0})
+    with open(ann + ".tmp", "w") as f:
+        json.dump({"images": images, "annotations": anns,
+                   "categories": [{"id": 1, "name": "thing"}]}, f)
+    os.replace(ann + ".tmp", ann)
+    return root, ann
+
+
+coco = en.CocoDetection(*coco_folder(folder))
+ssd = [en.RandomZoomOut(fill=(124, 116, 104), side_range=(1.0, 4.0)), en.RandomIoUCrop(),
+       en.RandomHorizontalFlip(), en.Resize((300, 300)), en.SanitizeBoundingBoxes()]
+for placement in ("before_augment", "after_augment"):
+    out[f"detect_{placement.split('_')[0]}_e2"] = rate(lambda: en.EchoRing(
+        coco, 32, augment=ssd, workers=2, echo=en.Echo(2, placement=placement), seed=0))
 print(json.dumps(out))
