@@ -92,6 +92,7 @@ NODES = [int(k) for k in os.environ.get("ECHO_NATIVE_BENCH_RAY_NODES", "1,2,3").
 NODE_BATCHES = env_int("ECHO_NATIVE_BENCH_RAY_NODE_BATCHES", 96)
 NODE_ROUNDS = env_int("ECHO_NATIVE_BENCH_RAY_NODE_ROUNDS", 2)
 NODE_RESULTS = RESULTS.with_name("ray_nodes.json")
+NODE_STORE_BYTES = 768 << 20
 CORES = len(os.sched_getaffinity(0))
 
 _rates: dict = {}
@@ -271,6 +272,20 @@ def _cpu_jiffies():
     return sum(v[:8]) - v[3] - v[4] - v[7], v[7]
 
 
+def _streams_ended(timeout=120.0):
+    """Wait for the rings' stream threads, and the threads of Ray Data's iterators they
+    closed, to end before Ray does: one still getting a block when Ray shuts down
+    aborts the process (Ray's core worker), or connects again (Ray's auto-init)."""
+    import threading
+
+    names = ("echo_native-ray-stream", "iter_threaded", "StreamingExecutor")
+    deadline = time.monotonic() + timeout
+    while any(t.name.startswith(names) for t in threading.enumerate()):
+        if time.monotonic() > deadline:
+            raise RuntimeError("a ring's stream thread did not end")
+        time.sleep(0.05)
+
+
 def _node_run(root, k):
     """One local Cluster of ``k`` 1-CPU nodes (the head, where the trainer runs, and k - 1
     more), one decoding actor per node: the delivered rate, the CPU per image by role,
@@ -279,12 +294,15 @@ def _node_run(root, k):
 
     import echo_native.ray as er
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
-                                                      "include_dashboard": False})
+    # Each node's object store holds what Ray decodes ahead (a local Cluster's default,
+    # 150 MB, would spill it to disk).
+    store = {"object_store_memory": NODE_STORE_BYTES}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                      **store})
     stream = None
     try:
         for _ in range(k - 1):
-            c.add_node(num_cpus=1)
+            c.add_node(num_cpus=1, **store)
         c.wait_for_nodes(timeout=120)
         ray.init(address=c.address, log_to_driver=False, configure_logging=False)
         stream = RingStream(er.EchoRing(en.ImageFolder(root), BATCH, concurrency=k,
@@ -300,6 +318,7 @@ def _node_run(root, k):
     finally:
         if stream is not None:
             stream.close()
+        _streams_ended()
         ray.shutdown()
         c.shutdown()
     tick = os.sysconf("SC_CLK_TCK")

@@ -23,12 +23,8 @@ in ``stats()["duplicates"]``), and after ``load_state_dict`` plan the rest of an
 epoch on the cluster with no id repeated or lost, for any number of ranks.
 
 Ranks: each rank makes its own ``EchoRing(..., rank=r, world_size=n)``, whose
-dataset holds that rank's share of the plan.  Or n ranks read one Ray stream:
-:func:`split` builds one dataset of every rank's tickets, dealt in turn, and
-returns ``streaming_split(n, equal=True)``'s iterators as :class:`Split` s, one
-per rank (``EchoRing(..., split=splits[r])``).  Ray's split deals whole tickets
-round the ranks in order (order preserved, every ticket the same number of
-rows); each rank checks the rank of every row it gets.
+dataset holds that rank's share of the plan; or the ranks read one Ray stream
+(:func:`split`: ``streaming_split(n, equal=True)``, one :class:`Split` a rank).
 """
 from __future__ import annotations
 
@@ -62,41 +58,58 @@ __all__ = ["EchoRing", "RayLoader", "Split", "dataset", "split"]
 TICKETS_PER_DATASET = 1000
 #: Ray's batches fetched ahead of the stream's thread (``iter_batches``).
 PREFETCH = 2
+#: Images per Ray block (several small tickets to a task), and at most this many tickets.
+BLOCK_IMAGES = 256
+MAX_TICKETS_PER_BLOCK = 8
+#: Blocks per actor Ray may hold decoded ahead (see RayStream).
+AHEAD_BLOCKS = 4
+
+
+def _positive(name, value, what=""):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{what}, got {value!r}")
+    return int(value)
 
 
 def _concurrency(concurrency):
     """Decoding actors: as given, else one per CPU of the cluster ``ray.init()`` joined."""
     if concurrency is not None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, (int, np.integer)) \
-                or concurrency < 1:
-            raise ValueError(f"concurrency must be a positive integer (decoding actors) or "
-                             f"None (one per CPU of the cluster), got {concurrency!r}")
-        return int(concurrency)
+        return _positive("concurrency", concurrency, " (decoding actors) or None (one per "
+                         "CPU of the cluster)")
     if not ray.is_initialized():
         ray.init()
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def build_dataset(plan, source, tickets, *, concurrency, max_objects=0, trainer=False,
-                  job=None, ahead_bytes=None, ranks=None):
-    """The Dataset of ``tickets`` of ``plan``: one input row per ticket, its samples out.
+def tickets_per_block(plan):
+    """Tickets one Ray task decodes into one block, about BLOCK_IMAGES images: Ray's
+    cost is per block as much as per byte (measured, docs/ray.md)."""
+    return max(1, min(MAX_TICKETS_PER_BLOCK, -(-BLOCK_IMAGES // plan.batch_size)))
+
+
+def build_dataset(plan, source, starts, length, *, concurrency, max_objects=0, trainer=False,
+                  job=None, ahead_bytes=None, shared=False):
+    """The Dataset of ``length`` tickets of ``plan`` from each of ``starts`` (one
+    stream: one start; a stream shared by ranks: each rank's, its rows dealt in turn
+    and named by rank).  An input row is a run of consecutive tickets of one rank
+    (:func:`tickets_per_block`), one task and one block; the samples come out.
 
     ``preserve_order`` is set on this dataset's own context (not the process's), so
     Ray delivers the tickets in the plan's order; the trainer puts them in order
-    anyway, and this keeps how far it must look ahead to one ticket.
+    anyway, and this keeps how far it must look ahead to one block.
     ``ahead_bytes`` bounds the object store the execution may fill ahead of the
     reader (Ray's default is a share of the node's memory: epochs of decoded
     images, decoded for a trainer that may stop, on cores the trainer needs)."""
-    tickets = [int(t) for t in tickets]
-    if not tickets:
+    if length < 1:
         raise ValueError("no tickets to read")
     if job is None:
         job = ship(plan, source)
     ctx = ray.data.DataContext.get_current()
     progress = ctx.enable_progress_bars
-    rows = [{"ticket": t} for t in tickets] if ranks is None else \
-        [{"ticket": t, "rank": int(r)} for t, r in zip(tickets, ranks)]
-    ds = ray.data.from_items(rows, override_num_blocks=len(tickets))
+    g = tickets_per_block(plan)
+    rows = [dict(ticket=int(s) + c, count=min(g, length - c), **({"rank": r} if shared else {}))
+            for c in range(0, length, g) for r, s in enumerate(starts)]
+    ds = ray.data.from_items(rows, override_num_blocks=len(rows))
     ds = ds.map_batches(TicketDecoder, batch_size=1,
                         compute=ray.data.ActorPoolStrategy(size=concurrency), num_cpus=1,
                         fn_constructor_kwargs=dict(job=job, max_objects=max_objects,
@@ -107,12 +120,12 @@ def build_dataset(plan, source, tickets, *, concurrency, max_objects=0, trainer=
         limits = ds.context.execution_options.resource_limits
         ds.context.execution_options.resource_limits = limits.copy(
             object_store_memory=float(ahead_bytes))
-    if ranks is not None:
-        # A ticket's rows stay one block (Ray slices a block past its target size):
-        # the split deals blocks.
-        ticket_bytes = plan.batch_size * plan.transform.sample_bytes
+    if shared:
+        # A run's rows stay one block (Ray slices a block past its target size): the
+        # split deals blocks.
+        block_bytes = g * plan.batch_size * plan.transform.sample_bytes
         ds.context.target_max_block_size = max(ds.context.target_max_block_size or 0,
-                                               4 * ticket_bytes)
+                                               4 * block_bytes)
     ds.context.enable_progress_bars = progress and not trainer
     return ds
 
@@ -122,13 +135,12 @@ class RayStream:
     (``wait_filled``, ``read_meta``, ``release``, ...) and supervises as its pool
     (``check``, ``waiting_on``, ``close``).
 
-    A thread reads Ray's batches, from ticket ``first`` on, and assembles
-    each ticket's rows into a :class:`~echo_native.ray_decode.HostSlot`; it holds
-    at most ``nslots`` tickets (assembling, or complete and not yet given back),
-    which bounds the trainer's memory as the ring's slots do.  A row seen before
-    (Ray retried its task after a fault) is dropped and counted.  With a
-    :class:`Split`, the thread reads that rank's share of a shared stream (once)
-    instead of datasets of its own.
+    A thread reads Ray's batches, from ticket ``first`` on (datasets of its own, or
+    a :class:`Split`, once), and assembles each ticket's rows into a
+    :class:`~echo_native.ray_decode.HostSlot`; it holds at most ``nslots`` tickets
+    (assembling, or complete and not yet given back), which bounds the trainer's
+    memory as the ring's slots do.  A row seen before (Ray retried its task after a
+    fault) is dropped and counted.
     """
 
     restarts = 0
@@ -142,11 +154,12 @@ class RayStream:
         self.layout = SimpleNamespace(nslots=int(nslots), max_objects=self.max_objects)
         self.name = f"ray-stream-{os.getpid()}-{id(self):x}"
         B = self.plan.batch_size
-        # What Ray may hold decoded ahead: twice the trainer's slots, or four tickets
+        # What Ray may hold decoded ahead: twice the trainer's slots, or four blocks
         # per actor.  Ray splits the budget between its operators and keeps finished
-        # tickets back to deliver them in order: with only the slots' worth, measured,
-        # the actors wait on the budget.
-        self.ahead_tickets = max(2 * int(nslots), 4 * concurrency)
+        # blocks back to deliver them in order: measured, with three blocks an actor
+        # or fewer only one of two actors works.
+        self.ahead_tickets = max(2 * int(nslots),
+                                 AHEAD_BLOCKS * concurrency * tickets_per_block(self.plan))
         self.ahead_bytes = self.ahead_tickets * B * transform.sample_bytes
         self._free = [HostSlot(B, transform.sample_bytes, self.max_objects)
                       for _ in range(int(nslots))]
@@ -183,7 +196,7 @@ class RayStream:
                 # and training reads epoch after epoch.
                 epochs = max(1, TICKETS_PER_DATASET // self.bpe)
                 end = (ticket // self.bpe + epochs) * self.bpe
-                ds = build_dataset(self.plan, self.source, range(ticket, end),
+                ds = build_dataset(self.plan, self.source, [ticket], end - ticket,
                                    concurrency=self.concurrency, max_objects=self.max_objects,
                                    trainer=True, job=self.job, ahead_bytes=self.ahead_bytes)
                 self.reading = (ticket, end)
@@ -197,16 +210,24 @@ class RayStream:
 
     def _read(self, ds):
         """Read a dataset (or a split's iterator) to its end; False once stopped."""
+        before, ours = set(threading.enumerate()), ()
         batches = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
                                        prefetch_batches=PREFETCH))
         try:
             for cols in batches:
                 t0, self._slot_wait_s = time.perf_counter(), 0.0
+                ours = ours or [t for t in threading.enumerate() if t not in before]
                 if self._stop or not self._take(cols):
                     return False
                 self.assemble_s += time.perf_counter() - t0 - self._slot_wait_s
         finally:
             batches.close()   # stops the dataset's execution and its actors
+            # and its fetching threads, soon: one still in ray.get when the user shuts
+            # Ray down aborts the process (Ray's core worker).
+            deadline = time.monotonic() + 5.0
+            for t in ours:
+                if t.name == "iter_threaded":
+                    t.join(max(0.0, deadline - time.monotonic()))
         return True
 
     def _take(self, cols):
@@ -446,7 +467,7 @@ class RayLoader(Loader):
         s = self._ring
         if s is None:
             return None
-        return s.layout.nslots + s.ahead_tickets + PREFETCH
+        return s.layout.nslots + s.ahead_tickets + PREFETCH * tickets_per_block(s.plan)
 
     def dataset(self, epoch=None):
         """The ``ray.data.Dataset`` of the samples of ``epoch`` (default: the current
@@ -454,7 +475,7 @@ class RayLoader(Loader):
         bpe = self.plan.batches_per_epoch
         epoch = self.epoch if epoch is None else int(epoch)
         first = max(self._ticket, epoch * bpe) if epoch == self.epoch else epoch * bpe
-        return build_dataset(self._work, self.source, range(first, (epoch + 1) * bpe),
+        return build_dataset(self._work, self.source, [first], (epoch + 1) * bpe - first,
                              concurrency=_concurrency(self.concurrency),
                              max_objects=self.max_objects)
 
@@ -560,12 +581,6 @@ class Split:
         self.first, self.end, self.concurrency, self.key = first, end, concurrency, key
         self._claimed = False
 
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_claimed"}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state, _claimed=False)
-
     def claim(self, ticket):
         if self._claimed:
             raise RuntimeError(
@@ -586,31 +601,17 @@ class Split:
 
 def split(source, batch_size=256, world_size=2, *, epochs=1, state=None, concurrency=None,
           **kwargs):
-    """n ranks reading one Ray stream: ``streaming_split(n, equal=True)`` of one
-    dataset, as one :class:`Split` per rank.
-
-    The dataset holds every rank's tickets from where the ranks stand to the end
-    of ``epochs`` epochs, dealt in turn (rank 0's first, rank 1's first, ...),
-    decoded by one pool of ``concurrency`` actors.  Ray's split deals them back
-    round the ranks in the same turn: the order is preserved and every ticket
-    ships its batch's full rows in one block.  Each rank makes
-    ``EchoRing(source, batch_size, split=splits[r], **kwargs)`` (the same
-    keywords) and checks the rank of every row.
-
-    ``state``: what every rank's ring will load (``load_state_dict``), given
-    here too so that the stream starts where they stand: the list of every
-    saved rank's ``state_dict()`` (or ``merge_states`` of it), from a job of any
-    world size; the elastic-resume rules apply.  The ranks must stand at the same
-    step (as data-parallel ranks do), and the split ends after ``epochs``
-    epochs: make a new one for the next.
-    """
-    n = world_size
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"world_size must be a positive integer (ranks), got {n!r}")
-    if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
-        raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+    """n ranks reading one Ray stream: ``streaming_split(n, equal=True)`` of one dataset
+    of every rank's tickets, from where the ranks stand to the end of ``epochs``
+    epochs, dealt in turn (runs of equal size, order preserved: Ray's split deals
+    them back the same way), decoded by one pool of ``concurrency`` actors.  One
+    :class:`Split` per rank, for ``EchoRing(source, batch_size, split=s, **kwargs)``.
+    ``state``: what every rank's ring loads (the list of every saved rank's state,
+    any world size: the elastic rules), so that the stream starts where they stand.
+    The ranks must stand level; make a new split after ``epochs`` (docs/ray.md)."""
+    n, epochs = _positive("world_size", world_size), _positive("epochs", epochs)
     kwargs.setdefault("device", "cpu")
-    rings = [EchoRing(source, batch_size, rank=r, world_size=int(n), concurrency=concurrency,
+    rings = [EchoRing(source, batch_size, rank=r, world_size=n, concurrency=concurrency,
                       **kwargs) for r in range(n)]
     try:
         if state is not None:
@@ -619,7 +620,7 @@ def split(source, batch_size=256, world_size=2, *, epochs=1, state=None, concurr
         loaders = [ring.loader for ring in rings]
         bpe = loaders[0].batches_per_epoch
         firsts = [lo.position for lo in loaders]
-        ends = [(f // bpe + int(epochs)) * bpe for f in firsts]
+        ends = [(f // bpe + epochs) * bpe for f in firsts]
         if len({e - f for f, e in zip(firsts, ends)}) != 1:
             raise ValueError(
                 f"the ranks stand at different steps (batches {firsts} of {bpe} per epoch, "
@@ -631,14 +632,13 @@ def split(source, batch_size=256, world_size=2, *, epochs=1, state=None, concurr
         source = loaders[0].source   # a path made a source
         job = ship(tuple(lo._work for lo in loaders), source)
         slots = loaders[0].slots
-        ahead = n * 2 * int(slots) + 4 * concurrency
-        ds = build_dataset(plan, source, [f + k for k in range(length) for f in firsts],
-                           ranks=[r for _ in range(length) for r in range(n)],
+        ahead = n * 2 * int(slots) + AHEAD_BLOCKS * concurrency * tickets_per_block(plan)
+        ds = build_dataset(plan, source, firsts, length, shared=True,
                            concurrency=concurrency, max_objects=loaders[0].max_objects,
                            trainer=True, job=job,
                            ahead_bytes=ahead * plan.batch_size * plan.transform.sample_bytes)
-        iterators = ds.streaming_split(int(n), equal=True)
-        return [Split(it, r, int(n), firsts[r], ends[r], concurrency, _key(lo))
+        iterators = ds.streaming_split(n, equal=True)
+        return [Split(it, r, n, firsts[r], ends[r], concurrency, _key(lo))
                 for r, (it, lo) in enumerate(zip(iterators, loaders))]
     finally:
         for ring in rings:

@@ -45,6 +45,15 @@ class HostSlot:
         self.pixels = np.empty((B, int(sample_bytes)), np.uint8)
 
 
+class _Rows:
+    """Rows ``[start, stop)`` of a :class:`HostSlot`, as a slot of their own (views):
+    the tickets of one task fill one block's memory, which leaves the actor whole."""
+
+    def __init__(self, slot, start, stop):
+        for name, value in vars(slot).items():
+            setattr(self, name, value[start:stop])
+
+
 class _OneSlot:
     """The part of :class:`~echo_native.ring.Ring` a :class:`_Filler` writes to: one
     slot, and the meta of the ticket filled last."""
@@ -116,12 +125,14 @@ class TicketDecoder:
             filler.dec = self.filler.dec   # one native decoder per actor, whatever the rank
         return filler
 
-    def fill(self, ticket, rank=0):
-        """Fill one ticket (of ``rank``'s plan): ``(slot, meta)``, meta as
-        :meth:`_OneSlot.write_meta` keeps it.  A source that raises (a bug, not a bad
-        sample) becomes the ticket's worker error with its traceback, as a local
-        worker reports it."""
-        if self.size is not None:
+    def fill(self, ticket, rank=0, slot=None):
+        """Fill one ticket (of ``rank``'s plan) into ``slot`` (default: a new one):
+        ``(slot, meta)``, meta as :meth:`_OneSlot.write_meta` keeps it.  A source
+        that raises (a bug, not a bad sample) becomes the ticket's worker error with
+        its traceback, as a local worker reports it."""
+        if slot is not None:
+            self.ring.slots[0] = slot
+        elif self.size is not None:
             self.ring.fresh_slot()
         self.ring.meta = None
         filler = self._filler(rank)
@@ -140,14 +151,29 @@ class TicketDecoder:
         return self.ring.slots[0], self.ring.meta
 
     def __call__(self, batch):
+        """Input rows: ``ticket``, and optionally ``count`` (that many consecutive
+        tickets from it) and ``rank``; their samples out, ticket after ticket."""
+        def column(name, default):
+            return np.asarray(batch[name]).reshape(-1) if name in batch else \
+                np.full(len(tickets), default, np.int64)
         tickets = np.asarray(batch["ticket"]).reshape(-1)
-        ranks = np.asarray(batch["rank"]).reshape(-1) if "rank" in batch else \
-            np.zeros(len(tickets), np.int64)
-        parts = [self._rows(int(t), int(r)) for t, r in zip(tickets, ranks)]
-        return {k: _concat([p[k] for p in parts]) for k in parts[0]}
+        counts, ranks = column("count", 1), column("rank", 0)
+        work = [(int(t) + i, int(r)) for t, c, r in zip(tickets, counts, ranks)
+                for i in range(int(c))]
+        B, group = self.plan.batch_size, None
+        if self.size is not None:   # crops: every ticket into its rows of one block
+            group = HostSlot(B * len(work), *self.ring.shape[1:])
+        parts = [self._rows(t, r, None if group is None else _Rows(group, k * B, (k + 1) * B))
+                 for k, (t, r) in enumerate(work)]
+        out = {k: _concat([p[k] for p in parts]) for k in parts[0] if k != "image"}
+        if group is not None:
+            whole = all(len(p["image"]) == B for p in parts)
+            out["image"] = group.pixels.reshape(len(work) * B, *self.size, 3) if whole \
+                else _concat([p["image"] for p in parts])
+        return out
 
-    def _rows(self, ticket, rank=0):
-        slot, (count, error, failures, report, fill_s, warned) = self.fill(ticket, rank)
+    def _rows(self, ticket, rank=0, slot=None):
+        slot, (count, error, failures, report, fill_s, warned) = self.fill(ticket, rank, slot)
         epoch = ticket // self.plan.batches_per_epoch
         # The trainer needs a row even for a ticket that kept no sample (its meta); a
         # shared stream's ticket ships all its rows (see __init__).

@@ -124,6 +124,22 @@ def test_rows_ray_sends_twice_are_dropped_and_counted(corpus):
     ring.close()
 
 
+def test_a_task_decodes_a_run_of_tickets_into_one_block(corpus):
+    """An input row names a run of tickets (Ray's cost is per block): their samples come
+    out ticket after ticket, a short last batch included, as ticket by ticket."""
+    ring = er.EchoRing(corpus, 5, image_size=SIZE, seed=3, echo=1, concurrency=1)
+    try:
+        job = er.RayStream(ring.loader, 0, 4, 1, start=False).job
+        run = TicketDecoder(job)({"ticket": np.array([8]), "count": np.array([2])})
+        one = [TicketDecoder(job)({"ticket": np.array([t])}) for t in (8, 9)]
+        assert run["ticket"].tolist() == [8] * 5 + [9] * 3     # 48 samples: 3 in the last
+        for k in ("sample_id", "row", "count", "image"):
+            np.testing.assert_array_equal(run[k], np.concatenate([o[k] for o in one]))
+        assert er.tickets_per_block(ring.loader.plan) == er.MAX_TICKETS_PER_BLOCK
+    finally:
+        ring.close()
+
+
 def test_a_shared_streams_tickets_ship_whole_and_a_rank_refuses_anothers(corpus):
     """A stream shared by ranks (split()): every ticket ships its batch's full rows, even
     the short last one (Ray's split deals rows: equal blocks keep it dealing whole
