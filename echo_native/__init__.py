@@ -10,6 +10,8 @@ batch from file bytes to the GPU; each imports only modules above it):
   protocol    what a source is: Source (len, labels, read) and its optional hooks
   remote      objects in storage by URL: bounded, retried reads (fsspec);
               prefetch (reads ahead of the decode: samples, tar-shard blocks)
+  masks       instance masks: polygons and RLE checked and packed (Segments),
+              rasterised in a window, bit-packed in the record
   targets     a detection sample's boxes and labels (Targets), their JSON form;
               labels (a source's labels checked: one integer per sample)
   keypoints   a pose's keypoints: which point mirrors which, where points land

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native.boxes import SourceObjects
+from echo_native.masks import StoredMasks
 from echo_native.ring import COLUMNS, record_shape
 
 
@@ -33,11 +34,11 @@ class Columns:
         self.arrays = dict(arrays)
 
     @classmethod
-    def allocate(cls, rows, max_objects=0, max_keypoints=0):
+    def allocate(cls, rows, max_objects=0, max_keypoints=0, mask_bytes=0):
         """Zeroed columns of ``rows`` samples, ``max_objects`` object rows each with
-        ``max_keypoints`` keypoints."""
+        ``max_keypoints`` keypoints and a mask of ``mask_bytes``."""
         return cls({name: np.zeros(record_shape(kind, width, int(rows), int(max_objects),
-                                                int(max_keypoints)), dtype)
+                                                int(max_keypoints), int(mask_bytes)), dtype)
                     for name, dtype, kind, width in COLUMNS})
 
     @classmethod
@@ -77,10 +78,12 @@ class Columns:
 
     def objects(self):
         """The rows' :class:`~echo_native.boxes.SourceObjects` (views)."""
-        points = self.obj_keypoints
+        points, masks = self.obj_keypoints, self.obj_masks
         return SourceObjects(self.obj_boxes, self.obj_labels, self.obj_flags,
                              self.obj_count.astype(np.int64),
-                             points if points.shape[2] else None)
+                             points if points.shape[2] else None,
+                             StoredMasks(masks, self.shapes, self.canvas_scale, self.source_hw)
+                             if masks.shape[2] else None)
 
 
 @dataclass
@@ -118,17 +121,19 @@ class Batch:
 
     @classmethod
     def from_columns(cls, images, columns, *, sample_ids, fresh, echo_index, epoch,
-                     sanitize=None, pose=None, release=None):
+                     sanitize=None, pose=None, redrawn=None, release=None):
         """The batch of ``images`` whose records are ``columns``: labels, crop boxes and
         flips are the columns' (views), and with object columns the objects mapped
         through each row's crop and flip onto the images (``sanitize``: the
         SanitizeBoundingBoxes spec, or None; ``pose``: the source's
-        :class:`~echo_native.keypoints.Keypoints`, which point mirrors which, or None)."""
+        :class:`~echo_native.keypoints.Keypoints`, which point mirrors which, or None; ``redrawn``: how the images
+        came from stored ones, :class:`~echo_native.transforms.Redrawn`, which the masks
+        follow; None: they are the stored images)."""
         flips = columns.flip.view(bool)
         objects = None
         if columns.max_objects:
             objects = columns.objects().map(columns.boxes, flips, images.shape[1:3],
-                                            sanitize, pose=pose)
+                                            sanitize, pose=pose, redrawn=redrawn)
         return cls(images, columns.labels, sample_ids, fresh, echo_index, columns.boxes, flips,
                    epoch, _release=release, objects=objects)
 

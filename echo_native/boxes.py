@@ -128,20 +128,24 @@ class SourceObjects:
     """The objects of some rows as their source gave them: padded ``boxes`` (n, M, 4)
     xyxy in source pixels, ``labels`` (n, M), ``flags`` (n, M) (:data:`CROWD`,
     :data:`DROPPED`) and ``counts`` (n,), host arrays; ``keypoints`` (n, M, K, 3) in
-    source pixels, or None."""
+    source pixels, or None; ``masks``, the records' bit-packed masks
+    (:class:`~echo_native.masks.StoredMasks`), or None."""
 
     boxes: np.ndarray
     labels: np.ndarray
     flags: np.ndarray
     counts: np.ndarray
     keypoints: np.ndarray = None
+    masks: object = None
 
-    def map(self, windows, flips, size, sanitize_spec=None, width=None, pose=None):
+    def map(self, windows, flips, size, sanitize_spec=None, width=None, pose=None,
+            redrawn=None):
         """The :class:`Objects` of these rows after each row's window, flip and resize
         to ``size``, kept as ``sanitize_spec`` (a SanitizeBoundingBoxes or None) says,
         packed to the front of each row, padded to ``width`` (default the most a row
         keeps); their keypoints follow (``pose``: the source's
-        :class:`~echo_native.keypoints.Keypoints`, whose ``flip`` pairs mirrored points)."""
+        :class:`~echo_native.keypoints.Keypoints`, whose ``flip`` pairs mirrored points),
+        and their masks (``redrawn``: how the images came from the stored ones)."""
         m = self.boxes.shape[1]
         valid = np.arange(m) < self.counts[:, None]
         dropped = (self.flags & DROPPED).astype(bool)
@@ -154,9 +158,13 @@ class SourceObjects:
         if self.keypoints is not None:
             arrays.append(map_keypoints(self.keypoints, windows, flips, size,
                                         None if pose is None else pose.flip))
-        valid, boxes, labels, crowd, *points = pack(keep, *arrays, width=width)
+        # Which object each kept entry is: only those masks are unpacked.
+        arrays.append(np.broadcast_to(np.arange(m), keep.shape))
+        valid, boxes, labels, crowd, *points, cols = pack(keep, *arrays, width=width)
+        masks = None if self.masks is None else \
+            self.masks.emit(valid, cols, windows, flips, size, redrawn)
         return Objects(boxes, labels, valid, crowd, canvas_size=tuple(int(v) for v in size),
-                       keypoints=points[0] if points else None)
+                       keypoints=points[0] if points else None, masks=masks)
 
 
 @dataclass
@@ -167,7 +175,9 @@ class Objects:
     ``max_boxes``).  ``canvas_size`` is the images' ``(height, width)`` the boxes lie
     on (None when unknown).  ``keypoints`` (B, M, K, 3) float32, each object's x, y and
     visibility in output pixels (:mod:`echo_native.keypoints`), or None without pose
-    targets.  The arrays export DLPack, on the batch's device."""
+    targets.  ``masks`` (B, M, H, W) uint8, each object's mask (0/1) on the images
+    (:mod:`echo_native.masks`), or None without masks.  The arrays export DLPack, on
+    the batch's device."""
 
     boxes: np.ndarray
     labels: np.ndarray
@@ -175,6 +185,7 @@ class Objects:
     iscrowd: np.ndarray
     canvas_size: tuple = None
     keypoints: object = None
+    masks: object = None
 
     @property
     def counts(self):
@@ -184,19 +195,22 @@ class Objects:
     def copy(self):
         return Objects(self.boxes.copy(), self.labels.copy(), self.valid.copy(),
                        self.iscrowd.copy(), self.canvas_size,
-                       None if self.keypoints is None else self.keypoints.copy())
+                       None if self.keypoints is None else self.keypoints.copy(),
+                       None if self.masks is None else self.masks.copy())
 
     def to(self, xp):
         """The same objects as arrays of the array module ``xp`` (e.g. CuPy)."""
         return Objects(*(xp.asarray(a) for a in (self.boxes, self.labels, self.valid,
                                                  self.iscrowd)), self.canvas_size,
-                       None if self.keypoints is None else xp.asarray(self.keypoints))
+                       None if self.keypoints is None else xp.asarray(self.keypoints),
+                       None if self.masks is None else xp.asarray(self.masks))
 
     def to_torchvision(self):
         """One ``{"boxes": (n, 4) float32, "labels": (n,) int64}`` dict of torch tensors
         per image, on the batch's device, sharing its memory: what torchvision's
         detection models take as ``targets``; with keypoints, ``"keypoints"`` (n, K, 3)
-        float32 too, as ``keypointrcnn_resnet50_fpn`` takes them.
+        float32 too, as ``keypointrcnn_resnet50_fpn`` takes them; with masks, ``"masks"``
+        (n, H, W) uint8, as ``maskrcnn_resnet50_fpn`` takes them.
 
         Where torchvision imports, the boxes are ``tv_tensors.BoundingBoxes`` (format
         XYXY, ``canvas_size`` the images' (height, width)), so that a ``transforms.v2``
@@ -224,6 +238,10 @@ class Objects:
             points = torch.from_dlpack(self.keypoints)
             for i, n in enumerate(counts):
                 out[i]["keypoints"] = points[i, :n]
+        if self.masks is not None:
+            masks = torch.from_dlpack(self.masks)
+            for i, n in enumerate(counts):
+                out[i]["masks"] = masks[i, :n] if tv is None else tv.Mask(masks[i, :n])
         return out
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from echo_native.errors import ReadLimitError
 from echo_native.keypoints import Keypoints
+from echo_native.masks import as_segments
 from echo_native.memory import _gib, memory_available
 from echo_native.files import (DEFAULT_MAX_FILE_BYTES, _check_max_file_bytes, _PackedPaths,
                                open_file, read_file, read_open)
@@ -141,6 +142,11 @@ class CocoDetection:
     flip swaps (``self.keypoints``, a :class:`~echo_native.keypoints.Keypoints`).
     Batches then carry ``objects.keypoints`` (B, M, K, 3) in output pixels.
 
+    ``masks=True`` reads instance masks too: each annotation's ``segmentation``
+    (polygons, or RLE with ``counts`` a list or COCO's compressed string; an empty mask
+    where it has none), kept packed (:class:`~echo_native.masks.Segments`), rasterised
+    in the workers: batches carry ``objects.masks`` (B, M, H, W) uint8.
+
     ``keep_empty=False`` drops the images that have no annotation (torchvision's
     detection training reference drops them; it also drops images whose every
     box is at most 1 px wide or tall, and leaves crowd annotations out, which
@@ -173,8 +179,8 @@ class CocoDetection:
     def __init__(self, images_root, annotation_json, *, keep_empty=True,
                  contiguous_labels=True, max_file_bytes=DEFAULT_MAX_FILE_BYTES,
                  max_annotation_bytes=DEFAULT_MAX_ANNOTATION_BYTES, trust_links=False,
-                 keypoints=False):
-        self._pose = bool(keypoints)
+                 keypoints=False, masks=False):
+        self._pose, self.masks = bool(keypoints), bool(masks)
         self.keypoints = None   # the Keypoints spec, with keypoints=True
         self.max_file_bytes = _check_max_file_bytes("CocoDetection", max_file_bytes)
         limit = _check_max_file_bytes("CocoDetection", max_annotation_bytes)
@@ -213,6 +219,10 @@ class CocoDetection:
         anns = doc.get("annotations", [])
         img_of, boxes, labels, crowd = self._annotations(anns, ids, hw, cats)
         points = self._keypoints(anns, doc.get("categories", [])) if self._pose else None
+        segments = None
+        if self.masks:  # checked against each annotation's image (an RLE's size)
+            segments = as_segments([a.get("segmentation") for a in anns], len(anns),
+                                   hw[img_of], name, lambda k: f"annotation id {anns[k]['id']}")
         del doc, anns
         counts = np.bincount(img_of, minlength=len(ids))
         keep = np.ones(len(ids), bool) if keep_empty else counts > 0
@@ -224,6 +234,7 @@ class CocoDetection:
         self._labels = labels[order]
         self._crowd = crowd[order]
         self._points = None if points is None else np.ascontiguousarray(points[order])
+        self._masks = None if segments is None else segments.take(order)
         self._starts = np.zeros(int(keep.sum()) + 1, np.int64)
         np.cumsum(counts[keep], out=self._starts[1:])
         self.image_ids = ids[keep]
@@ -245,7 +256,9 @@ class CocoDetection:
                 f"(max_annotation_bytes={limit} bounds the file's size, not the memory its "
                 f"parse takes)"))
         # counts from here: the bytes and the text too
-        guard = _Guard(budget, too_big, _UNUSED - {"keypoints"} if self._pose else _UNUSED)
+        kept = {"keypoints"} if self._pose else set()
+        kept |= {"segmentation"} if self.masks else set()
+        guard = _Guard(budget, too_big, _UNUSED - kept)
         size = os.path.getsize(self.annotation_json)
         # Its bytes and their text, at least (a file over the limit is read_file's to name).
         if budget is not None and size <= limit and 2 * size > budget:
@@ -557,7 +570,8 @@ class CocoDetection:
         h, w = self._hw[i]
         return _trusted(self._boxes[s:e], self._labels[s:e].astype(np.int64),
                         self._crowd[s:e], (int(h), int(w)),
-                        None if self._points is None else self._points[s:e])
+                        None if self._points is None else self._points[s:e],
+                        None if self._masks is None else self._masks.take(slice(s, e)))
 
     @property
     def num_annotations(self) -> int:

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Keypoints", "map_keypoints", "flip_indices"]
+from echo_native.labels import _source_name
+from echo_native.protocol import hook
+
+__all__ = ["Keypoints", "map_keypoints", "flip_indices", "source_keypoints"]
 
 #: The sides a keypoint's name may say, each with its mirror.
 _MIRROR = {"left": "right", "right": "left", "l": "r", "r": "l"}
@@ -101,6 +104,18 @@ class Keypoints:
 
     def __len__(self):
         return len(self.names)
+
+
+def source_keypoints(source):
+    """The :class:`Keypoints` a source's objects carry (its ``keypoints`` hook), or None;
+    TypeError naming the source for anything else (names alone do not say which point
+    mirrors which)."""
+    spec = hook(source, "keypoints")
+    if spec is not None and not isinstance(spec, Keypoints):
+        raise TypeError(f"the source {_source_name(source)}'s keypoints must be an "
+                        f"echo_native.Keypoints (the names, and which point mirrors which) "
+                        f"or None, got {type(spec).__name__}")
+    return spec
 
 
 def map_keypoints(points, windows, flips, size, flip=None):

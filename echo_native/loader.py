@@ -27,7 +27,7 @@ from echo_native._iteration import NOT_PICKLABLE, IterationGuard, Started
 from echo_native.augment import Program, WithOps
 from echo_native.batch import Batch, Books, Columns, Fresh
 from echo_native.errors import DecodeError
-from echo_native.keypoints import Keypoints
+from echo_native.keypoints import source_keypoints
 from echo_native.failures import REASONS, FailureReport
 from echo_native.plan import ON_ERROR, Plan
 from echo_native.resume import (check_epoch, check_merged, check_state, merge_states,
@@ -35,6 +35,7 @@ from echo_native.resume import (check_epoch, check_merged, check_state, merge_st
 from echo_native.memory import WORKER_BYTES, MemoryBudget, RingMemoryError
 from echo_native.ring import ERR_DECODE, ERR_WORKER, MAX_OBJECTS, OK, WAIT_OK, Ring
 from echo_native.source import _source_name, as_source, check_labels
+from echo_native.masks import mask_bytes
 from echo_native.targets import source_targets
 from echo_native.specs import check_batch_size, fold
 from echo_native.pool import WorkerPool, ship
@@ -123,15 +124,13 @@ class Loader(Started):
             raise ValueError("the source is empty")
         check_labels(source)  # here, once: a bad label would crash-loop the workers
         # Object slots per sample in the ring: only a source with targets needs them.
-        self.max_objects, self.keypoints = 0, None
+        self.max_objects, self.keypoints, self.mask_bytes = 0, None, 0
         if source_targets(source) is not None:
             self.max_objects = positive_int("", "max_objects", max_objects, 1, MAX_OBJECTS)
-            # Pose targets: each object's keypoints ride in the record with its box.
-            self.keypoints = hook(source, "keypoints")
-            if self.keypoints is not None and not isinstance(self.keypoints, Keypoints):
-                raise TypeError(f"the source {_source_name(source)}'s keypoints must be an "
-                                f"echo_native.Keypoints (the names, and which point mirrors "
-                                f"which) or None, got {type(self.keypoints).__name__}")
+            # Pose targets: each object's keypoints ride in the record with its box; a
+            # mask, a bit per pixel of the stored image.
+            self.keypoints = source_keypoints(source)
+            self.mask_bytes = mask_bytes(transform.sample_bytes) if hook(source, "masks") else 0
         elif getattr(specs.crop, "iou_crop", None) is not None:
             raise ValueError(f"RandomIoUCrop crops around the boxes of each sample, but the "
                              f"source {_source_name(source)} has none: give a source with "
@@ -204,7 +203,8 @@ class Loader(Started):
             # a ring that does not fit fails here, before any worker starts.
             ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket,
                                budget=self._budget(), max_objects=self.max_objects,
-                               max_keypoints=len(self.keypoints or ()))
+                               max_keypoints=len(self.keypoints or ()),
+                               mask_bytes=self.mask_bytes)
         except RingMemoryError as e:
             t = self.plan.transform
             per = ", ".join(f"{k}={getattr(t, k)!r}" for k in ("size", "min_side", "max_pixels")

@@ -178,7 +178,7 @@ class EchoRing(Started):
                                  on_batch, num_classes)
         examples = ImageExamples(self.device, self.delivery.outputs, crop, self.program, echo,
                                  self.seed, transform.sample_bytes, self.loader.max_objects,
-                                 self.sanitize, self.loader.keypoints)
+                                 self.sanitize, self.loader.keypoints, self.loader.mask_bytes)
         self.stage = make_stage(echo, self.loader, examples, self.delivery.finish,
                                 seed=self.seed, batch_size=batch_size,
                                 shuffle_buffer=shuffle_buffer, drop_last=bool(drop_last),

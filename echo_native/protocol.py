@@ -15,6 +15,8 @@ rest are hooks the pipeline uses when a source has them, each for one purpose:
                      does not
 ``keypoints``        the ``Keypoints`` (names, flip pairs) its targets' objects
                      carry, for pose targets
+``masks``            True where its targets' objects carry masks (``Targets.masks``:
+                     polygons or RLE), rasterised into each sample's record
 ``epoch_order``      ``(seed, epoch) -> ids``: the source's own shuffle (shards read
                      in sequence, row groups whole); the plan's otherwise
 ``prefetch``         ``(ids, upcoming=())``: a hint of the samples a worker reads
@@ -63,6 +65,7 @@ HOOKS = {
     "targets": "detection targets of sample i",
     "has_targets": "False where a source that can carry targets carries none",
     "keypoints": "the Keypoints (names, flip pairs) its targets' objects carry",
+    "masks": "True where its targets' objects carry masks (polygons or RLE)",
     "epoch_order": "(seed, epoch) -> the epoch's order of sample ids",
     "prefetch": "(ids, upcoming=()) -> None: the samples a worker reads next",
     "remote_options": "the RemoteOptions of a source that reads object storage",

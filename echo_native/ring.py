@@ -116,16 +116,18 @@ def _saturate(name, value):
 # ---- layout -----------------------------------------------------------------------------
 #: A sample's record in a slot, the one definition (EN_RING_COLUMNS in en_ring.h):
 #: ``(name, dtype, rows, width)`` per column, in slot order; ``rows`` is "sample" (a row
-#: per sample), "object" (``max_objects`` rows per sample) or "keypoint"
-#: (``max_keypoints`` rows per object), ``width`` a row's elements.
+#: per sample), "object" (``max_objects`` rows per sample), "keypoint"
+#: (``max_keypoints`` rows per object) or "mask" (``mask_bytes`` per object: its mask,
+#: bit-packed, at the stored image's size), ``width`` a row's elements.
 COLUMNS = _ring.COLUMNS
 
 
-def record_shape(rows, width, samples, max_objects=0, max_keypoints=0):
-    """The shape of a record column of ``rows`` ("sample", "object", "keypoint") and
-    ``width`` for ``samples`` samples."""
+def record_shape(rows, width, samples, max_objects=0, max_keypoints=0, mask_bytes=0):
+    """The shape of a record column of ``rows`` ("sample", "object", "keypoint", "mask")
+    and ``width`` for ``samples`` samples."""
     shape = {"sample": (samples,), "object": (samples, max_objects),
-             "keypoint": (samples, max_objects, max_keypoints)}[rows]
+             "keypoint": (samples, max_objects, max_keypoints),
+             "mask": (samples, max_objects, mask_bytes)}[rows]
     return shape + ((width,) if width > 1 else ())
 
 
@@ -150,12 +152,13 @@ class Layout:
     sample_bytes: int
     max_objects: int = 0
     max_keypoints: int = 0
+    mask_bytes: int = 0
     _c: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_c", _ring.layout(self.nslots, self.batch_size,
                                                     self.sample_bytes, self.max_objects,
-                                                    self.max_keypoints))
+                                                    self.max_keypoints, self.mask_bytes))
 
     # The offset in a slot of each column of COLUMNS (an attribute of its name, set
     # below), of the pixels (u8[B, sample_bytes], page-aligned); and the bytes of a slot
@@ -166,11 +169,11 @@ class Layout:
         return HEADER_BYTES + (i % self.nslots) * self.slot_bytes
 
     def column_shape(self, rows, width):
-        """The shape of a column's array in one slot: (B,), (B, max_objects) or (B,
-        max_objects, max_keypoints) by its rows, and the row's width when it is more than
-        one element."""
+        """The shape of a column's array in one slot: (B,), (B, max_objects), (B,
+        max_objects, max_keypoints) or (B, max_objects, mask_bytes) by its rows, and the
+        row's width when it is more than one element."""
         return record_shape(rows, width, self.batch_size, self.max_objects,
-                            self.max_keypoints)
+                            self.max_keypoints, self.mask_bytes)
 
 
 for _name, *_ in COLUMNS:
@@ -242,11 +245,12 @@ class Ring:
     # -- life cycle ------------------------------------------------------------
     @classmethod
     def create(cls, nslots, batch_size, sample_bytes, first_ticket=0, backing=None, *,
-               budget=None, max_objects=0, max_keypoints=0):
+               budget=None, max_objects=0, max_keypoints=0, mask_bytes=0):
         """A new ring, every page reserved.
 
         ``max_objects``: object slots per sample, for sources with detection targets;
-        ``max_keypoints``: keypoints per object, for sources with pose targets.
+        ``max_keypoints``: keypoints per object, for sources with pose targets;
+        ``mask_bytes``: bytes of one object's bit-packed mask, for sources with masks.
 
         ``backing``: "memfd", "shm" (a named segment in /dev/shm) or "auto" (memfd
         where the kernel has it); default: ``$ECHO_NATIVE_RING_BACKING``, else "auto".
@@ -265,7 +269,7 @@ class Ring:
             raise TypeError(f"budget must be a MemoryBudget, got {budget!r}")
         choice = _backing(backing)
         layout = Layout(int(nslots), int(batch_size), int(sample_bytes), int(max_objects),
-                        int(max_keypoints))
+                        int(max_keypoints), int(mask_bytes))
         seg = None
         if choice != "shm":
             available, where = _check_budget(layout, budget, "memfd")
@@ -290,7 +294,8 @@ class Ring:
                 raise
         try:
             seg.ring_init(layout.nslots, layout.batch_size, layout.sample_bytes,
-                          first_ticket, os.getpid(), layout.max_objects, layout.max_keypoints)
+                          first_ticket, os.getpid(), layout.max_objects, layout.max_keypoints,
+                          layout.mask_bytes)
         except BaseException:
             seg.unlink()
             raise
@@ -309,7 +314,7 @@ class Ring:
             raise ValueError(f"shared memory {name} is not an echo_native ring this build "
                              f"can read: {e}") from None
         return cls(seg, Layout(c["nslots"], c["batch"], c["sample_bytes"], c["max_objects"],
-                               c["max_keypoints"]))
+                               c["max_keypoints"], c["mask_bytes"]))
 
     def handle(self):
         """How a child process reaches this ring: ``("fd", fd, name)`` for a memfd (the

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from echo_native.masks import as_segments
 from echo_native.protocol import hook
 
 __all__ = ["MAX_JSON_BYTES", "Targets", "as_targets", "source_targets", "targets_from_json",
@@ -45,10 +46,12 @@ class Targets:
     """The objects of one image: ``boxes`` (N, 4) float32 xyxy in source pixels,
     ``labels`` (N,) int64, ``iscrowd`` (N,) bool (read-only arrays), ``image_hw``,
     the image's (height, width) or None, and ``keypoints``, (N, K, 3) float32 x, y and
-    COCO visibility (0, 1, 2) per object, or None.
+    COCO visibility (0, 1, 2) per object, or None, and ``masks``, each object's mask as
+    polygons or RLE (:class:`~echo_native.masks.Segments`; given as a list of COCO
+    segmentations, see :func:`~echo_native.masks.as_segments`), or None.
 
-    ``Targets(boxes, labels, iscrowd=None, image_hw=None, keypoints=None)`` checks its
-    input as
+    ``Targets(boxes, labels, iscrowd=None, image_hw=None, keypoints=None, masks=None)``
+    checks its input as
     :func:`as_targets` does (ValueError naming the first bad object); ``len()`` is
     the number of objects; two are equal when every array and ``image_hw`` are."""
 
@@ -57,11 +60,12 @@ class Targets:
     iscrowd: np.ndarray = None
     image_hw: tuple = None
     keypoints: np.ndarray = None
+    masks: object = None
 
     def __post_init__(self):
         checked = _checked(self.boxes, self.labels, self.iscrowd, self.image_hw, "Targets",
-                           self.keypoints)
-        for name, value in zip(("boxes", "labels", "iscrowd", "image_hw", "keypoints"),
+                           self.keypoints, self.masks)
+        for name, value in zip(("boxes", "labels", "iscrowd", "image_hw", "keypoints", "masks"),
                                checked):
             object.__setattr__(self, name, value)
 
@@ -75,7 +79,8 @@ class Targets:
                 and np.array_equal(self.labels, other.labels)
                 and np.array_equal(self.iscrowd, other.iscrowd)
                 and (self.keypoints is None) == (other.keypoints is None)
-                and (self.keypoints is None or np.array_equal(self.keypoints, other.keypoints)))
+                and (self.keypoints is None or np.array_equal(self.keypoints, other.keypoints))
+                and self.masks == other.masks)
 
     __hash__ = None
 
@@ -83,7 +88,8 @@ class Targets:
         return f"Targets({len(self)} objects, image_hw={self.image_hw})"
 
     def __reduce__(self):  # unpickled as is: it was checked when made
-        return _trusted, (self.boxes, self.labels, self.iscrowd, self.image_hw, self.keypoints)
+        return _trusted, (self.boxes, self.labels, self.iscrowd, self.image_hw, self.keypoints,
+                          self.masks)
 
 
 def _read_only(a):
@@ -91,7 +97,7 @@ def _read_only(a):
     return a
 
 
-def _trusted(boxes, labels, iscrowd, image_hw=None, keypoints=None):
+def _trusted(boxes, labels, iscrowd, image_hw=None, keypoints=None, masks=None):
     """A Targets of arrays already checked (of the right dtypes and shapes): made
     without checking them again, e.g. a source's slices of its own packed arrays."""
     t = object.__new__(Targets)
@@ -102,6 +108,7 @@ def _trusted(boxes, labels, iscrowd, image_hw=None, keypoints=None):
                        (int(image_hw[0]), int(image_hw[1])))
     object.__setattr__(t, "keypoints", None if keypoints is None else
                        _read_only(np.asarray(keypoints, np.float32).view()))
+    object.__setattr__(t, "masks", masks)  # Segments are read-only already
     return t
 
 
@@ -164,7 +171,7 @@ def _checked_keypoints(keypoints, n, where):
     return _read_only(k32)
 
 
-def _checked(boxes, labels, iscrowd, image_hw, where, keypoints=None):
+def _checked(boxes, labels, iscrowd, image_hw, where, keypoints=None, masks=None):
     """The checked arrays (boxes clipped to the image within the tolerance)."""
     hw = _image_hw(image_hw, where)
     b = _numbers(boxes, where, "boxes", np.float64)
@@ -235,13 +242,14 @@ def _checked(boxes, labels, iscrowd, image_hw, where, keypoints=None):
         i = int(np.flatnonzero(~np.isfinite(b32).all(axis=1))[0])
         raise ValueError(f"{where}: object {i}: box {b[i].tolist()} does not fit float32")
     points = None if keypoints is None else _checked_keypoints(keypoints, n, where)
-    return _read_only(b32), _read_only(lab), _read_only(crowd), hw, points
+    masks = None if masks is None else as_segments(masks, n, hw, where)
+    return _read_only(b32), _read_only(lab), _read_only(crowd), hw, points, masks
 
 
 def as_targets(value, where, image_hw=None) -> Targets:
     """``value`` (a :class:`Targets`, or a dict with ``boxes`` (N, 4) xyxy, ``labels``
-    (N,) and optionally ``iscrowd`` (N,), ``image_hw`` and ``keypoints`` (N, K, 3)) as a
-    checked Targets.
+    (N,) and optionally ``iscrowd`` (N,), ``image_hw``, ``keypoints`` (N, K, 3) and
+    ``masks`` (N COCO segmentations)) as a checked Targets.
 
     ``image_hw`` (height, width), when given, is the image's size: boxes reaching
     past it by at most 1 px are clipped to it, further is an error.  A ValueError
@@ -257,7 +265,7 @@ def as_targets(value, where, image_hw=None) -> Targets:
             raise ValueError(f"{where}: targets for a {value.image_hw[0]}x{value.image_hw[1]}"
                              f" image, the image is {hw[0]}x{hw[1]} (height x width)")
         return _trusted(*_checked(value.boxes, value.labels, value.iscrowd, hw, where,
-                                  value.keypoints))
+                                  value.keypoints, value.masks))
     if not isinstance(value, dict):
         raise ValueError(f"{where}: targets must be a Targets or a dict with 'boxes' and "
                          f"'labels', got {type(value).__name__}")
@@ -270,7 +278,7 @@ def as_targets(value, where, image_hw=None) -> Targets:
         raise ValueError(f"{where}: targets for a {own[0]}x{own[1]} image, the image is "
                          f"{hw[0]}x{hw[1]} (height x width)")
     return _trusted(*_checked(value["boxes"], value["labels"], value.get("iscrowd"),
-                              hw or own, where, value.get("keypoints")))
+                              hw or own, where, value.get("keypoints"), value.get("masks")))
 
 
 def targets_from_json(data, where, image_hw=None) -> Targets:
@@ -289,7 +297,7 @@ def targets_from_json(data, where, image_hw=None) -> Targets:
     if not isinstance(doc, dict):
         raise ValueError(f"{where}: targets JSON must be an object with 'boxes' and "
                          f"'labels', got {type(doc).__name__}")
-    for key in ("boxes", "labels", "iscrowd", "keypoints"):
+    for key in ("boxes", "labels", "iscrowd", "keypoints", "masks"):
         if key in doc and not isinstance(doc[key], list):
             raise ValueError(f"{where}: {key!r} must be a list, got {type(doc[key]).__name__}")
     try:
@@ -308,6 +316,8 @@ def targets_to_json(t: Targets) -> bytes:
         doc["image_hw"] = list(t.image_hw)
     if t.keypoints is not None:
         doc["keypoints"] = t.keypoints.tolist()
+    if t.masks is not None:
+        doc["masks"] = t.masks.to_json()
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 

@@ -30,6 +30,8 @@ from echo_native.protocol import hook
 from echo_native.targets import as_targets, source_targets
 from echo_native.remote import StoreUnavailableError
 from echo_native.failures import NO_SAMPLE, Failure
+from echo_native.masks import pack_masks, rasterise
+from echo_native.transforms import Canvas
 from echo_native.memory import pid_alive
 from echo_native.ring import (WAIT_CLOSED, WAIT_OK, CLAIM_PENDING, ERR_DECODE, ERR_NONE,
                               ERR_WORKER, OBJ_CROWD, OBJ_DROPPED, OK, REASON_DECODE,
@@ -81,6 +83,9 @@ class _Filler:
         self.targets = source_targets(source)   # a detection source's targets(i), or None
         self.max_objects = ring.layout.max_objects
         self.max_keypoints = getattr(ring.layout, "max_keypoints", 0)
+        self.mask_bytes = getattr(ring.layout, "mask_bytes", 0)
+        # A canvas (echo before augmentation) samples the source at its own scale.
+        self._canvas = isinstance(plan.transform, Canvas)
         self._takes_targets = getattr(plan.transform, "takes_targets", False)
         self.current = None           # the sample being read and decoded, for error reports
         self.prefetch = hook(source, "prefetch")
@@ -175,6 +180,12 @@ class _Filler:
             slot.obj_flags[i, :n] |= np.asarray(dropped, np.uint8) * OBJ_DROPPED
         else:
             self.plan.transform.apply(self.dec, data, key, slot, i)
+        if self.mask_bytes:  # at the stored image's size, in the window just decoded
+            slot.obj_masks[i, :n] = 0  # an object without a mask: empty
+            if t.masks is not None:
+                masks = rasterise(t.masks, slot.boxes[i], bool(slot.flip[i]), slot.shapes[i],
+                                  (h, w), slot.canvas_scale[i] if self._canvas else None)
+                slot.obj_masks[i, :n] = pack_masks(masks, self.mask_bytes)
 
     def fill(self, ticket):
         t0 = time.perf_counter()

@@ -63,9 +63,10 @@ def demo(tmp_path_factory):
     return exe
 
 
-def _c_layout(demo, nslots, batch, sample_bytes, max_objects=0, max_keypoints=0):
+def _c_layout(demo, nslots, batch, sample_bytes, max_objects=0, max_keypoints=0,
+              mask_bytes=0):
     out = subprocess.run([str(demo), "layout", str(nslots), str(batch), str(sample_bytes),
-                          str(max_objects), str(max_keypoints)],
+                          str(max_objects), str(max_keypoints), str(mask_bytes)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -114,7 +115,9 @@ def test_c_producer_fills_a_ring_python_created(demo):
                                       (2, 1000, 0), (0, 4, 8), (2, 0, 8), (2, 2, 2**62),
                                       (3, 5, 8, 1), (4, 32, 270000, 128),
                                       (2, 3, 8, 65535), (2, 3, 8, 65536), (4, 8, 300, 20, 17),
-                                      (2, 3, 8, 5, 1024), (2, 3, 8, 5, 1025)])
+                                      (2, 3, 8, 5, 1024), (2, 3, 8, 5, 1025),
+                                      (4, 8, 270000, 20, 0, 11250), (2, 3, 8, 5, 0, 2**32 - 1),
+                                      (2, 2**31, 8, 65535, 0, 2**32 - 1)])
 def test_python_offsets_equal_the_c_struct_offsets(demo, geometry):
     """Header, slot and failure-record offsets, the constants and the per-sample layout,
     as ring.py uses them, equal what a C compiler makes of en_ring.h."""
@@ -193,18 +196,19 @@ def test_slot_meta_lands_where_c_reads_it():
 @settings(max_examples=200, deadline=None)
 @given(nslots=st.integers(1, 300), batch=st.integers(1, 5000),
        sample_bytes=st.integers(0, 50_000_000), max_objects=st.sampled_from([0, 1, 7, 300]),
-       max_keypoints=st.sampled_from([0, 1, 17]))
+       max_keypoints=st.sampled_from([0, 1, 17]), mask_bytes=st.sampled_from([0, 1, 11250]))
 def test_static_layout_holds_for_any_geometry(nslots, batch, sample_bytes, max_objects,
-                                              max_keypoints):
+                                              max_keypoints, mask_bytes):
     """Per-sample arrays in order, naturally aligned, disjoint, after the slot header;
     pixels and slots page-aligned; atomic words aligned; claims inside the header page."""
-    L = Layout(nslots, batch, sample_bytes, max_objects, max_keypoints)
+    L = Layout(nslots, batch, sample_bytes, max_objects, max_keypoints, mask_bytes)
     B, BM, BMK = batch, batch * max_objects, batch * max_objects * max_keypoints
     arrays = [("labels", 8 * B, 8), ("sample_ids", 8 * B, 8), ("status", B, 1),
               ("reason", B, 1), ("flip", B, 1), ("boxes", 16 * B, 16), ("shapes", 8 * B, 4),
               ("source_hw", 8 * B, 8), ("canvas_scale", 8 * B, 8), ("obj_count", 2 * B, 2),
               ("obj_boxes", 16 * BM, 16), ("obj_labels", 8 * BM, 8), ("obj_flags", BM, 1),
-              ("obj_keypoints", 12 * BMK, 4), ("pixels", sample_bytes * B, rg.PAGE)]
+              ("obj_keypoints", 12 * BMK, 4), ("obj_masks", BM * mask_bytes, 1),
+              ("pixels", sample_bytes * B, rg.PAGE)]
     end = _ring.SLOT_HEADER_BYTES
     for name, size, align in arrays:
         off = getattr(L, name)

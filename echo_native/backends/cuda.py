@@ -533,7 +533,8 @@ class CudaDevice(ArrayDevice):
             batch.targets = DeviceArray(targets, self, done)
         objects = batch.objects
         if objects is not None:
-            fresh += [a for a in (objects.boxes, objects.labels, objects.valid, objects.iscrowd)
+            fresh += [a for a in (objects.boxes, objects.labels, objects.valid, objects.iscrowd,
+                                  objects.keypoints, objects.masks)
                       if isinstance(a, self.cupy.ndarray)]
         # An array made anew each batch goes back to CuPy's pool for our stream when its
         # last reference goes, and our next allocation may take it at once: dropped by

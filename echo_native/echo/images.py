@@ -26,10 +26,11 @@ class ImageStore:
     device, and each entry's record as its ring slot carried it (:class:`~echo_native.
     batch.Columns`, host memory: small, and the batch's metadata lives there)."""
 
-    def __init__(self, capacity, entry_bytes, device=np, max_objects=0, max_keypoints=0):
+    def __init__(self, capacity, entry_bytes, device=np, max_objects=0, max_keypoints=0,
+                 mask_bytes=0):
         self.capacity = int(capacity)
         self.pixels = device.empty((self.capacity, int(entry_bytes)), np.uint8)
-        self.columns = Columns.allocate(self.capacity, max_objects, max_keypoints)
+        self.columns = Columns.allocate(self.capacity, max_objects, max_keypoints, mask_bytes)
 
     @property
     def shape(self):
@@ -51,11 +52,13 @@ class ImageExamples:
     max_objects : object slots per sample (detection targets), or 0
     sanitize : the SanitizeBoundingBoxes spec applied to the objects, or None
     keypoints : the source's :class:`~echo_native.keypoints.Keypoints` (pose targets), or None
+    mask_bytes : bytes of an object's bit-packed mask in a record (masks), or 0
     """
 
     def __init__(self, device, outputs, crop, program, echo, seed, sample_bytes,
-                 max_objects=0, sanitize=None, keypoints=None):
+                 max_objects=0, sanitize=None, keypoints=None, mask_bytes=0):
         self.max_objects, self.sanitize = int(max_objects), sanitize
+        self.mask_bytes = int(mask_bytes)
         # What a batch's objects follow besides the crop: both given to every batch made.
         self.rules = {"sanitize": sanitize, "pose": keypoints}
         self.device, self.outputs = device, outputs
@@ -76,7 +79,8 @@ class ImageExamples:
     def allocate(self, capacity):
         if self.stored is None:
             self.stored = ImageStore(capacity, self.sample_bytes, self.device,
-                                     self.max_objects, len(self.rules["pose"] or ()))
+                                     self.max_objects, len(self.rules["pose"] or ()),
+                                     self.mask_bytes)
 
     def free(self):
         self.stored = None
@@ -108,7 +112,7 @@ class ImageExamples:
                                    images, rows, None if codes is None else codes[rows],
                                    None if args is None else args[rows])
         return job, Batch.from_columns(images, columns, sample_ids=sample_ids, fresh=fresh,
-                                       echo_index=echo_index, epoch=epoch,
+                                       echo_index=echo_index, epoch=epoch, redrawn=g,
                                        **self.rules)
 
     # -- whole slots -------------------------------------------------------------------

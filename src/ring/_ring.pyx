@@ -52,6 +52,7 @@ cdef extern from "en_ring.h" nogil:
         uint64_t sample_bytes
         uint32_t max_objects
         uint32_t max_keypoints
+        uint32_t mask_bytes
         # the columns' offsets: read through en_ring_columns (EN_RING_COLUMNS)
         size_t pixels, slot_bytes, total_bytes
     ctypedef struct en_ring_column:
@@ -60,7 +61,7 @@ cdef extern from "en_ring.h" nogil:
         uint32_t rows, width
         size_t layout_field
     const en_ring_column en_ring_columns[]
-    int EN_RING_ROWS_SAMPLE, EN_RING_ROWS_OBJECT, EN_RING_ROWS_KEYPOINT
+    int EN_RING_ROWS_SAMPLE, EN_RING_ROWS_OBJECT, EN_RING_ROWS_KEYPOINT, EN_RING_ROWS_MASK
     ctypedef struct en_ring_field:
         const char *name
         size_t offset, size, width
@@ -70,7 +71,7 @@ cdef extern from "en_ring.h" nogil:
 
     int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
                                uint32_t max_objects, uint32_t max_keypoints,
-                               en_ring_layout *out)
+                               uint32_t mask_bytes, en_ring_layout *out)
     int en_ring_init(void *mem, size_t size, const en_ring_layout *layout,
                      uint64_t first_ticket, uint32_t owner_pid)
     int en_ring_check(const void *mem, size_t size, en_ring_layout *out)
@@ -130,7 +131,7 @@ cdef tuple _columns():
     while en_ring_columns[i].name != NULL:
         c = en_ring_columns[i]
         rows = {EN_RING_ROWS_SAMPLE: "sample", EN_RING_ROWS_OBJECT: "object",
-                EN_RING_ROWS_KEYPOINT: "keypoint"}[c.rows]
+                EN_RING_ROWS_KEYPOINT: "keypoint", EN_RING_ROWS_MASK: "mask"}[c.rows]
         out.append((c.name.decode(), c.dtype.decode(), rows, int(c.width)))
         i += 1
     return tuple(out)
@@ -138,14 +139,16 @@ cdef tuple _columns():
 
 #: A sample's record in a slot, as C lays it out (EN_RING_COLUMNS in en_ring.h): one
 #: ``(name, dtype, rows, width)`` per column, in slot order; ``rows`` is "sample" (one
-#: row per sample of the batch), "object" (max_objects rows per sample) or "keypoint"
-#: (max_keypoints rows per object), ``width`` the elements of a row.
+#: row per sample of the batch), "object" (max_objects rows per sample), "keypoint"
+#: (max_keypoints rows per object) or "mask" (mask_bytes rows per object), ``width``
+#: the elements of a row.
 COLUMNS = _columns()
 
 
 cdef dict _layout_dict(const en_ring_layout *l):
     cdef dict d = {"nslots": l.nslots, "batch": l.batch, "sample_bytes": l.sample_bytes,
                    "max_objects": l.max_objects, "max_keypoints": l.max_keypoints,
+                   "mask_bytes": l.mask_bytes,
                    "pixels": l.pixels,
                    "slot_bytes": l.slot_bytes, "total_bytes": l.total_bytes}
     cdef size_t i = 0
@@ -158,19 +161,21 @@ cdef dict _layout_dict(const en_ring_layout *l):
 
 
 cdef en_ring_layout _compute(object nslots, object batch, object sample_bytes,
-                             object max_objects, object max_keypoints) except *:
+                             object max_objects, object max_keypoints,
+                             object mask_bytes) except *:
     cdef en_ring_layout l
     nslots, batch, sample_bytes = int(nslots), int(batch), int(sample_bytes)
     max_objects, max_keypoints = int(max_objects), int(max_keypoints)
+    mask_bytes = int(mask_bytes)
     # Values no C field can hold are as impossible as those C refuses.
     if (not 0 <= nslots <= UINT32_MAX or not 0 <= batch <= UINT32_MAX
             or not 0 <= sample_bytes <= UINT64_MAX or not 0 <= max_objects <= UINT32_MAX
-            or not 0 <= max_keypoints <= UINT32_MAX
+            or not 0 <= max_keypoints <= UINT32_MAX or not 0 <= mask_bytes <= UINT32_MAX
             or en_ring_compute_layout(nslots, batch, sample_bytes, max_objects, max_keypoints,
-                                      &l) != 0):
+                                      mask_bytes, &l) != 0):
         raise ValueError(f"impossible ring geometry: {nslots} slots of {batch} samples of "
-                         f"{sample_bytes} bytes, {max_objects} objects and {max_keypoints} "
-                         f"keypoints")
+                         f"{sample_bytes} bytes, {max_objects} objects, {max_keypoints} "
+                         f"keypoints and {mask_bytes} mask bytes")
     return l
 
 
@@ -184,11 +189,12 @@ def seq_filled(uint64_t ticket):
     return en_ring_seq_filled(ticket)
 
 
-def layout(nslots, batch, sample_bytes, max_objects=0, max_keypoints=0):
+def layout(nslots, batch, sample_bytes, max_objects=0, max_keypoints=0, mask_bytes=0):
     """Offsets (from a slot's start) of the per-sample arrays, slot_bytes and
     total_bytes, as en_ring_compute_layout places them; ValueError for a
     geometry it refuses."""
-    cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects, max_keypoints)
+    cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects, max_keypoints,
+                                     mask_bytes)
     return _layout_dict(&l)
 
 
@@ -341,9 +347,10 @@ cdef class Segment:
         pass
 
     def ring_init(self, nslots, batch, sample_bytes, uint64_t first_ticket, uint32_t owner_pid,
-                  max_objects=0, max_keypoints=0):
+                  max_objects=0, max_keypoints=0, mask_bytes=0):
         """Write a new ring's header into this (fresh) segment; returns the layout dict."""
-        cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects, max_keypoints)
+        cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects, max_keypoints,
+                                         mask_bytes)
         if en_ring_init(self._addr, self._size, &l, first_ticket, owner_pid) != 0:
             raise ValueError(f"a {self._size}-byte segment cannot hold a "
                              f"{l.total_bytes}-byte ring")

@@ -23,7 +23,8 @@
  *     a sample's record: the columns of EN_RING_COLUMNS below, each at its
  *     en_ring_layout offset ([B] rows, [B][M] for an object column, M =
  *     max_objects per sample, 0 without targets, [B][M][K] for a keypoint
- *     column, K = max_keypoints per object, 0 without keypoints)
+ *     column, K = max_keypoints per object, 0 without keypoints, [B][M][Q]
+ *     for a mask column, Q = mask_bytes per object, 0 without masks)
  *     then (page-aligned) pixels u8[B][S]
  *
  * All fields are native-endian: a segment never leaves the machine.
@@ -83,7 +84,7 @@ typedef struct en_ring_header {
     uint32_t max_objects;  /* object slots per sample (detection targets), or 0 */
     uint64_t next_ticket;  /* fetch-add counter */
     uint32_t max_keypoints; /* keypoints per object (pose targets), or 0 */
-    uint32_t reserved1;
+    uint32_t mask_bytes;   /* bytes of one object's bit-packed mask (masks), or 0 */
     /* claims[w]: what worker w holds (0, t + 1, or EN_RING_CLAIM_PENDING), so
      * the consumer can tell which tickets a dead worker lost. */
     uint64_t claims[EN_RING_MAX_WORKERS];
@@ -166,8 +167,9 @@ _Static_assert(EN_RING_REPORT_BYTES % EN_RING_FAILURE_ALIGN == 0, "records stay 
  *   X(name, C type, NumPy dtype, alignment, rows, width)
  *
  * rows: SAMPLE (one row per sample of the batch), OBJECT (max_objects rows per
- * sample) or KEYPOINT (max_keypoints rows per object); width: elements of the type per row.  Alignment is the array's: boxes on
- * 16 bytes, for SIMD loads of a whole box.  Pixels (page-aligned, sample_bytes a
+ * sample), KEYPOINT (max_keypoints rows per object) or MASK (mask_bytes rows per
+ * object: its mask, bit-packed, at the stored image's size); width: elements of the
+ * type per row.  Alignment is the array's: boxes on 16 bytes, for SIMD loads of a whole box.  Pixels (page-aligned, sample_bytes a
  * sample) follow the columns. */
 #define EN_RING_COLUMNS(X) \
     X(labels,       int64_t,  "i8", 8,  SAMPLE, 1) /* the sample's class */            \
@@ -183,9 +185,11 @@ _Static_assert(EN_RING_REPORT_BYTES % EN_RING_FAILURE_ALIGN == 0, "records stay 
     X(obj_boxes,    float,    "f4", 16, OBJECT, 4) /* xyxy in source pixels */         \
     X(obj_labels,   int64_t,  "i8", 8,  OBJECT, 1)                                     \
     X(obj_flags,    uint8_t,  "u1", 1,  OBJECT, 1) /* EN_RING_OBJ_* */           \
-    X(obj_keypoints, float,   "f4", 4,  KEYPOINT, 3) /* x, y, visibility, source px */
+    X(obj_keypoints, float,   "f4", 4,  KEYPOINT, 3) /* x, y, visibility, source px */ \
+    X(obj_masks,    uint8_t,  "u1", 1,  MASK, 1) /* np.packbits rows of the image */
 
-enum { EN_RING_ROWS_SAMPLE = 0, EN_RING_ROWS_OBJECT = 1, EN_RING_ROWS_KEYPOINT = 2 };
+enum { EN_RING_ROWS_SAMPLE = 0, EN_RING_ROWS_OBJECT = 1, EN_RING_ROWS_KEYPOINT = 2,
+       EN_RING_ROWS_MASK = 3 };
 
 /* Where the per-sample arrays of a slot lie, for one geometry.  Offsets are
  * from the start of a slot. */
@@ -195,6 +199,7 @@ typedef struct en_ring_layout {
     uint64_t sample_bytes;
     uint32_t max_objects;
     uint32_t max_keypoints;
+    uint32_t mask_bytes;
 #define EN_RING_OFFSET_FIELD(name, type, dtype, align, rows, width) size_t name;
     EN_RING_COLUMNS(EN_RING_OFFSET_FIELD)
 #undef EN_RING_OFFSET_FIELD
@@ -217,9 +222,9 @@ extern const en_ring_column en_ring_columns[];   /* ends with a NULL name */
 /* Fill *out for a geometry; 0 on success, -1 (out untouched) for one that
  * cannot exist: no slots, an empty batch, more than EN_RING_MAX_OBJECTS
  * objects per sample or EN_RING_MAX_KEYPOINTS keypoints per object, or sizes that
- * overflow. */
+ * overflow (mask_bytes: a mask's bytes per object, up to UINT32_MAX). */
 int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                           uint32_t max_objects, uint32_t max_keypoints,
+                           uint32_t max_objects, uint32_t max_keypoints, uint32_t mask_bytes,
                            en_ring_layout *out);
 
 /* Write the header of a new, zero-filled segment of at least

@@ -129,7 +129,7 @@ static int check(en_ring_slot *s, const en_ring_layout *l, uint64_t t) {
 static int demo(void) {
     enum { NSLOTS = 3, BATCH = 4, SAMPLE_BYTES = 100, TICKETS = 11 }; /* several laps */
     en_ring_layout l;
-    if (en_ring_compute_layout(NSLOTS, BATCH, SAMPLE_BYTES, 0, 0, &l) != 0) return 1;
+    if (en_ring_compute_layout(NSLOTS, BATCH, SAMPLE_BYTES, 0, 0, 0, &l) != 0) return 1;
     char name[64], err[256];
     snprintf(name, sizeof name, "/echo_native_demo-%ld", (long)getpid());
     void *mem;
@@ -184,17 +184,18 @@ static int produce_into(const char *name, uint64_t tickets) {
 #define FIELD(out, type, f) fprintf(out, "\"%s\": %zu, ", #f, offsetof(type, f))
 
 static int print_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                        uint32_t max_objects, uint32_t max_keypoints) {
+                        uint32_t max_objects, uint32_t max_keypoints, uint32_t mask_bytes) {
     en_ring_layout l;
     int ok = en_ring_compute_layout(nslots, batch, sample_bytes, max_objects, max_keypoints,
-                                    &l) == 0;
+                                    mask_bytes, &l) == 0;
     printf("{\"header\": {");
     FIELD(stdout, en_ring_header, magic); FIELD(stdout, en_ring_header, version);
     FIELD(stdout, en_ring_header, owner_pid); FIELD(stdout, en_ring_header, nslots);
     FIELD(stdout, en_ring_header, batch); FIELD(stdout, en_ring_header, sample_bytes);
     FIELD(stdout, en_ring_header, slot_bytes); FIELD(stdout, en_ring_header, closed);
     FIELD(stdout, en_ring_header, max_objects); FIELD(stdout, en_ring_header, next_ticket);
-    FIELD(stdout, en_ring_header, max_keypoints); FIELD(stdout, en_ring_header, claims);
+    FIELD(stdout, en_ring_header, max_keypoints); FIELD(stdout, en_ring_header, mask_bytes);
+    FIELD(stdout, en_ring_header, claims);
     FIELD(stdout, en_ring_header, reading); FIELD(stdout, en_ring_header, reading_ms);
     printf("\"sizeof\": %zu}, \"slot\": {", sizeof(en_ring_header));
     FIELD(stdout, en_ring_slot, seq); FIELD(stdout, en_ring_slot, count);
@@ -216,9 +217,9 @@ static int print_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
     printf("\"layout\": {");
     for (const en_ring_column *c = en_ring_columns; c->name != NULL; c++)
         printf("\"%s\": %zu, ", c->name, *(const size_t *)((const char *)&l + c->layout_field));
-    printf("\"max_objects\": %u, \"max_keypoints\": %u, \"pixels\": %zu, "
+    printf("\"max_objects\": %u, \"max_keypoints\": %u, \"mask_bytes\": %u, \"pixels\": %zu, "
            "\"slot_bytes\": %zu, \"total_bytes\": %zu}}\n",
-           l.max_objects, l.max_keypoints, l.pixels, l.slot_bytes, l.total_bytes);
+           l.max_objects, l.max_keypoints, l.mask_bytes, l.pixels, l.slot_bytes, l.total_bytes);
     return 0;
 }
 
@@ -226,13 +227,14 @@ int main(int argc, char **argv) {
     if (argc == 1) return demo();
     if (argc == 4 && strcmp(argv[1], "produce") == 0)
         return produce_into(argv[2], strtoull(argv[3], NULL, 10));
-    if (argc == 7 && strcmp(argv[1], "layout") == 0)
+    if (argc == 8 && strcmp(argv[1], "layout") == 0)
         return print_layout((uint32_t)strtoul(argv[2], NULL, 10),
                             (uint32_t)strtoul(argv[3], NULL, 10), strtoull(argv[4], NULL, 10),
                             (uint32_t)strtoul(argv[5], NULL, 10),
-                            (uint32_t)strtoul(argv[6], NULL, 10));
+                            (uint32_t)strtoul(argv[6], NULL, 10),
+                            (uint32_t)strtoul(argv[7], NULL, 10));
     fprintf(stderr, "usage: %s | %s produce NAME TICKETS | "
-            "%s layout NSLOTS BATCH SAMPLE_BYTES MAX_OBJECTS MAX_KEYPOINTS\n",
+            "%s layout NSLOTS BATCH SAMPLE_BYTES MAX_OBJECTS MAX_KEYPOINTS MASK_BYTES\n",
             argv[0], argv[0], argv[0]);
     return 2;
 }
