@@ -400,6 +400,9 @@ class RayLoader(Loader):
         reading its own datasets, or its rank's share of a shared stream (``split``)."""
         if loader.ring is not None:
             raise RuntimeError("adopt() takes a loader that has not started")
+        if loader.keypoints is not None or getattr(loader, "mask_bytes", 0):
+            raise ValueError("echo_native.ray carries boxes, not keypoints or masks yet: "
+                             "decode this source with echo_native.EchoRing")
         if split is not None:
             if not isinstance(split, Split):
                 raise TypeError(f"split= takes one of the Split objects echo_native.ray.split() "

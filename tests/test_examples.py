@@ -158,7 +158,8 @@ def test_torch_checkpoint_and_resume(data, tmp_path):
     assert finished(rc, out, 3) == (3 * B, 3 * B)
     first = torch.load(ckpt)
     assert (first["epoch"], first["step"]) == (0, 3)
-    assert [r["ticket"] for r in first["ring"]] == [3]  # three batches of the fresh stream
+    # three batches of the fresh stream (the loader's position, nested in the stage's)
+    assert [r["parent"]["ticket"] for r in first["ring"]] == [3]
     assert set(first) >= {"model", "optimizer"}
 
     rc, out = example("train_torch.py", *common, "--steps", 5, "--resume", cwd=tmp_path)
@@ -167,7 +168,7 @@ def test_torch_checkpoint_and_resume(data, tmp_path):
     assert finished(rc, out, 5) == (2 * B, 2 * B)
     second = torch.load(ckpt)
     assert (second["epoch"], second["step"]) == (0, 5)
-    assert [r["ticket"] for r in second["ring"]] == [5]
+    assert [r["parent"]["ticket"] for r in second["ring"]] == [5]
     assert not torch.equal(second["model"]["fc.weight"], first["model"]["fc.weight"])
 
     rc, out = example("train_torch.py", *common, "--steps", 8, "--resume", cwd=tmp_path)
@@ -177,7 +178,7 @@ def test_torch_checkpoint_and_resume(data, tmp_path):
     assert re.search(r"^epoch 1: step 8,", out, re.MULTILINE), out
     third = torch.load(ckpt)
     assert (third["epoch"], third["step"]) == (1, 8)
-    assert [r["ticket"] for r in third["ring"]] == [8]
+    assert [r["parent"]["ticket"] for r in third["ring"]] == [8]
 
 
 @pytest.mark.slow
@@ -215,7 +216,8 @@ def test_torch_example_under_torchrun(data, tmp_path):
     val_accuracy(out)  # summed over both ranks' shares: a whole number of all N images
     saved = torch.load(ckpt)
     assert saved["step"] == 3
-    assert [(r["rank"], r["world_size"]) for r in saved["ring"]] == [(0, 2), (1, 2)]
+    assert [(r["parent"]["rank"], r["parent"]["world_size"]) for r in saved["ring"]] == \
+        [(0, 2), (1, 2)]
 
 
 # ---- JAX -----------------------------------------------------------------------------------

@@ -660,3 +660,12 @@ def test_two_ranks_share_one_stream_through_streaming_split(corpus, cluster):
         fresh = np.concatenate([b.sample_ids[b.fresh] for b in sum(head, []) + sum(tail, [])])
         assert set(fresh.tolist()) == set(range(48))
         assert len(fresh) - 48 < n   # a rank's padding wraps at most one id each
+
+
+def test_a_source_with_keypoints_is_refused_with_what_to_use():
+    """The Ray path carries boxes only: a pose source is refused at construction, not
+    half-delivered."""
+    from test_keypoints import SSD, Poses
+
+    with pytest.raises(ValueError, match="not keypoints or masks yet"):
+        er.EchoRing(Poses(4), batch_size=2, augment=SSD[2:], echo=1)
