@@ -575,9 +575,13 @@ def _report(tmp_path):
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None or not _EXTENSIONS,
                                 reason="needs bash and the built extensions")
+# The script's runs (each a bash job over the stand-in kit, seconds apiece) are long runs:
+# `-m slow` (CI's last step) plays them; the plan's checks below stay in the default run.
+plays_the_script = pytest.mark.slow
 
 
 @needs_bash
+@plays_the_script
 @pytest.mark.parametrize("tests_rc,bench_rc,want", [(0, 0, 0), (1, 0, 1), (0, 2, 2),
                                                     (1, 2, 1)])
 def test_gpu_check_fails_when_a_gpu_test_fails(tmp_path, tests_rc, bench_rc, want):
@@ -593,6 +597,7 @@ def test_gpu_check_fails_when_a_gpu_test_fails(tmp_path, tests_rc, bench_rc, wan
 
 
 @needs_bash
+@plays_the_script
 def test_gpu_check_reports_every_section(tmp_path):
     """A machine whose extra cannot compile the kernels: every later step still runs,
     the check fails with the extra's status, and gpu_check.json (beside the full log)
@@ -633,6 +638,7 @@ print("alive", flush=True)
 
 
 @needs_bash
+@plays_the_script
 def test_gpu_check_never_writes_over_a_loaded_extension(tmp_path):
     """(1) The check unpacks the carried wheel (byte-identical extensions, as when the
     crash was found) while a neighbouring process has this tree's extensions loaded
@@ -711,6 +717,7 @@ def test_docs_name_the_files_and_budgets_that_exist():
 
 
 @needs_bash
+@plays_the_script
 def test_gpu_check_writes_each_steps_results_before_the_next_runs(tmp_path):
     """(5) The end-to-end step hangs and the whole check is then killed (as the device
     kills a call at its limit): gpu_check.json already holds the steps that ended and
@@ -743,6 +750,7 @@ def test_gpu_check_writes_each_steps_results_before_the_next_runs(tmp_path):
 
 
 @needs_bash
+@plays_the_script
 def test_gpu_check_gives_no_step_more_than_the_budget_left(tmp_path):
     """(5) A step that never ends is stopped at what is left of the budget, and the
     steps after it, with no time left, are reported as not run: the check ends and
@@ -764,6 +772,7 @@ def test_gpu_check_gives_no_step_more_than_the_budget_left(tmp_path):
 
 
 @needs_bash
+@plays_the_script
 def test_gpu_check_tests_the_extra_in_a_venv_of_its_own(tmp_path):
     """(5) The toolkit step is gpu_extra.py with a venv in the check's own folder, not an
     import of whatever CuPy the machine has."""
