@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 import echo_native as en
+from sources_helpers import Drawn
 from echo_native.keypoints import flip_indices, map_keypoints
 
 NAMES = ("nose", "left_eye", "right_eye", "tail")
@@ -57,7 +58,7 @@ def _pose_image(rng, h, w):
     return buf.getvalue(), np.float32(boxes), np.stack(points)
 
 
-class Poses:
+class Poses(Drawn):
     """A pose source as a user writes one: ``read``, ``targets`` with keypoints, and the
     ``keypoints`` hook naming them."""
 
@@ -65,15 +66,8 @@ class Poses:
 
     def __init__(self, n=16, seed=0):
         rng = np.random.default_rng(seed)
-        self.items = [_pose_image(rng, *(int(v) for v in rng.integers(110, 190, 2)))
-                      for _ in range(n)]
-        self.labels = np.zeros(n, np.int64)
-
-    def __len__(self):
-        return len(self.items)
-
-    def read(self, i):
-        return self.items[i][0]
+        super().__init__(_pose_image(rng, *(int(v) for v in rng.integers(110, 190, 2)))
+                         for _ in range(n))
 
     def targets(self, i):
         _, boxes, points = self.items[i]

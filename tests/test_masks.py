@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageDraw
 
 import echo_native as en
+from sources_helpers import Drawn
 from echo_native.targets import as_targets, targets_from_json, targets_to_json
 from echo_native.masks import (Segments, as_segments, pack_masks, rasterise, rle_from_string,
                                rle_to_string, unpack_masks)
@@ -71,22 +72,15 @@ def _shape_image(rng, h, w):
     return buf.getvalue(), np.float32(boxes), masks, np.arange(1, 4, dtype=np.int64)
 
 
-class Shapes:
+class Shapes(Drawn):
     """A source as a user writes one: ``read``, ``targets`` with masks, the ``masks`` hook."""
 
     masks = True
 
     def __init__(self, n=12, seed=0):
         rng = np.random.default_rng(seed)
-        self.items = [_shape_image(rng, int(rng.integers(110, 190)), int(rng.integers(150, 230)))
-                      for _ in range(n)]
-        self.labels = np.zeros(n, np.int64)
-
-    def __len__(self):
-        return len(self.items)
-
-    def read(self, i):
-        return self.items[i][0]
+        super().__init__(_shape_image(rng, int(rng.integers(110, 190)),
+                                      int(rng.integers(150, 230))) for _ in range(n))
 
     def targets(self, i):
         _, boxes, masks, labels = self.items[i]

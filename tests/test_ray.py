@@ -270,11 +270,11 @@ def test_elastic_resume_from_two_ranks_to_three(corpus, cluster):
     assert len(ids) - 48 < 3              # a rank's padding wraps at most one id each
 
 
-class PidSource:
-    """Samples read slowly, each reader's pid written to ``pids``: the actors to kill."""
+class _Folder:
+    """An ImageFolder wrapped by a test source whose ``read`` does more."""
 
-    def __init__(self, root, pids, delay):
-        self.inner, self.pids, self.delay = en.ImageFolder(root), str(pids), delay
+    def __init__(self, root):
+        self.inner = en.ImageFolder(root)
 
     def __len__(self):
         return len(self.inner)
@@ -285,6 +285,14 @@ class PidSource:
 
     def describe(self, i):
         return self.inner.describe(i)
+
+
+class PidSource(_Folder):
+    """Samples read slowly, each reader's pid written to ``pids``: the actors to kill."""
+
+    def __init__(self, root, pids, delay):
+        super().__init__(root)
+        self.pids, self.delay = str(pids), delay
 
     def read(self, i):
         with open(self.pids, "a") as f:
@@ -441,24 +449,14 @@ def _wait_for(what, cond, timeout=120.0):
         time.sleep(0.05)
 
 
-class HeldSource:
+class HeldSource(_Folder):
     """Every read is logged as ``pid node_id sample_id`` to ``log`` (which actor, on which
     node, reads what); on the node named in the file ``hold``, a read waits while that
     file exists (at most ``timeout`` s), logged first as ``held pid node_id sample_id``."""
 
     def __init__(self, root, log, hold, timeout=300.0):
-        self.inner, self.log, self.hold = en.ImageFolder(root), str(log), str(hold)
-        self.timeout = timeout
-
-    def __len__(self):
-        return len(self.inner)
-
-    @property
-    def labels(self):
-        return self.inner.labels
-
-    def describe(self, i):
-        return self.inner.describe(i)
+        super().__init__(root)
+        self.log, self.hold, self.timeout = str(log), str(hold), timeout
 
     def _held_here(self, node):
         try:
