@@ -7,14 +7,16 @@ batch from file bytes to the GPU; each imports only modules above it):
               remote_errors (storage errors told apart, said without credentials)
   memory      what the machine's memory allows: a ring, an echo buffer, an annotation
               parse (the budget); /dev/shm names
-  protocol    what a source is: Source (len, labels, read) and its optional hooks
+  protocol    what a source is: Source (len, labels, read) and its optional hooks;
+              ObjectField (what an object may carry beside its box and label)
   remote      objects in storage by URL: bounded, retried reads (fsspec);
               prefetch (reads ahead of the decode: samples, tar-shard blocks)
-  masks       instance masks: polygons and RLE checked and packed (Segments),
-              rasterised in a window, bit-packed in the record
-  targets     a detection sample's boxes and labels (Targets), their JSON form;
-              labels (a source's labels checked: one integer per sample)
+  labels      a source's labels checked: one integer per sample
   keypoints   a pose's keypoints: which point mirrors which, where points land
+              (the KEYPOINTS field); masks (instance masks: polygons and RLE checked
+              and packed, rasterised in a window, bit-packed: the MASKS field)
+  targets     a detection sample's boxes and labels (Targets), their JSON form, and
+              what else an object carries (OBJECT_FIELDS: keypoints, masks)
   files       local files read safely: bounded reads, packed paths, a walk that
               enters each directory once
   source      where the bytes come from: ImageFolder, FileList, Samples;

@@ -129,3 +129,32 @@ def either(owner, spec_text, spec, given, given_text=None):
         names = getattr(given, "written", ()) or given
         raise TypeError(f"{owner}: give either {spec_text} or "
                         f"{given_text or ', '.join(sorted(names))}, not both")
+
+
+def read_only(a):
+    """``a``, made read-only."""
+    a.flags.writeable = False
+    return a
+
+
+def shown(value, n=60):
+    """repr(value), cut to ``n`` characters."""
+    text = repr(value)
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def numbers(value, where, what, dtype):
+    """``value`` as a numeric array (lists, tuples, arrays; no strings or objects)."""
+    if isinstance(value, (str, bytes, dict)):
+        raise ValueError(f"{where}: {what} must be numbers, got {type(value).__name__}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:  # ragged lists, huge integers
+        raise ValueError(f"{where}: {what} are not a regular array of numbers ({e})") from None
+    if arr.size == 0:
+        return np.asarray(arr, dtype)
+    if arr.dtype.kind not in "biuf":
+        raise ValueError(f"{where}: {what} must be numbers, got an array of {arr.dtype}"
+                         + (f" ({shown(arr.flat[0], 40)} ...)" if arr.dtype.kind == "O"
+                            else ""))
+    return arr

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native.boxes import SourceObjects
-from echo_native.masks import StoredMasks
-from echo_native.ring import COLUMNS, record_shape
+from echo_native.ring import COLUMNS, Record
+from echo_native.targets import OBJECT_FIELDS
 
 
 class Columns:
@@ -23,7 +23,7 @@ class Columns:
     and flip, the canvas's shape, the source's size and their scale, and the objects.
 
     Rows are samples.  ``Columns.of_slot`` views a ring slot; the echo buffer is
-    ``Columns.allocate(capacity, max_objects)``, filled with :meth:`put`; an emission
+    ``Columns.allocate(capacity, record)``, filled with :meth:`put`; an emission
     takes its rows (:meth:`take`, a copy its crop spec then redraws).  A new per-sample
     field is a row of the C table, and every holder of a record follows it.
     """
@@ -34,11 +34,10 @@ class Columns:
         self.arrays = dict(arrays)
 
     @classmethod
-    def allocate(cls, rows, max_objects=0, max_keypoints=0, mask_bytes=0):
-        """Zeroed columns of ``rows`` samples, ``max_objects`` object rows each with
-        ``max_keypoints`` keypoints and a mask of ``mask_bytes``."""
-        return cls({name: np.zeros(record_shape(kind, width, int(rows), int(max_objects),
-                                                int(max_keypoints), int(mask_bytes)), dtype)
+    def allocate(cls, rows, record=Record()):
+        """Zeroed columns of ``rows`` samples of ``record``'s sizes (a
+        :class:`~echo_native.ring.Record`)."""
+        return cls({name: np.zeros(record.shape(kind, width, int(rows)), dtype)
                     for name, dtype, kind, width in COLUMNS})
 
     @classmethod
@@ -77,13 +76,12 @@ class Columns:
         return Columns({name: xp.asarray(a) for name, a in self.arrays.items()})
 
     def objects(self):
-        """The rows' :class:`~echo_native.boxes.SourceObjects` (views)."""
-        points, masks = self.obj_keypoints, self.obj_masks
+        """The rows' :class:`~echo_native.boxes.SourceObjects` (views), with each
+        object field the records carry (a column of more than 0 rows per object)."""
         return SourceObjects(self.obj_boxes, self.obj_labels, self.obj_flags,
                              self.obj_count.astype(np.int64),
-                             points if points.shape[2] else None,
-                             StoredMasks(masks, self.shapes, self.canvas_scale, self.source_hw)
-                             if masks.shape[2] else None)
+                             {f.name: f.stored(self) for f in OBJECT_FIELDS
+                              if self.arrays[f.column].shape[2]})
 
 
 @dataclass
@@ -121,19 +119,19 @@ class Batch:
 
     @classmethod
     def from_columns(cls, images, columns, *, sample_ids, fresh, echo_index, epoch,
-                     sanitize=None, pose=None, redrawn=None, release=None):
+                     sanitize=None, rules=None, redrawn=None, release=None):
         """The batch of ``images`` whose records are ``columns``: labels, crop boxes and
         flips are the columns' (views), and with object columns the objects mapped
         through each row's crop and flip onto the images (``sanitize``: the
-        SanitizeBoundingBoxes spec, or None; ``pose``: the source's
-        :class:`~echo_native.keypoints.Keypoints`, which point mirrors which, or None; ``redrawn``: how the images
-        came from stored ones, :class:`~echo_native.transforms.Redrawn`, which the masks
-        follow; None: they are the stored images)."""
+        SanitizeBoundingBoxes spec, or None; ``rules``: what each object field follows,
+        by name, e.g. the source's :class:`~echo_native.keypoints.Keypoints`;
+        ``redrawn``: how the images came from stored ones,
+        :class:`~echo_native.transforms.Redrawn`; None: they are the stored images)."""
         flips = columns.flip.view(bool)
         objects = None
         if columns.max_objects:
             objects = columns.objects().map(columns.boxes, flips, images.shape[1:3],
-                                            sanitize, pose=pose, redrawn=redrawn)
+                                            sanitize, rules=rules, redrawn=redrawn)
         return cls(images, columns.labels, sample_ids, fresh, echo_index, columns.boxes, flips,
                    epoch, _release=release, objects=objects)
 

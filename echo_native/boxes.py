@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native._ring import OBJ_CROWD, OBJ_DROPPED
-from echo_native.keypoints import map_keypoints
+from echo_native.targets import FIELDS
 
 __all__ = ["map_boxes", "sanitize", "pack", "SourceObjects", "Objects"]
 
@@ -127,25 +127,24 @@ def pack(keep, *arrays, width=None):
 class SourceObjects:
     """The objects of some rows as their source gave them: padded ``boxes`` (n, M, 4)
     xyxy in source pixels, ``labels`` (n, M), ``flags`` (n, M) (:data:`CROWD`,
-    :data:`DROPPED`) and ``counts`` (n,), host arrays; ``keypoints`` (n, M, K, 3) in
-    source pixels, or None; ``masks``, the records' bit-packed masks
-    (:class:`~echo_native.masks.StoredMasks`), or None."""
+    :data:`DROPPED`) and ``counts`` (n,), host arrays; ``fields``, what the records
+    hold of each object field they carry (name -> its ``stored`` form: keypoints
+    (n, M, K, 3) in source pixels, the bit-packed masks, ...)."""
 
     boxes: np.ndarray
     labels: np.ndarray
     flags: np.ndarray
     counts: np.ndarray
-    keypoints: np.ndarray = None
-    masks: object = None
+    fields: dict = None
 
-    def map(self, windows, flips, size, sanitize_spec=None, width=None, pose=None,
+    def map(self, windows, flips, size, sanitize_spec=None, width=None, rules=None,
             redrawn=None):
         """The :class:`Objects` of these rows after each row's window, flip and resize
         to ``size``, kept as ``sanitize_spec`` (a SanitizeBoundingBoxes or None) says,
         packed to the front of each row, padded to ``width`` (default the most a row
-        keeps); their keypoints follow (``pose``: the source's
-        :class:`~echo_native.keypoints.Keypoints`, whose ``flip`` pairs mirrored points),
-        and their masks (``redrawn``: how the images came from the stored ones)."""
+        keeps); each object field follows (``rules``: name -> what the field's
+        emission follows, e.g. the source's :class:`~echo_native.keypoints.Keypoints`;
+        ``redrawn``: how the images came from the stored ones)."""
         m = self.boxes.shape[1]
         valid = np.arange(m) < self.counts[:, None]
         dropped = (self.flags & DROPPED).astype(bool)
@@ -154,17 +153,15 @@ class SourceObjects:
         if sanitize_spec is not None:
             keep = sanitize(boxes, valid, size, sanitize_spec.min_size, sanitize_spec.min_area)
         crowd = (self.flags & CROWD).astype(bool)
-        arrays = [boxes, self.labels, crowd]
-        if self.keypoints is not None:
-            arrays.append(map_keypoints(self.keypoints, windows, flips, size,
-                                        None if pose is None else pose.flip))
-        # Which object each kept entry is: only those masks are unpacked.
-        arrays.append(np.broadcast_to(np.arange(m), keep.shape))
-        valid, boxes, labels, crowd, *points, cols = pack(keep, *arrays, width=width)
-        masks = None if self.masks is None else \
-            self.masks.emit(valid, cols, windows, flips, size, redrawn)
-        return Objects(boxes, labels, valid, crowd, canvas_size=tuple(int(v) for v in size),
-                       keypoints=points[0] if points else None, masks=masks)
+        # Which object each kept entry is: the fields emit only those.
+        valid, boxes, labels, crowd, cols = pack(keep, boxes, self.labels, crowd,
+                                                 np.broadcast_to(np.arange(m), keep.shape),
+                                                 width=width)
+        rules = rules or {}
+        fields = {name: FIELDS[name].emit(stored, valid, cols, windows, flips, size, redrawn,
+                                          rules.get(name))
+                  for name, stored in (self.fields or {}).items()}
+        return Objects(boxes, labels, valid, crowd, tuple(int(v) for v in size), fields)
 
 
 @dataclass
@@ -173,37 +170,52 @@ class Objects:
     ``labels`` (B, M) int64; ``valid`` (B, M) bool; ``iscrowd`` (B, M) bool.  Each
     row's valid objects come first; ``M`` is the most any row holds (or
     ``max_boxes``).  ``canvas_size`` is the images' ``(height, width)`` the boxes lie
-    on (None when unknown).  ``keypoints`` (B, M, K, 3) float32, each object's x, y and
-    visibility in output pixels (:mod:`echo_native.keypoints`), or None without pose
-    targets.  ``masks`` (B, M, H, W) uint8, each object's mask (0/1) on the images
-    (:mod:`echo_native.masks`), or None without masks.  The arrays export DLPack, on
-    the batch's device."""
+    on (None when unknown).  ``fields`` holds each object field the source carries
+    (:data:`~echo_native.targets.OBJECT_FIELDS`), also an attribute of its name, None
+    where the source carries none: ``keypoints`` (B, M, K, 3) float32, each object's
+    x, y and visibility in output pixels (:mod:`echo_native.keypoints`); ``masks``
+    (B, M, H, W) uint8, each object's mask (0/1) on the images
+    (:mod:`echo_native.masks`).  The arrays export DLPack, on the batch's device."""
 
     boxes: np.ndarray
     labels: np.ndarray
     valid: np.ndarray
     iscrowd: np.ndarray
     canvas_size: tuple = None
-    keypoints: object = None
-    masks: object = None
+    fields: dict = None
+
+    def __post_init__(self):
+        fields = {k: v for k, v in (self.fields or {}).items() if v is not None}
+        unknown = sorted(set(fields) - set(FIELDS))
+        if unknown:
+            raise TypeError(f"Objects got unknown fields {unknown}: objects carry "
+                            f"{list(FIELDS)}")
+        self.fields = fields
+
+    def __getattr__(self, name):  # a field: its array, None where the source has none
+        if name in FIELDS:
+            return self.__dict__.get("fields", {}).get(name)
+        raise AttributeError(f"'Objects' object has no attribute {name!r}")
 
     @property
     def counts(self):
         """Valid objects per row."""
         return self.valid.sum(axis=1)
 
+    def arrays(self):
+        """Every array: boxes, labels, valid, iscrowd, then each field's."""
+        return [self.boxes, self.labels, self.valid, self.iscrowd, *self.fields.values()]
+
+    def _like(self, f):
+        return Objects(*(f(a) for a in (self.boxes, self.labels, self.valid, self.iscrowd)),
+                       self.canvas_size, {k: f(v) for k, v in self.fields.items()})
+
     def copy(self):
-        return Objects(self.boxes.copy(), self.labels.copy(), self.valid.copy(),
-                       self.iscrowd.copy(), self.canvas_size,
-                       None if self.keypoints is None else self.keypoints.copy(),
-                       None if self.masks is None else self.masks.copy())
+        return self._like(lambda a: a.copy())
 
     def to(self, xp):
         """The same objects as arrays of the array module ``xp`` (e.g. CuPy)."""
-        return Objects(*(xp.asarray(a) for a in (self.boxes, self.labels, self.valid,
-                                                 self.iscrowd)), self.canvas_size,
-                       None if self.keypoints is None else xp.asarray(self.keypoints),
-                       None if self.masks is None else xp.asarray(self.masks))
+        return self._like(xp.asarray)
 
     def to_torchvision(self):
         """One ``{"boxes": (n, 4) float32, "labels": (n,) int64}`` dict of torch tensors
@@ -234,14 +246,10 @@ class Objects:
             canvas = tuple(int(v) for v in self.canvas_size)
             out = [{"boxes": tv.BoundingBoxes(boxes[i, :n], format="XYXY", canvas_size=canvas),
                     "labels": labels[i, :n]} for i, n in enumerate(counts)]
-        if self.keypoints is not None:
-            points = torch.from_dlpack(self.keypoints)
+        for name, value in self.fields.items():
+            value, field = torch.from_dlpack(value), FIELDS[name]
             for i, n in enumerate(counts):
-                out[i]["keypoints"] = points[i, :n]
-        if self.masks is not None:
-            masks = torch.from_dlpack(self.masks)
-            for i, n in enumerate(counts):
-                out[i]["masks"] = masks[i, :n] if tv is None else tv.Mask(masks[i, :n])
+                out[i][name] = field.torchvision(value[i, :n], tv)
         return out
 
 

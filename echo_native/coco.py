@@ -570,8 +570,8 @@ class CocoDetection:
         h, w = self._hw[i]
         return _trusted(self._boxes[s:e], self._labels[s:e].astype(np.int64),
                         self._crowd[s:e], (int(h), int(w)),
-                        None if self._points is None else self._points[s:e],
-                        None if self._masks is None else self._masks.take(slice(s, e)))
+                        {"keypoints": None if self._points is None else self._points[s:e],
+                         "masks": None if self._masks is None else self._masks.take(slice(s, e))})
 
     @property
     def num_annotations(self) -> int:

@@ -4,7 +4,7 @@ A source with pose targets (``CocoDetection(..., keypoints=True)``) gives each
 object ``K`` keypoints ``(x, y, visibility)`` in source pixels, COCO's
 convention: visibility 0 (not labelled, and then x = y = 0), 1 (labelled, not
 visible) or 2 (visible).  They ride in the sample's record beside the boxes
-(the ring's ``obj_keypoints`` column) and follow the same geometry, a window of
+(the ring's ``obj_keypoints`` column, :data:`KEYPOINTS` the field) and follow the same geometry, a window of
 the source, a flip and a resize, with torchvision v2's ``KeyPoints``
 arithmetic (float32, step by step as ``transforms.v2.functional`` applies it):
 
@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from echo_native._checks import numbers, read_only
 from echo_native.labels import _source_name
-from echo_native.protocol import hook
+from echo_native.protocol import ObjectField
 
-__all__ = ["Keypoints", "map_keypoints", "flip_indices", "source_keypoints"]
+__all__ = ["KEYPOINTS", "Keypoints", "map_keypoints", "flip_indices", "source_keypoints"]
 
 #: The sides a keypoint's name may say, each with its mirror.
 _MIRROR = {"left": "right", "right": "left", "l": "r", "r": "l"}
@@ -110,7 +111,7 @@ def source_keypoints(source):
     """The :class:`Keypoints` a source's objects carry (its ``keypoints`` hook), or None;
     TypeError naming the source for anything else (names alone do not say which point
     mirrors which)."""
-    spec = hook(source, "keypoints")
+    spec = KEYPOINTS.given(source)
     if spec is not None and not isinstance(spec, Keypoints):
         raise TypeError(f"the source {_source_name(source)}'s keypoints must be an "
                         f"echo_native.Keypoints (the names, and which point mirrors which) "
@@ -145,3 +146,56 @@ def map_keypoints(points, windows, flips, size, flip=None):
     keep = (p[..., 2] > 0) & (x >= 0) & (x <= out_w - 1) & (y >= 0) & (y <= out_h - 1)
     p[~keep] = 0.0
     return p
+
+
+class _KeypointsField(ObjectField):
+    """Each object's ``K`` keypoints: ``Targets.keypoints`` (N, K, 3), in the record as
+    written (source pixels), mapped at each emission (:func:`map_keypoints`)."""
+
+    name, size, column = "keypoints", "max_keypoints", "obj_keypoints"
+
+    def carried(self, source, sample_bytes):
+        spec = source_keypoints(source)
+        return (0, None) if spec is None else (len(spec), spec)
+
+    def check(self, value, n, image_hw, where):
+        """(N, K, 3): finite x and y, visibility 0, 1 or 2, as read-only float32."""
+        k = numbers(value, where, "keypoints", np.float32)
+        if k.size == 0 and n == 0:
+            k = k.reshape(0, k.shape[1] if k.ndim == 3 else 0, 3)
+        if k.ndim != 3 or k.shape[0] != n or k.shape[2] != 3:
+            raise ValueError(f"{where}: keypoints must have shape (N, K, 3) (x, y, "
+                             f"visibility) for the {n} objects, got shape {k.shape}")
+        with np.errstate(over="ignore", invalid="ignore"):
+            k32 = k.astype(np.float32)
+            bad = ~np.isfinite(k32).all(axis=2) | ~np.isin(k32[..., 2], (0, 1, 2))
+        if bad.any():
+            i, j = (int(v) for v in np.argwhere(bad)[0])
+            raise ValueError(f"{where}: object {i}: keypoint {j} {k[i, j].tolist()} is not "
+                             f"a finite x, y with visibility 0, 1 or 2")
+        return read_only(k32)
+
+    def to_json(self, value):
+        return value.tolist()
+
+    def equal(self, a, b):
+        return np.array_equal(a, b)
+
+    def write(self, out, value, size, **placed):
+        out[...] = 0.0  # an object without keypoints: none labelled
+        if value is not None:
+            if value.shape[1] != size:
+                raise ValueError(f"its objects have {value.shape[1]} keypoints, the "
+                                 f"source's have {size}")
+            out[...] = value
+
+    def emit(self, stored, valid, cols, windows, flips, size, redrawn, rule):
+        points = map_keypoints(stored, windows, flips, size,
+                               None if rule is None else rule.flip)
+        out = points[np.arange(len(points))[:, None], cols]
+        out[~np.asarray(valid, bool)] = 0.0
+        return out
+
+
+#: The keypoints field of a record (:class:`~echo_native.protocol.ObjectField`).
+KEYPOINTS = _KeypointsField()

@@ -27,16 +27,14 @@ from echo_native._iteration import NOT_PICKLABLE, IterationGuard, Started
 from echo_native.augment import Program, WithOps
 from echo_native.batch import Batch, Books, Columns, Fresh
 from echo_native.errors import DecodeError
-from echo_native.keypoints import source_keypoints
 from echo_native.failures import REASONS, FailureReport
 from echo_native.plan import ON_ERROR, Plan
 from echo_native.resume import (check_epoch, check_merged, check_state, merge_states,
                                 resumed_plan, state_at)
 from echo_native.memory import WORKER_BYTES, MemoryBudget, RingMemoryError
-from echo_native.ring import ERR_DECODE, ERR_WORKER, MAX_OBJECTS, OK, WAIT_OK, Ring
+from echo_native.ring import ERR_DECODE, ERR_WORKER, MAX_OBJECTS, OK, WAIT_OK, Record, Ring
 from echo_native.source import _source_name, as_source, check_labels
-from echo_native.masks import mask_bytes
-from echo_native.targets import source_targets
+from echo_native.targets import OBJECT_FIELDS, source_targets
 from echo_native.specs import check_batch_size, fold
 from echo_native.pool import WorkerPool, ship
 from echo_native.protocol import hook
@@ -123,14 +121,19 @@ class Loader(Started):
         if n == 0:
             raise ValueError("the source is empty")
         check_labels(source)  # here, once: a bad label would crash-loop the workers
-        # Object slots per sample in the ring: only a source with targets needs them.
-        self.max_objects, self.keypoints, self.mask_bytes = 0, None, 0
+        # The sizes of a sample's record in the ring: object slots only for a source
+        # with targets, and rows for each object field its objects carry (keypoints,
+        # a mask), with what that field's emissions follow (rules: name -> e.g. the
+        # source's Keypoints).
+        self.record, self.rules = Record(), {}
         if source_targets(source) is not None:
-            self.max_objects = positive_int("", "max_objects", max_objects, 1, MAX_OBJECTS)
-            # Pose targets: each object's keypoints ride in the record with its box; a
-            # mask, a bit per pixel of the stored image.
-            self.keypoints = source_keypoints(source)
-            self.mask_bytes = mask_bytes(transform.sample_bytes) if hook(source, "masks") else 0
+            sizes = {"max_objects": positive_int("", "max_objects", max_objects, 1,
+                                                 MAX_OBJECTS)}
+            for f in OBJECT_FIELDS:
+                size, rule = f.carried(source, transform.sample_bytes)
+                if size:
+                    sizes[f.size], self.rules[f.name] = size, rule
+            self.record = Record(**sizes)
         elif getattr(specs.crop, "iou_crop", None) is not None:
             raise ValueError(f"RandomIoUCrop crops around the boxes of each sample, but the "
                              f"source {_source_name(source)} has none: give a source with "
@@ -202,9 +205,7 @@ class Loader(Started):
             # Every page reserved now, after a check against the memory available:
             # a ring that does not fit fails here, before any worker starts.
             ring = Ring.create(self.slots, self.plan.batch_size, shape, self._ticket,
-                               budget=self._budget(), max_objects=self.max_objects,
-                               max_keypoints=len(self.keypoints or ()),
-                               mask_bytes=self.mask_bytes)
+                               budget=self._budget(), record=self.record)
         except RingMemoryError as e:
             t = self.plan.transform
             per = ", ".join(f"{k}={getattr(t, k)!r}" for k in ("size", "min_side", "max_pixels")
@@ -464,7 +465,7 @@ class Loader(Started):
         return Batch.from_columns(
             slot.pixels[:n].reshape(n, h, w, 3), Columns.of_slot(slot, n),
             sample_ids=fresh.sample_ids, fresh=fresh.ok, echo_index=np.zeros(n, np.int64),
-            epoch=fresh.epoch, sanitize=self.specs.sanitize, pose=self.keypoints,
+            epoch=fresh.epoch, sanitize=self.specs.sanitize, rules=self.rules,
             release=functools.partial(self.release, fresh.ticket))
 
     # -- the Upstream of the echo stages ---------------------------------------------------

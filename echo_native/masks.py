@@ -15,7 +15,7 @@ centre torchvision's nearest resize samples.  Polygons are filled at that size
 (their vertices mapped; a pixel is in when its centre is), RLE is read at the
 sampled source pixels.  Outside
 the image (a zoom-out's padding) the mask is 0.  The record holds it bit-packed
-(``np.packbits``, row-major: the ring's ``obj_masks``).
+(``np.packbits``, row-major: the ring's ``obj_masks``, :data:`MASKS` the field).
 
 At the consumer (:class:`StoredMasks`) a stored mask in output space is the
 emission's mask (mirrored where an echo after augmentation redraws the flip);
@@ -28,7 +28,9 @@ from itertools import chain
 
 import numpy as np
 
-__all__ = ["Segments", "as_segments", "rle_from_string", "rle_to_string", "rasterise",
+from echo_native.protocol import ObjectField
+
+__all__ = ["MASKS", "Segments", "as_segments", "rle_from_string", "rle_to_string", "rasterise",
            "pack_masks", "unpack_masks", "mask_bytes", "StoredMasks"]
 
 
@@ -448,3 +450,39 @@ class StoredMasks:
             m = canvas[:, np.clip(cy, 0, ch - 1)][:, :, np.clip(cx, 0, cw - 1)]
             out[r, slots[at]] = m * (ry[:, None] & rx[None, :])
         return out
+
+
+class _MasksField(ObjectField):
+    """Each object's mask: ``Targets.masks`` (:class:`Segments`), rasterised by the
+    worker at the stored image's size inside the window just decoded, bit-packed in
+    the record, and at each emission unpacked (:class:`StoredMasks`)."""
+
+    name, size, column = "masks", "mask_bytes", "obj_masks"
+
+    def carried(self, source, sample_bytes):
+        return (mask_bytes(sample_bytes), None) if self.given(source) else (0, None)
+
+    def check(self, value, n, image_hw, where):
+        return as_segments(value, n, image_hw, where)
+
+    def to_json(self, value):
+        return value.to_json()
+
+    def write(self, out, value, size, *, window, flip, shape, image_hw, scale):
+        out[...] = 0  # an object without a mask: empty
+        if value is not None:
+            out[...] = pack_masks(rasterise(value, window, flip, shape, image_hw, scale), size)
+
+    def stored(self, columns):
+        return StoredMasks(columns.obj_masks, columns.shapes, columns.canvas_scale,
+                           columns.source_hw)
+
+    def emit(self, stored, valid, cols, windows, flips, size, redrawn, rule):
+        return stored.emit(valid, cols, windows, flips, size, redrawn)
+
+    def torchvision(self, value, tv):
+        return value if tv is None else tv.Mask(value)
+
+
+#: The masks field of a record (:class:`~echo_native.protocol.ObjectField`).
+MASKS = _MasksField()

@@ -27,7 +27,6 @@ from echo_native.mix import Mix
 from echo_native.output import SHORTHANDS as output_shorthands
 from echo_native.output import fold_output
 from echo_native.protocol import hook
-from echo_native.ring import record_bytes
 from echo_native.resume import check_epoch
 from echo_native.source import as_source
 from echo_native.specs import fold
@@ -177,8 +176,8 @@ class EchoRing(Started):
         self.delivery = Delivery(self.device, batch_size, crop.size, self.seed, output, mix,
                                  on_batch, num_classes)
         examples = ImageExamples(self.device, self.delivery.outputs, crop, self.program, echo,
-                                 self.seed, transform.sample_bytes, self.loader.max_objects,
-                                 self.sanitize, self.loader.keypoints, self.loader.mask_bytes)
+                                 self.seed, transform.sample_bytes, self.loader.record,
+                                 self.sanitize, self.loader.rules)
         self.stage = make_stage(echo, self.loader, examples, self.delivery.finish,
                                 seed=self.seed, batch_size=batch_size,
                                 shuffle_buffer=shuffle_buffer, drop_last=bool(drop_last),
@@ -187,11 +186,11 @@ class EchoRing(Started):
         if not echo.off:
             # The echo buffer (or batch echo's window of batch copies), checked with the
             # ring at start: refused there, never OOM-killed later.  Its records (the
-            # objects and keypoints of detection samples) live in host memory on every
-            # device; its pixels too on the CPU.
+            # objects of detection samples and their fields) live in host memory on
+            # every device; its pixels too on the CPU.
             held = capacity if echo.placement != "batch" else \
                 (max(2, capacity // batch_size) + 1) * batch_size
-            per_entry = record_bytes(self.loader.max_objects, len(self.loader.keypoints or ()))
+            per_entry = self.loader.record.nbytes()
             if self.device.host_resident:
                 per_entry += transform.sample_bytes
             self.loader.memory_extra = (("the echo buffer", held * per_entry,

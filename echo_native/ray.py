@@ -148,10 +148,10 @@ class RayStream:
     def __init__(self, loader, first, nslots, concurrency, start=True, split=None):
         self.plan, self.source = loader._work, loader.source
         self.bpe, self.first = self.plan.batches_per_epoch, int(first)
-        self.concurrency, self.max_objects = concurrency, loader.max_objects
+        self.concurrency, self.max_objects = concurrency, loader.record.max_objects
         transform = self.plan.transform
         self.fixed = getattr(transform, "size", None) is not None
-        self.layout = SimpleNamespace(nslots=int(nslots), max_objects=self.max_objects)
+        self.layout = SimpleNamespace(nslots=int(nslots), record=loader.record)
         self.name = f"ray-stream-{os.getpid()}-{id(self):x}"
         B = self.plan.batch_size
         # What Ray may hold decoded ahead: twice the trainer's slots, or four blocks
@@ -161,7 +161,7 @@ class RayStream:
         self.ahead_tickets = max(2 * int(nslots),
                                  AHEAD_BLOCKS * concurrency * tickets_per_block(self.plan))
         self.ahead_bytes = self.ahead_tickets * B * transform.sample_bytes
-        self._free = [HostSlot(B, transform.sample_bytes, self.max_objects)
+        self._free = [HostSlot(B, transform.sample_bytes, loader.record)
                       for _ in range(int(nslots))]
         self._cond = threading.Condition()
         self._partial = {}     # ticket -> [slot, rows seen (bool[B]), meta or None, bytes]
@@ -400,9 +400,9 @@ class RayLoader(Loader):
         reading its own datasets, or its rank's share of a shared stream (``split``)."""
         if loader.ring is not None:
             raise RuntimeError("adopt() takes a loader that has not started")
-        if loader.keypoints is not None or getattr(loader, "mask_bytes", 0):
-            raise ValueError("echo_native.ray carries boxes, not keypoints or masks yet: "
-                             "decode this source with echo_native.EchoRing")
+        if loader.rules:
+            raise ValueError(f"echo_native.ray carries boxes, not {' or '.join(loader.rules)} "
+                             f"yet: decode this source with echo_native.EchoRing")
         if split is not None:
             if not isinstance(split, Split):
                 raise TypeError(f"split= takes one of the Split objects echo_native.ray.split() "
@@ -637,7 +637,7 @@ def split(source, batch_size=256, world_size=2, *, epochs=1, state=None, concurr
         slots = loaders[0].slots
         ahead = n * 2 * int(slots) + AHEAD_BLOCKS * concurrency * tickets_per_block(plan)
         ds = build_dataset(plan, source, firsts, length, shared=True,
-                           concurrency=concurrency, max_objects=loaders[0].max_objects,
+                           concurrency=concurrency, max_objects=loaders[0].record.max_objects,
                            trainer=True, job=job,
                            ahead_bytes=ahead * plan.batch_size * plan.transform.sample_bytes)
         iterators = ds.streaming_split(n, equal=True)

@@ -24,7 +24,7 @@ import numpy as np
 
 from echo_native.failures import NO_SAMPLE, Failure, decode_failures, encode_failures
 from echo_native.ring import COLUMNS as RECORD
-from echo_native.ring import ERR_WORKER, REASON_NONE, REPORT_BYTES, Meta, record_shape
+from echo_native.ring import ERR_WORKER, REASON_NONE, REPORT_BYTES, Meta, Record
 from echo_native.workers import _Filler, describe
 
 #: Columns of a trainer-bound batch besides the pixels, one per slot array (the ring's
@@ -37,11 +37,10 @@ class HostSlot:
     """A ring slot's arrays in plain host memory: what a worker's transform writes and
     what an echo stage reads (``pixels`` is (batch, sample_bytes) uint8)."""
 
-    def __init__(self, batch_size, sample_bytes, max_objects=0, max_keypoints=0):
+    def __init__(self, batch_size, sample_bytes, record=Record()):
         B = int(batch_size)
         for name, dtype, rows, width in RECORD:
-            setattr(self, name, np.zeros(record_shape(rows, width, B, int(max_objects),
-                                                      int(max_keypoints)), dtype))
+            setattr(self, name, np.zeros(record.shape(rows, width, B), dtype))
         self.pixels = np.empty((B, int(sample_bytes)), np.uint8)
 
 
@@ -58,9 +57,9 @@ class _OneSlot:
     """The part of :class:`~echo_native.ring.Ring` a :class:`_Filler` writes to: one
     slot, and the meta of the ticket filled last."""
 
-    def __init__(self, batch_size, sample_bytes, max_objects):
-        self.layout = SimpleNamespace(nslots=1, max_objects=int(max_objects))
-        self.shape = (batch_size, sample_bytes, max_objects)
+    def __init__(self, batch_size, sample_bytes, record):
+        self.layout = SimpleNamespace(nslots=1, record=record)
+        self.shape = (batch_size, sample_bytes, record)
         self.slots = [HostSlot(*self.shape)]
         self.meta = None
 
@@ -110,7 +109,9 @@ class TicketDecoder:
         self.trainer = bool(trainer)
         transform = self.plan.transform
         self.size = getattr(transform, "size", None)   # None: a canvas, variable size
-        self.ring = _OneSlot(self.plan.batch_size, transform.sample_bytes, max_objects)
+        # The Ray path carries boxes (echo_native.ray refuses other object fields).
+        self.ring = _OneSlot(self.plan.batch_size, transform.sample_bytes,
+                             Record(max_objects=max_objects))
         self.max_objects = int(max_objects)
         self.filler = _Filler(self.ring, self.plan, self.source)
         self._fillers = {0: self.filler}

@@ -27,19 +27,22 @@ Segment layout (slots start page-aligned)::
     slot 0  en_ring_slot: seq | count | ticket | error kind | failures | fill time | warned
             | failure records (REPORT_BYTES)
             labels i64[B] | sample ids i64[B] | status u8[B] | reason u8[B]
-            flip u8[B] | boxes f32[B, 4] | image shape u16[B, 2] | source shape i32[B, 2]
+            flip u8[B] | boxes f32[B, 4] | image shape i32[B, 2] | source shape i32[B, 2]
             canvas scale f32[B, 2] | object count u16[B] | object boxes f32[B, M, 4]
-            object labels i64[B, M] | object flags u8[B, M] | (page) pixels u8[B, S]
+            object labels i64[B, M] | object flags u8[B, M] | keypoints f32[B, M, K, 3]
+            | masks u8[B, M, Q] | (page) pixels u8[B, S]
     slot 1  ...
 
 ``S`` is the bytes reserved per sample: H*W*3 for final crops, or a canvas
 budget when echoing before augmentation.  For a canvas, "source shape" is the
 original image size and "canvas scale" maps canvas pixels to original pixels
 (original = canvas * scale), so every echo can draw its crop in the
-original's coordinates.  ``M`` is ``max_objects``, the object slots of a
-detection sample (0 without targets): its boxes, xyxy in the original's pixels,
-with their labels and flags (``OBJ_CROWD``, ``OBJ_DROPPED``), whatever crop
-the worker drew (boxes follow crops at the consumer: :mod:`echo_native.boxes`).
+original's coordinates.  ``M``, ``K`` and ``Q`` are the record's sizes
+(:class:`Record`, from the row kinds of ``en_ring.h``): ``M`` is ``max_objects``,
+the object slots of a detection sample (0 without targets), with their boxes, xyxy
+in the original's pixels, labels and flags (``OBJ_CROWD``, ``OBJ_DROPPED``), whatever
+crop the worker drew (boxes follow crops at the consumer: :mod:`echo_native.boxes`);
+``K`` keypoints and ``Q`` mask bytes per object (:mod:`echo_native.targets`).
 
 Failed samples travel as binary, length-prefixed records
 (:mod:`echo_native.failures`); what a ring may take of the machine's memory,
@@ -116,26 +119,80 @@ def _saturate(name, value):
 # ---- layout -----------------------------------------------------------------------------
 #: A sample's record in a slot, the one definition (EN_RING_COLUMNS in en_ring.h):
 #: ``(name, dtype, rows, width)`` per column, in slot order; ``rows`` is "sample" (a row
-#: per sample), "object" (``max_objects`` rows per sample), "keypoint"
-#: (``max_keypoints`` rows per object) or "mask" (``mask_bytes`` per object: its mask,
-#: bit-packed, at the stored image's size), ``width`` a row's elements.
+#: per sample) or a kind of :data:`ROW_KINDS`, ``width`` a row's elements.
 COLUMNS = _ring.COLUMNS
 
-
-def record_shape(rows, width, samples, max_objects=0, max_keypoints=0, mask_bytes=0):
-    """The shape of a record column of ``rows`` ("sample", "object", "keypoint", "mask")
-    and ``width`` for ``samples`` samples."""
-    shape = {"sample": (samples,), "object": (samples, max_objects),
-             "keypoint": (samples, max_objects, max_keypoints),
-             "mask": (samples, max_objects, mask_bytes)}[rows]
-    return shape + ((width,) if width > 1 else ())
+#: The record's row kinds beyond a row per sample (EN_RING_ROW_KINDS in en_ring.h):
+#: ``(kind, parent, size, limit)``: a column of ``kind`` ("object", "keypoint", "mask")
+#: has ``size`` rows (``max_objects``, ``max_keypoints``, ``mask_bytes``) per row of
+#: its ``parent`` kind.
+ROW_KINDS = _ring.ROW_KINDS
+_SIZES = tuple(size for _, _, size, _ in ROW_KINDS)
 
 
-def record_bytes(max_objects=0, max_keypoints=0):
-    """The bytes of one sample's record (every column of :data:`COLUMNS`), without its
-    pixels: what an echo buffer keeps per entry besides them."""
-    return sum(int(np.prod(record_shape(rows, width, 1, max_objects, max_keypoints)))
-               * np.dtype(dtype).itemsize for _, dtype, rows, width in COLUMNS)
+class Record:
+    """The sizes of a sample's record: for each row kind of :data:`ROW_KINDS`, its rows
+    per row of its parent, 0 where the record does not carry the kind.
+
+    ``Record(max_objects=128, max_keypoints=17)``; ``record.max_objects``.  One value
+    travels whole from the loader to the ring's layout, the workers and the echo
+    buffer, so that a new kind of row is a line of the C table, not a parameter of
+    each of them.  Hashable; ``Record()`` is a record of per-sample columns only."""
+
+    __slots__ = ("sizes",)
+
+    def __init__(self, **sizes):
+        unknown = sorted(set(sizes) - set(_SIZES))
+        if unknown:
+            raise TypeError(f"unknown record sizes {unknown}: a record has {list(_SIZES)}")
+        object.__setattr__(self, "sizes", tuple(int(sizes.get(n, 0)) for n in _SIZES))
+
+    def __getattr__(self, name):
+        try:
+            return self.sizes[_SIZES.index(name)]
+        except ValueError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a Record is read-only")
+
+    def __reduce__(self):
+        return _record, (self.as_dict(),)
+
+    def __eq__(self, other):
+        return isinstance(other, Record) and self.sizes == other.sizes
+
+    def __hash__(self):
+        return hash(self.sizes)
+
+    def __repr__(self):
+        return f"Record({', '.join(f'{n}={v}' for n, v in self.as_dict().items() if v)})"
+
+    def as_dict(self):
+        return dict(zip(_SIZES, self.sizes))
+
+    def rows(self, samples):
+        """Each row kind's shape for ``samples`` samples: ``{"sample": (samples,),
+        "object": (samples, max_objects), "keypoint": (samples, max_objects,
+        max_keypoints), ...}``."""
+        out = {"sample": (int(samples),)}
+        for (kind, parent, _, _), size in zip(ROW_KINDS, self.sizes):
+            out[kind] = out[parent] + (size,)
+        return out
+
+    def shape(self, rows, width, samples):
+        """The shape of a column of ``rows`` and ``width`` for ``samples`` samples."""
+        return self.rows(samples)[rows] + ((width,) if width > 1 else ())
+
+    def nbytes(self):
+        """The bytes of one sample's record (every column of :data:`COLUMNS`), without
+        its pixels: what an echo buffer keeps per entry besides them."""
+        return sum(int(np.prod(self.shape(rows, width, 1))) * np.dtype(dtype).itemsize
+                   for _, dtype, rows, width in COLUMNS)
+
+
+def _record(sizes):
+    return Record(**sizes)
 
 
 def _offset(name):
@@ -150,15 +207,13 @@ class Layout:
     nslots: int
     batch_size: int
     sample_bytes: int
-    max_objects: int = 0
-    max_keypoints: int = 0
-    mask_bytes: int = 0
+    record: Record = Record()
     _c: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_c", _ring.layout(self.nslots, self.batch_size,
-                                                    self.sample_bytes, self.max_objects,
-                                                    self.max_keypoints, self.mask_bytes))
+                                                    self.sample_bytes,
+                                                    **self.record.as_dict()))
 
     # The offset in a slot of each column of COLUMNS (an attribute of its name, set
     # below), of the pixels (u8[B, sample_bytes], page-aligned); and the bytes of a slot
@@ -170,10 +225,9 @@ class Layout:
 
     def column_shape(self, rows, width):
         """The shape of a column's array in one slot: (B,), (B, max_objects), (B,
-        max_objects, max_keypoints) or (B, max_objects, mask_bytes) by its rows, and the
-        row's width when it is more than one element."""
-        return record_shape(rows, width, self.batch_size, self.max_objects,
-                            self.max_keypoints, self.mask_bytes)
+        max_objects, max_keypoints), ... by its rows, and the row's width when it is
+        more than one element."""
+        return self.record.shape(rows, width, self.batch_size)
 
 
 for _name, *_ in COLUMNS:
@@ -245,12 +299,11 @@ class Ring:
     # -- life cycle ------------------------------------------------------------
     @classmethod
     def create(cls, nslots, batch_size, sample_bytes, first_ticket=0, backing=None, *,
-               budget=None, max_objects=0, max_keypoints=0, mask_bytes=0):
+               budget=None, record=Record()):
         """A new ring, every page reserved.
 
-        ``max_objects``: object slots per sample, for sources with detection targets;
-        ``max_keypoints``: keypoints per object, for sources with pose targets;
-        ``mask_bytes``: bytes of one object's bit-packed mask, for sources with masks.
+        ``record``: the sizes of a sample's record (:class:`Record`): object slots per
+        sample for sources with detection targets, keypoints per object, ...
 
         ``backing``: "memfd", "shm" (a named segment in /dev/shm) or "auto" (memfd
         where the kernel has it); default: ``$ECHO_NATIVE_RING_BACKING``, else "auto".
@@ -268,8 +321,9 @@ class Ring:
         elif not isinstance(budget, MemoryBudget):
             raise TypeError(f"budget must be a MemoryBudget, got {budget!r}")
         choice = _backing(backing)
-        layout = Layout(int(nslots), int(batch_size), int(sample_bytes), int(max_objects),
-                        int(max_keypoints), int(mask_bytes))
+        if not isinstance(record, Record):
+            raise TypeError(f"record must be a Record, got {record!r}")
+        layout = Layout(int(nslots), int(batch_size), int(sample_bytes), record)
         seg = None
         if choice != "shm":
             available, where = _check_budget(layout, budget, "memfd")
@@ -294,8 +348,7 @@ class Ring:
                 raise
         try:
             seg.ring_init(layout.nslots, layout.batch_size, layout.sample_bytes,
-                          first_ticket, os.getpid(), layout.max_objects, layout.max_keypoints,
-                          layout.mask_bytes)
+                          first_ticket, os.getpid(), **layout.record.as_dict())
         except BaseException:
             seg.unlink()
             raise
@@ -313,8 +366,8 @@ class Ring:
         except ValueError as e:
             raise ValueError(f"shared memory {name} is not an echo_native ring this build "
                              f"can read: {e}") from None
-        return cls(seg, Layout(c["nslots"], c["batch"], c["sample_bytes"], c["max_objects"],
-                               c["max_keypoints"], c["mask_bytes"]))
+        return cls(seg, Layout(c["nslots"], c["batch"], c["sample_bytes"],
+                               Record(**c["record"])))
 
     def handle(self):
         """How a child process reaches this ring: ``("fd", fd, name)`` for a memfd (the

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-
 import numpy as np
 
-from echo_native.masks import as_segments
+from echo_native._checks import numbers, read_only, shown
+from echo_native.keypoints import KEYPOINTS
+from echo_native.masks import MASKS
 from echo_native.protocol import hook
 
-__all__ = ["MAX_JSON_BYTES", "Targets", "as_targets", "source_targets", "targets_from_json",
-           "targets_to_json"]
+__all__ = ["MAX_JSON_BYTES", "OBJECT_FIELDS", "Targets", "as_targets", "source_targets",
+           "targets_from_json", "targets_to_json"]
 
 #: Largest targets JSON read (about 200,000 boxes; an image has at most a few hundred).
 MAX_JSON_BYTES = 16 * 2**20
@@ -40,34 +40,42 @@ MAX_JSON_BYTES = 16 * 2**20
 #: out.  Further than that is an error, not rounding.
 TOLERANCE_PX = 1.0
 
+#: What an object may carry beside its box and label, one kind per module
+#: (:class:`~echo_native.protocol.ObjectField`), each in its column of the record.
+OBJECT_FIELDS = (KEYPOINTS, MASKS)
+FIELDS = {f.name: f for f in OBJECT_FIELDS}
 
-@dataclass(frozen=True, eq=False)
+
 class Targets:
     """The objects of one image: ``boxes`` (N, 4) float32 xyxy in source pixels,
     ``labels`` (N,) int64, ``iscrowd`` (N,) bool (read-only arrays), ``image_hw``,
-    the image's (height, width) or None, and ``keypoints``, (N, K, 3) float32 x, y and
-    COCO visibility (0, 1, 2) per object, or None, and ``masks``, each object's mask as
+    the image's (height, width) or None, and for each field of :data:`OBJECT_FIELDS`
+    its value, or None: ``keypoints``, (N, K, 3) float32 x, y and COCO visibility (0,
+    1, 2) per object (:mod:`echo_native.keypoints`); ``masks``, each object's mask as
     polygons or RLE (:class:`~echo_native.masks.Segments`; given as a list of COCO
-    segmentations, see :func:`~echo_native.masks.as_segments`), or None.
+    segmentations, see :func:`~echo_native.masks.as_segments`).
 
     ``Targets(boxes, labels, iscrowd=None, image_hw=None, keypoints=None, masks=None)``
-    checks its input as
-    :func:`as_targets` does (ValueError naming the first bad object); ``len()`` is
-    the number of objects; two are equal when every array and ``image_hw`` are."""
+    checks its input as :func:`as_targets` does (ValueError naming the first bad
+    object); ``len()`` is the number of objects; two are equal when every array,
+    field and ``image_hw`` are.  Read-only."""
 
-    boxes: np.ndarray
-    labels: np.ndarray
-    iscrowd: np.ndarray = None
-    image_hw: tuple = None
-    keypoints: np.ndarray = None
-    masks: object = None
+    __slots__ = ("boxes", "labels", "iscrowd", "image_hw", "fields")
 
-    def __post_init__(self):
-        checked = _checked(self.boxes, self.labels, self.iscrowd, self.image_hw, "Targets",
-                           self.keypoints, self.masks)
-        for name, value in zip(("boxes", "labels", "iscrowd", "image_hw", "keypoints", "masks"),
-                               checked):
-            object.__setattr__(self, name, value)
+    def __init__(self, boxes, labels, iscrowd=None, image_hw=None, **fields):
+        unknown = sorted(set(fields) - set(FIELDS))
+        if unknown:
+            raise TypeError(f"Targets got unknown fields {unknown}: objects carry "
+                            f"{list(FIELDS)}")
+        _set(self, *_checked(boxes, labels, iscrowd, image_hw, "Targets", fields))
+
+    def __getattr__(self, name):  # a field: its value, None where the objects lack it
+        if name in FIELDS:
+            return self.fields.get(name)
+        raise AttributeError(f"'Targets' object has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Targets are read-only")
 
     def __len__(self):
         return int(self.labels.shape[0])
@@ -78,9 +86,8 @@ class Targets:
         return (self.image_hw == other.image_hw and np.array_equal(self.boxes, other.boxes)
                 and np.array_equal(self.labels, other.labels)
                 and np.array_equal(self.iscrowd, other.iscrowd)
-                and (self.keypoints is None) == (other.keypoints is None)
-                and (self.keypoints is None or np.array_equal(self.keypoints, other.keypoints))
-                and self.masks == other.masks)
+                and self.fields.keys() == other.fields.keys()
+                and all(FIELDS[k].equal(v, other.fields[k]) for k, v in self.fields.items()))
 
     __hash__ = None
 
@@ -88,33 +95,29 @@ class Targets:
         return f"Targets({len(self)} objects, image_hw={self.image_hw})"
 
     def __reduce__(self):  # unpickled as is: it was checked when made
-        return _trusted, (self.boxes, self.labels, self.iscrowd, self.image_hw, self.keypoints,
-                          self.masks)
+        return _trusted, (self.boxes, self.labels, self.iscrowd, self.image_hw, self.fields)
 
 
-def _read_only(a):
-    a.flags.writeable = False
-    return a
-
-
-def _trusted(boxes, labels, iscrowd, image_hw=None, keypoints=None, masks=None):
-    """A Targets of arrays already checked (of the right dtypes and shapes): made
-    without checking them again, e.g. a source's slices of its own packed arrays."""
-    t = object.__new__(Targets)
-    object.__setattr__(t, "boxes", _read_only(np.asarray(boxes, np.float32).view()))
-    object.__setattr__(t, "labels", _read_only(np.asarray(labels, np.int64).view()))
-    object.__setattr__(t, "iscrowd", _read_only(np.asarray(iscrowd, bool).view()))
-    object.__setattr__(t, "image_hw", None if image_hw is None else
-                       (int(image_hw[0]), int(image_hw[1])))
-    object.__setattr__(t, "keypoints", None if keypoints is None else
-                       _read_only(np.asarray(keypoints, np.float32).view()))
-    object.__setattr__(t, "masks", masks)  # Segments are read-only already
+def _set(t, boxes, labels, iscrowd, image_hw, fields):
+    for name, value in (("boxes", boxes), ("labels", labels), ("iscrowd", iscrowd),
+                        ("image_hw", image_hw), ("fields", fields)):
+        object.__setattr__(t, name, value)
     return t
 
 
-def _shown(value, n=60):
-    text = repr(value)
-    return text if len(text) <= n else text[:n - 3] + "..."
+def _view(a):
+    return read_only(a.view()) if isinstance(a, np.ndarray) else a
+
+
+def _trusted(boxes, labels, iscrowd, image_hw=None, fields=None):
+    """A Targets of arrays already checked (of the right dtypes and shapes) and
+    ``fields`` (name -> checked value) made without checking them again, e.g. a
+    source's slices of its own packed arrays."""
+    return _set(object.__new__(Targets), read_only(np.asarray(boxes, np.float32).view()),
+                read_only(np.asarray(labels, np.int64).view()),
+                read_only(np.asarray(iscrowd, bool).view()),
+                None if image_hw is None else (int(image_hw[0]), int(image_hw[1])),
+                {k: _view(v) for k, v in (fields or {}).items() if v is not None})
 
 
 def _image_hw(hw, where):
@@ -123,7 +126,7 @@ def _image_hw(hw, where):
     try:
         h, w = hw
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: image_hw must be (height, width), got {_shown(hw)}") \
+        raise ValueError(f"{where}: image_hw must be (height, width), got {shown(hw)}") \
             from None
     out = []
     for v in (h, w):
@@ -131,50 +134,16 @@ def _image_hw(hw, where):
                                                                  np.floating)) \
                 or not math.isfinite(v) or v != int(v) or not 1 <= v < 2**31:
             raise ValueError(f"{where}: image_hw must be two positive integers, got "
-                             f"{_shown(hw)}")
+                             f"{shown(hw)}")
         out.append(int(v))
     return tuple(out)
 
 
-def _numbers(value, where, what, dtype):
-    """``value`` as a numeric array (lists, tuples, arrays; no strings or objects)."""
-    if isinstance(value, (str, bytes, dict)):
-        raise ValueError(f"{where}: {what} must be numbers, got {type(value).__name__}")
-    try:
-        arr = np.asarray(value)
-    except (ValueError, TypeError, OverflowError) as e:  # ragged lists, huge integers
-        raise ValueError(f"{where}: {what} are not a regular array of numbers ({e})") from None
-    if arr.size == 0:
-        return np.asarray(arr, dtype)
-    if arr.dtype.kind not in "biuf":
-        raise ValueError(f"{where}: {what} must be numbers, got an array of {arr.dtype}"
-                         + (f" ({_shown(arr.flat[0], 40)} ...)" if arr.dtype.kind == "O"
-                            else ""))
-    return arr
-
-
-def _checked_keypoints(keypoints, n, where):
-    """Keypoints (N, K, 3): finite x and y, visibility 0, 1 or 2, as read-only float32."""
-    k = _numbers(keypoints, where, "keypoints", np.float32)
-    if k.size == 0 and n == 0:
-        k = k.reshape(0, k.shape[1] if k.ndim == 3 else 0, 3)
-    if k.ndim != 3 or k.shape[0] != n or k.shape[2] != 3:
-        raise ValueError(f"{where}: keypoints must have shape (N, K, 3) (x, y, visibility) "
-                         f"for the {n} objects, got shape {k.shape}")
-    with np.errstate(over="ignore", invalid="ignore"):
-        k32 = k.astype(np.float32)
-        bad = ~np.isfinite(k32).all(axis=2) | ~np.isin(k32[..., 2], (0, 1, 2))
-    if bad.any():
-        i, j = (int(v) for v in np.argwhere(bad)[0])
-        raise ValueError(f"{where}: object {i}: keypoint {j} {k[i, j].tolist()} is not a "
-                         f"finite x, y with visibility 0, 1 or 2")
-    return _read_only(k32)
-
-
-def _checked(boxes, labels, iscrowd, image_hw, where, keypoints=None, masks=None):
-    """The checked arrays (boxes clipped to the image within the tolerance)."""
+def _checked(boxes, labels, iscrowd, image_hw, where, fields):
+    """The checked arrays (boxes clipped to the image within the tolerance), and the
+    checked ``fields`` (name -> value, None left out)."""
     hw = _image_hw(image_hw, where)
-    b = _numbers(boxes, where, "boxes", np.float64)
+    b = numbers(boxes, where, "boxes", np.float64)
     if b.size == 0 and b.shape in ((0,), (0, 4)):
         b = np.zeros((0, 4))
     if b.ndim != 2 or b.shape[1] != 4:
@@ -182,7 +151,7 @@ def _checked(boxes, labels, iscrowd, image_hw, where, keypoints=None, masks=None
                          f"shape {b.shape}")
     n = b.shape[0]
     b = b.astype(np.float64)
-    lab = _numbers(labels, where, "labels", np.int64)
+    lab = numbers(labels, where, "labels", np.int64)
     if lab.ndim != 1 or lab.shape[0] != n:
         raise ValueError(f"{where}: {n} boxes need {n} labels in one dimension, got shape "
                          f"{lab.shape}")
@@ -207,7 +176,7 @@ def _checked(boxes, labels, iscrowd, image_hw, where, keypoints=None, masks=None
     if iscrowd is None:
         crowd = np.zeros(n, bool)
     else:
-        c = _numbers(iscrowd, where, "iscrowd", bool)
+        c = numbers(iscrowd, where, "iscrowd", bool)
         if c.ndim != 1 or c.shape[0] != n:
             raise ValueError(f"{where}: {n} boxes need {n} iscrowd flags in one dimension, "
                              f"got shape {c.shape}")
@@ -241,9 +210,9 @@ def _checked(boxes, labels, iscrowd, image_hw, where, keypoints=None, masks=None
     if not np.isfinite(b32).all():  # finite in float64, too large for float32
         i = int(np.flatnonzero(~np.isfinite(b32).all(axis=1))[0])
         raise ValueError(f"{where}: object {i}: box {b[i].tolist()} does not fit float32")
-    points = None if keypoints is None else _checked_keypoints(keypoints, n, where)
-    masks = None if masks is None else as_segments(masks, n, hw, where)
-    return _read_only(b32), _read_only(lab), _read_only(crowd), hw, points, masks
+    checked = {name: FIELDS[name].check(value, n, hw, where)
+               for name, value in fields.items() if value is not None}
+    return read_only(b32), read_only(lab), read_only(crowd), hw, checked
 
 
 def as_targets(value, where, image_hw=None) -> Targets:
@@ -265,20 +234,20 @@ def as_targets(value, where, image_hw=None) -> Targets:
             raise ValueError(f"{where}: targets for a {value.image_hw[0]}x{value.image_hw[1]}"
                              f" image, the image is {hw[0]}x{hw[1]} (height x width)")
         return _trusted(*_checked(value.boxes, value.labels, value.iscrowd, hw, where,
-                                  value.keypoints, value.masks))
+                                  value.fields))
     if not isinstance(value, dict):
         raise ValueError(f"{where}: targets must be a Targets or a dict with 'boxes' and "
                          f"'labels', got {type(value).__name__}")
     missing = [k for k in ("boxes", "labels") if k not in value]
     if missing:
         raise ValueError(f"{where}: targets without {' and '.join(repr(k) for k in missing)}"
-                         f" (keys: {_shown(sorted(map(str, value)))})")
+                         f" (keys: {shown(sorted(map(str, value)))})")
     own = _image_hw(value.get("image_hw"), where)
     if own is not None and hw is not None and own != hw:
         raise ValueError(f"{where}: targets for a {own[0]}x{own[1]} image, the image is "
                          f"{hw[0]}x{hw[1]} (height x width)")
     return _trusted(*_checked(value["boxes"], value["labels"], value.get("iscrowd"),
-                              hw or own, where, value.get("keypoints"), value.get("masks")))
+                              hw or own, where, {name: value.get(name) for name in FIELDS}))
 
 
 def targets_from_json(data, where, image_hw=None) -> Targets:
@@ -293,11 +262,11 @@ def targets_from_json(data, where, image_hw=None) -> Targets:
     except RecursionError:  # "[[[[...": nested past the parser's stack
         raise ValueError(f"{where}: not targets JSON (nested too deeply)") from None
     except ValueError as e:  # also UnicodeDecodeError, and integers of too many digits
-        raise ValueError(f"{where}: not targets JSON ({_shown(str(e), 120)})") from None
+        raise ValueError(f"{where}: not targets JSON ({shown(str(e), 120)})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{where}: targets JSON must be an object with 'boxes' and "
                          f"'labels', got {type(doc).__name__}")
-    for key in ("boxes", "labels", "iscrowd", "keypoints", "masks"):
+    for key in ("boxes", "labels", "iscrowd", *FIELDS):
         if key in doc and not isinstance(doc[key], list):
             raise ValueError(f"{where}: {key!r} must be a list, got {type(doc[key]).__name__}")
     try:
@@ -305,7 +274,7 @@ def targets_from_json(data, where, image_hw=None) -> Targets:
     except RecursionError:  # a deep list inside "boxes", nested past numpy's converter
         raise ValueError(f"{where}: not targets JSON (nested too deeply)") from None
     except (TypeError, OverflowError) as e:  # numbers numpy cannot hold
-        raise ValueError(f"{where}: bad targets JSON ({_shown(str(e), 120)})") from None
+        raise ValueError(f"{where}: bad targets JSON ({shown(str(e), 120)})") from None
 
 
 def targets_to_json(t: Targets) -> bytes:
@@ -314,10 +283,8 @@ def targets_to_json(t: Targets) -> bytes:
            "iscrowd": t.iscrowd.astype(np.uint8).tolist()}
     if t.image_hw is not None:
         doc["image_hw"] = list(t.image_hw)
-    if t.keypoints is not None:
-        doc["keypoints"] = t.keypoints.tolist()
-    if t.masks is not None:
-        doc["masks"] = t.masks.to_json()
+    for name, value in t.fields.items():
+        doc[name] = FIELDS[name].to_json(value)
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 

@@ -27,10 +27,9 @@ from echo_native.decode import Decoder
 from echo_native.errors import DecodeError, ReadLimitError
 from echo_native.plan import Plan
 from echo_native.protocol import hook
-from echo_native.targets import as_targets, source_targets
+from echo_native.targets import OBJECT_FIELDS, as_targets, source_targets
 from echo_native.remote import StoreUnavailableError
 from echo_native.failures import NO_SAMPLE, Failure
-from echo_native.masks import pack_masks, rasterise
 from echo_native.transforms import Canvas
 from echo_native.memory import pid_alive
 from echo_native.ring import (WAIT_CLOSED, WAIT_OK, CLAIM_PENDING, ERR_DECODE, ERR_NONE,
@@ -81,9 +80,11 @@ class _Filler:
         self.epochs = _EpochCache(plan, source)
         self.labels = check_labels(source)
         self.targets = source_targets(source)   # a detection source's targets(i), or None
-        self.max_objects = ring.layout.max_objects
-        self.max_keypoints = getattr(ring.layout, "max_keypoints", 0)
-        self.mask_bytes = getattr(ring.layout, "mask_bytes", 0)
+        record = ring.layout.record
+        self.max_objects = record.max_objects
+        # The object fields this record carries, each with its size (rows per object).
+        self.fields = [(f, getattr(record, f.size)) for f in OBJECT_FIELDS
+                       if getattr(record, f.size)]
         # A canvas (echo before augmentation) samples the source at its own scale.
         self._canvas = isinstance(plan.transform, Canvas)
         self._takes_targets = getattr(plan.transform, "takes_targets", False)
@@ -168,24 +169,15 @@ class _Filler:
         slot.obj_boxes[i, :n] = t.boxes
         slot.obj_labels[i, :n] = t.labels
         slot.obj_flags[i, :n] = t.iscrowd.astype(np.uint8) * OBJ_CROWD
-        if self.max_keypoints:
-            slot.obj_keypoints[i, :n] = 0.0  # an object without keypoints: none labelled
-            if t.keypoints is not None:
-                if t.keypoints.shape[1] != self.max_keypoints:
-                    raise ValueError(f"its objects have {t.keypoints.shape[1]} keypoints, "
-                                     f"the source's have {self.max_keypoints}")
-                slot.obj_keypoints[i, :n] = t.keypoints
         if self._takes_targets:
             dropped = self.plan.transform.apply(self.dec, data, key, slot, i, targets=t)
             slot.obj_flags[i, :n] |= np.asarray(dropped, np.uint8) * OBJ_DROPPED
         else:
             self.plan.transform.apply(self.dec, data, key, slot, i)
-        if self.mask_bytes:  # at the stored image's size, in the window just decoded
-            slot.obj_masks[i, :n] = 0  # an object without a mask: empty
-            if t.masks is not None:
-                masks = rasterise(t.masks, slot.boxes[i], bool(slot.flip[i]), slot.shapes[i],
-                                  (h, w), slot.canvas_scale[i] if self._canvas else None)
-                slot.obj_masks[i, :n] = pack_masks(masks, self.mask_bytes)
+        for field, size in self.fields:  # where the decode just put the image
+            field.write(getattr(slot, field.column)[i, :n], t.fields.get(field.name), size,
+                        window=slot.boxes[i], flip=bool(slot.flip[i]), shape=slot.shapes[i],
+                        image_hw=(h, w), scale=slot.canvas_scale[i] if self._canvas else None)
 
     def fill(self, ticket):
         t0 = time.perf_counter()

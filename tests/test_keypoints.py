@@ -252,10 +252,12 @@ def test_a_keypoints_hook_that_is_not_a_keypoints_spec_is_refused_by_name():
 def test_the_echo_buffer_counts_its_records_in_the_memory_check():
     """With keypoints, an entry's record (objects and their points) is counted with its
     pixels in the memory the echo buffer asks for at start."""
-    from echo_native.ring import record_bytes
+    from echo_native.ring import Record
 
     with en.EchoRing(Poses(4), batch_size=2, augment=SSD[2:], workers=1,
                      echo=en.Echo(2, placement="after_augment"), max_objects=8) as ring:
         (what, nbytes, setting), = ring.loader.memory_extra
-        per_entry = 160 * 160 * 3 + record_bytes(8, len(NAMES))
+        per_entry = 160 * 160 * 3 + Record(max_objects=8, max_keypoints=len(NAMES)).nbytes()
+        # 8 objects of 17 points (x, y, visibility as float32) are in it.
+        assert per_entry - 160 * 160 * 3 - Record(max_objects=8).nbytes() == 8 * len(NAMES) * 12
         assert nbytes == ring.shuffle_buffer * per_entry and setting == "shuffle_buffer"

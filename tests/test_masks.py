@@ -161,6 +161,20 @@ def test_masks_follow_a_random_resized_crop_before_augmentation():
     assert checked >= 20
 
 
+def test_the_echo_buffer_counts_each_entrys_masks_in_the_memory_check():
+    """An echo buffer entry keeps its objects' bit-packed masks (a bit per pixel of the
+    stored image, per object slot): the memory asked for at start counts them."""
+    from echo_native.ring import Record
+
+    with en.EchoRing(Shapes(4), batch_size=2, augment=SSD[2:], workers=1,
+                     echo=en.Echo(2, placement="after_augment"), max_objects=8) as ring:
+        (what, nbytes, setting), = ring.loader.memory_extra
+        pixels = ring.loader.plan.transform.sample_bytes
+        masks = 8 * -(-pixels // 3 // 8)      # 8 objects, a bit per pixel each
+        assert nbytes == ring.shuffle_buffer * (pixels + Record(max_objects=8).nbytes()
+                                                + masks)
+
+
 def test_to_torchvision_carries_the_masks_of_each_image():
     """``to_torchvision()`` adds the kept objects' masks, (n, H, W) uint8, as
     maskrcnn_resnet50_fpn takes them; copies and ``to`` carry them."""

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import echo_native as en
-from echo_native.ring import record_bytes
+from echo_native.ring import Record
 from echo_native.backends.array import ArrayDevice, SlotReturns
 
 HERE = Path(__file__).resolve().parent
@@ -696,7 +696,7 @@ def test_a_host_echo_buffer_is_budgeted_with_the_ring():
     with pytest.raises(en.RingMemoryError, match=r"the echo buffer \(.* GiB, lower "
                                                  r"shuffle_buffer\)") as info:
         ring.start()
-    per_entry = ring.loader.plan.transform.sample_bytes + record_bytes()  # pixels, record
+    per_entry = ring.loader.plan.transform.sample_bytes + Record().nbytes()  # pixels, record
     assert ("the echo buffer", 2**40 * per_entry, "shuffle_buffer") in info.value.parts
     assert ring.loader.ring is None and ring.loader.worker_pids() == [] and \
         _segments() == before

@@ -660,10 +660,13 @@ def test_two_ranks_share_one_stream_through_streaming_split(corpus, cluster):
         assert len(fresh) - 48 < n   # a rank's padding wraps at most one id each
 
 
-def test_a_source_with_keypoints_is_refused_with_what_to_use():
-    """The Ray path carries boxes only: a pose source is refused at construction, not
-    half-delivered."""
+@pytest.mark.parametrize("field", ["keypoints", "masks"])
+def test_a_source_with_keypoints_is_refused_with_what_to_use(field):
+    """The Ray path carries boxes only: a source whose objects carry keypoints or masks
+    is refused at construction, naming the field, not half-delivered."""
     from test_keypoints import SSD, Poses
+    from test_masks import Shapes
 
-    with pytest.raises(ValueError, match="not keypoints or masks yet"):
-        er.EchoRing(Poses(4), batch_size=2, augment=SSD[2:], echo=1)
+    source = Poses(4) if field == "keypoints" else Shapes(4)
+    with pytest.raises(ValueError, match=f"carries boxes, not {field} yet.*EchoRing"):
+        er.EchoRing(source, batch_size=2, augment=SSD[2:], echo=1)

@@ -31,7 +31,7 @@ from echo_native import _ring
 from echo_native import failures as fl
 from echo_native import ring as rg
 from echo_native.failures import NO_SAMPLE, REPORT_BYTES, Failure, decode_failures, encode_failures
-from echo_native.ring import MAX_WORKERS, Layout, Ring
+from echo_native.ring import MAX_WORKERS, Layout, Record, Ring
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -63,11 +63,22 @@ def demo(tmp_path_factory):
     return exe
 
 
-def _c_layout(demo, nslots, batch, sample_bytes, max_objects=0, max_keypoints=0,
-              mask_bytes=0):
+SIZES = [size for _, _, size, _ in rg.ROW_KINDS]
+
+
+def _record(*sizes):
+    """The Record of sizes given in the table's order (the rest 0)."""
+    return Record(**dict(zip(SIZES, sizes)))
+
+
+def _layout(nslots, batch, sample_bytes, *sizes):
+    return Layout(nslots, batch, sample_bytes, _record(*sizes))
+
+
+def _c_layout(demo, nslots, batch, sample_bytes, *sizes):
+    sizes = list(sizes) + [0] * (len(SIZES) - len(sizes))
     out = subprocess.run([str(demo), "layout", str(nslots), str(batch), str(sample_bytes),
-                          str(max_objects), str(max_keypoints), str(mask_bytes)],
-                         capture_output=True, text=True, check=True)
+                          *map(str, sizes)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
@@ -141,10 +152,12 @@ def test_python_offsets_equal_the_c_struct_offsets(demo, geometry):
     assert rec[f["reason"]] == 0xAB and rec[f["flags"]] == 0
     if c["layout"] is None:
         with pytest.raises(ValueError, match="impossible ring geometry"):
-            Layout(*geometry)
+            _layout(*geometry)
         return
-    layout = Layout(*geometry)
-    assert {k: getattr(layout, k) for k in c["layout"]} == c["layout"]
+    layout = _layout(*geometry)
+    sizes = layout.record.as_dict()
+    assert {k: sizes[k] if k in sizes else getattr(layout, k) for k in c["layout"]} == \
+        c["layout"]
 
 
 @pytest.mark.parametrize("geometry", [(2, 3, 8), (3, 5, 100, 7), (2, 1, 0, 0)])
@@ -152,7 +165,7 @@ def test_a_slot_view_is_the_record_table(geometry):
     """The record is defined once (EN_RING_COLUMNS): each of its columns is a SlotView
     array of the table's dtype and shape at the layout's offset, in the table's order,
     none overlapping the next, all before the pixels."""
-    ring = Ring.create(*geometry[:3], max_objects=geometry[3] if len(geometry) > 3 else 0)
+    ring = Ring.create(*geometry[:3], record=_record(*geometry[3:]))
     try:
         layout, view = ring.layout, ring.slots[1]
         names = [name for name, *_ in rg.COLUMNS]
@@ -193,6 +206,37 @@ def test_slot_meta_lands_where_c_reads_it():
         ring.unlink()
 
 
+def test_the_record_sizes_come_from_the_row_kinds_table():
+    """One Record travels whole: its sizes are the table's (EN_RING_ROW_KINDS), each kind's
+    rows nest under its parent's, the header holds them where C wrote them, and a ring
+    attached by name reads the same Record back."""
+    assert [k[:3] for k in rg.ROW_KINDS] == [("object", "sample", "max_objects"),
+                                             ("keypoint", "object", "max_keypoints"),
+                                             ("mask", "object", "mask_bytes")]
+    record = Record(max_objects=3, max_keypoints=5, mask_bytes=7)
+    assert record.rows(2) == {"sample": (2,), "object": (2, 3), "keypoint": (2, 3, 5),
+                              "mask": (2, 3, 7)}
+    assert record.shape("keypoint", 3, 2) == (2, 3, 5, 3)
+    assert Record() == Record(max_objects=0) and hash(record) == hash(Record(**record.as_dict()))
+    with pytest.raises(TypeError, match="unknown record sizes"):
+        Record(max_widgets=1)
+    with pytest.raises(ValueError, match="impossible ring geometry"):
+        Layout(2, 1, 8, Record(max_keypoints=rg.ROW_KINDS[1][3] + 1))
+    ring = Ring.create(2, 4, 64, record=record)
+    try:
+        off = _ring.HEADER_FIELDS["record"][0]
+        assert np.frombuffer(ring.buf, np.uint32, len(SIZES), off).tolist() == [3, 5, 7]
+        attached = Ring.attach(ring.name)
+        assert attached.layout.record == record and attached.layout == ring.layout
+        assert attached.slots[0].obj_keypoints.shape == (4, 3, 5, 3)
+        assert attached.slots[0].obj_masks.shape == (4, 3, 7)
+        # The bytes an echo buffer keeps per entry: every column of one sample's record.
+        assert record.nbytes() == sum(getattr(ring.slots[0], name).nbytes // 4
+                                      for name, *_ in rg.COLUMNS)
+    finally:
+        ring.unlink()
+
+
 @settings(max_examples=200, deadline=None)
 @given(nslots=st.integers(1, 300), batch=st.integers(1, 5000),
        sample_bytes=st.integers(0, 50_000_000), max_objects=st.sampled_from([0, 1, 7, 300]),
@@ -201,7 +245,7 @@ def test_static_layout_holds_for_any_geometry(nslots, batch, sample_bytes, max_o
                                               max_keypoints, mask_bytes):
     """Per-sample arrays in order, naturally aligned, disjoint, after the slot header;
     pixels and slots page-aligned; atomic words aligned; claims inside the header page."""
-    L = Layout(nslots, batch, sample_bytes, max_objects, max_keypoints, mask_bytes)
+    L = _layout(nslots, batch, sample_bytes, max_objects, max_keypoints, mask_bytes)
     B, BM, BMK = batch, batch * max_objects, batch * max_objects * max_keypoints
     arrays = [("labels", 8 * B, 8), ("sample_ids", 8 * B, 8), ("status", B, 1),
               ("reason", B, 1), ("flip", B, 1), ("boxes", 16 * B, 16), ("shapes", 8 * B, 4),

@@ -533,9 +533,7 @@ class CudaDevice(ArrayDevice):
             batch.targets = DeviceArray(targets, self, done)
         objects = batch.objects
         if objects is not None:
-            fresh += [a for a in (objects.boxes, objects.labels, objects.valid, objects.iscrowd,
-                                  objects.keypoints, objects.masks)
-                      if isinstance(a, self.cupy.ndarray)]
+            fresh += [a for a in objects.arrays() if isinstance(a, self.cupy.ndarray)]
         # An array made anew each batch goes back to CuPy's pool for our stream when its
         # last reference goes, and our next allocation may take it at once: dropped by
         # the consumer, it could be rewritten under a step still queued on it.  Held

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from echo_native.batch import Batch, Columns
+from echo_native.ring import Record
 from echo_native.transforms import Stored
 
 
@@ -26,11 +27,10 @@ class ImageStore:
     device, and each entry's record as its ring slot carried it (:class:`~echo_native.
     batch.Columns`, host memory: small, and the batch's metadata lives there)."""
 
-    def __init__(self, capacity, entry_bytes, device=np, max_objects=0, max_keypoints=0,
-                 mask_bytes=0):
+    def __init__(self, capacity, entry_bytes, device=np, record=Record()):
         self.capacity = int(capacity)
         self.pixels = device.empty((self.capacity, int(entry_bytes)), np.uint8)
-        self.columns = Columns.allocate(self.capacity, max_objects, max_keypoints, mask_bytes)
+        self.columns = Columns.allocate(self.capacity, record)
 
     @property
     def shape(self):
@@ -49,18 +49,16 @@ class ImageExamples:
     program : the per-example ops, drawn per emission before augmentation
     echo : the :class:`~echo_native.echo.spec.Echo` spec
     sample_bytes : bytes per ring sample (a canvas budget before augmentation)
-    max_objects : object slots per sample (detection targets), or 0
+    record : the sizes of a sample's record (:class:`~echo_native.ring.Record`)
     sanitize : the SanitizeBoundingBoxes spec applied to the objects, or None
-    keypoints : the source's :class:`~echo_native.keypoints.Keypoints` (pose targets), or None
-    mask_bytes : bytes of an object's bit-packed mask in a record (masks), or 0
+    rules : what each object field follows, by name (the loader's ``rules``)
     """
 
     def __init__(self, device, outputs, crop, program, echo, seed, sample_bytes,
-                 max_objects=0, sanitize=None, keypoints=None, mask_bytes=0):
-        self.max_objects, self.sanitize = int(max_objects), sanitize
-        self.mask_bytes = int(mask_bytes)
-        # What a batch's objects follow besides the crop: both given to every batch made.
-        self.rules = {"sanitize": sanitize, "pose": keypoints}
+                 record=Record(), sanitize=None, rules=None):
+        self.record = record
+        # What a batch's objects follow besides the crop: given to every batch made.
+        self.follow = {"sanitize": sanitize, "rules": rules}
         self.device, self.outputs = device, outputs
         self.program, self.seed = program, seed
         self.after_augment = echo.placement == "after_augment"
@@ -78,9 +76,7 @@ class ImageExamples:
     # -- the shuffle buffer's entries ---------------------------------------------------
     def allocate(self, capacity):
         if self.stored is None:
-            self.stored = ImageStore(capacity, self.sample_bytes, self.device,
-                                     self.max_objects, len(self.rules["pose"] or ()),
-                                     self.mask_bytes)
+            self.stored = ImageStore(capacity, self.sample_bytes, self.device, self.record)
 
     def free(self):
         self.stored = None
@@ -113,7 +109,7 @@ class ImageExamples:
                                    None if args is None else args[rows])
         return job, Batch.from_columns(images, columns, sample_ids=sample_ids, fresh=fresh,
                                        echo_index=echo_index, epoch=epoch, redrawn=g,
-                                       **self.rules)
+                                       **self.follow)
 
     # -- whole slots -------------------------------------------------------------------
     def pass_through(self, fresh, keep=None):
@@ -134,7 +130,7 @@ class ImageExamples:
             columns, ids, ok = columns.copy(), ids.copy(), ok.copy()
         return Batch.from_columns(images, columns, sample_ids=ids, fresh=ok,
                                   echo_index=np.zeros(len(ids), np.int64), epoch=fresh.epoch,
-                                  **self.rules), copied
+                                  **self.follow), copied
 
     def keep(self, fresh):
         """A fresh batch that owns its memory (on the device), for batch echo."""
@@ -144,7 +140,7 @@ class ImageExamples:
         return Batch.from_columns(images, Columns.of_slot(slot, n).copy(),
                                   sample_ids=fresh.sample_ids.copy(), fresh=fresh.ok.copy(),
                                   echo_index=np.zeros(n, np.int64), epoch=fresh.epoch,
-                                  **self.rules)
+                                  **self.follow)
 
     def repeat(self, kept, echo, epoch):
         """One emission of a kept batch (``echo`` 0 for its first)."""

@@ -46,13 +46,13 @@ cdef extern from "en_ring.h" nogil:
         pass
     ctypedef struct en_ring_failure:
         pass
+    ctypedef struct en_ring_record:
+        pass
     ctypedef struct en_ring_layout:
         uint32_t nslots
         uint32_t batch
         uint64_t sample_bytes
-        uint32_t max_objects
-        uint32_t max_keypoints
-        uint32_t mask_bytes
+        en_ring_record record
         # the columns' offsets: read through en_ring_columns (EN_RING_COLUMNS)
         size_t pixels, slot_bytes, total_bytes
     ctypedef struct en_ring_column:
@@ -61,7 +61,13 @@ cdef extern from "en_ring.h" nogil:
         uint32_t rows, width
         size_t layout_field
     const en_ring_column en_ring_columns[]
-    int EN_RING_ROWS_SAMPLE, EN_RING_ROWS_OBJECT, EN_RING_ROWS_KEYPOINT, EN_RING_ROWS_MASK
+    ctypedef struct en_ring_row_kind:
+        const char *name
+        uint32_t parent
+        const char *size
+        uint32_t limit
+        size_t record_field
+    const en_ring_row_kind en_ring_row_kinds[]
     ctypedef struct en_ring_field:
         const char *name
         size_t offset, size, width
@@ -70,8 +76,7 @@ cdef extern from "en_ring.h" nogil:
     const en_ring_field en_ring_failure_fields[]
 
     int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                               uint32_t max_objects, uint32_t max_keypoints,
-                               uint32_t mask_bytes, en_ring_layout *out)
+                               const en_ring_record *record, en_ring_layout *out)
     int en_ring_init(void *mem, size_t size, const en_ring_layout *layout,
                      uint64_t first_ticket, uint32_t owner_pid)
     int en_ring_check(const void *mem, size_t size, en_ring_layout *out)
@@ -125,31 +130,56 @@ SLOT_FIELDS = _fields(en_ring_slot_fields)
 FAILURE_FIELDS = _fields(en_ring_failure_fields)
 
 
+cdef tuple _row_kinds():
+    cdef list out = []
+    cdef size_t i = 0
+    names = ["sample"]
+    while en_ring_row_kinds[i].name != NULL:
+        k = en_ring_row_kinds[i]
+        name = k.name.decode().lower()
+        out.append((name, names[k.parent], k.size.decode(), int(k.limit)))
+        names.append(name)
+        i += 1
+    return tuple(out)
+
+
+#: The row kinds of a sample's record beyond its one row per sample, as C defines them
+#: (EN_RING_ROW_KINDS in en_ring.h): one ``(kind, parent, size, limit)`` per kind, in
+#: order: a column of ``kind`` has ``size`` rows (a name: ``max_objects``, ...) per row
+#: of its ``parent`` kind, ``size`` at most ``limit``.
+ROW_KINDS = _row_kinds()
+_ROW_NAMES = ("sample",) + tuple(k[0] for k in ROW_KINDS)
+
+
 cdef tuple _columns():
     cdef list out = []
     cdef size_t i = 0
     while en_ring_columns[i].name != NULL:
         c = en_ring_columns[i]
-        rows = {EN_RING_ROWS_SAMPLE: "sample", EN_RING_ROWS_OBJECT: "object",
-                EN_RING_ROWS_KEYPOINT: "keypoint", EN_RING_ROWS_MASK: "mask"}[c.rows]
-        out.append((c.name.decode(), c.dtype.decode(), rows, int(c.width)))
+        out.append((c.name.decode(), c.dtype.decode(), _ROW_NAMES[c.rows], int(c.width)))
         i += 1
     return tuple(out)
 
 
 #: A sample's record in a slot, as C lays it out (EN_RING_COLUMNS in en_ring.h): one
 #: ``(name, dtype, rows, width)`` per column, in slot order; ``rows`` is "sample" (one
-#: row per sample of the batch), "object" (max_objects rows per sample), "keypoint"
-#: (max_keypoints rows per object) or "mask" (mask_bytes rows per object), ``width``
-#: the elements of a row.
+#: row per sample of the batch) or a kind of :data:`ROW_KINDS` ("object": max_objects
+#: rows per sample, ...), ``width`` the elements of a row.
 COLUMNS = _columns()
+
+
+cdef dict _record_dict(const en_ring_record *record):
+    cdef const char *base = <const char *>record
+    cdef dict out = {}
+    cdef Py_ssize_t i
+    for i in range(len(ROW_KINDS)):
+        out[ROW_KINDS[i][2]] = (<const uint32_t *>(base + en_ring_row_kinds[i].record_field))[0]
+    return out
 
 
 cdef dict _layout_dict(const en_ring_layout *l):
     cdef dict d = {"nslots": l.nslots, "batch": l.batch, "sample_bytes": l.sample_bytes,
-                   "max_objects": l.max_objects, "max_keypoints": l.max_keypoints,
-                   "mask_bytes": l.mask_bytes,
-                   "pixels": l.pixels,
+                   "record": _record_dict(&l.record), "pixels": l.pixels,
                    "slot_bytes": l.slot_bytes, "total_bytes": l.total_bytes}
     cdef size_t i = 0
     cdef const char *base = <const char *>l
@@ -161,21 +191,29 @@ cdef dict _layout_dict(const en_ring_layout *l):
 
 
 cdef en_ring_layout _compute(object nslots, object batch, object sample_bytes,
-                             object max_objects, object max_keypoints,
-                             object mask_bytes) except *:
+                             dict sizes) except *:
     cdef en_ring_layout l
+    cdef en_ring_record record
+    cdef char *base = <char *>&record
+    unknown = set(sizes) - {k[2] for k in ROW_KINDS}
+    if unknown:
+        raise TypeError(f"unknown record sizes {sorted(unknown)}: a record has "
+                        f"{[k[2] for k in ROW_KINDS]}")
     nslots, batch, sample_bytes = int(nslots), int(batch), int(sample_bytes)
-    max_objects, max_keypoints = int(max_objects), int(max_keypoints)
-    mask_bytes = int(mask_bytes)
+    values = {k[2]: int(sizes.get(k[2], 0)) for k in ROW_KINDS}
     # Values no C field can hold are as impossible as those C refuses.
-    if (not 0 <= nslots <= UINT32_MAX or not 0 <= batch <= UINT32_MAX
-            or not 0 <= sample_bytes <= UINT64_MAX or not 0 <= max_objects <= UINT32_MAX
-            or not 0 <= max_keypoints <= UINT32_MAX or not 0 <= mask_bytes <= UINT32_MAX
-            or en_ring_compute_layout(nslots, batch, sample_bytes, max_objects, max_keypoints,
-                                      mask_bytes, &l) != 0):
+    ok = (0 <= nslots <= UINT32_MAX and 0 <= batch <= UINT32_MAX
+          and 0 <= sample_bytes <= UINT64_MAX
+          and all(0 <= v <= UINT32_MAX for v in values.values()))
+    if ok:
+        for i in range(len(ROW_KINDS)):
+            (<uint32_t *>(base + en_ring_row_kinds[i].record_field))[0] = \
+                values[ROW_KINDS[i][2]]
+        ok = en_ring_compute_layout(nslots, batch, sample_bytes, &record, &l) == 0
+    if not ok:
+        said = ", ".join(f"{k} {v}" for k, v in values.items())
         raise ValueError(f"impossible ring geometry: {nslots} slots of {batch} samples of "
-                         f"{sample_bytes} bytes, {max_objects} objects, {max_keypoints} "
-                         f"keypoints and {mask_bytes} mask bytes")
+                         f"{sample_bytes} bytes, record sizes {said}")
     return l
 
 
@@ -189,12 +227,11 @@ def seq_filled(uint64_t ticket):
     return en_ring_seq_filled(ticket)
 
 
-def layout(nslots, batch, sample_bytes, max_objects=0, max_keypoints=0, mask_bytes=0):
+def layout(nslots, batch, sample_bytes, **sizes):
     """Offsets (from a slot's start) of the per-sample arrays, slot_bytes and
-    total_bytes, as en_ring_compute_layout places them; ValueError for a
-    geometry it refuses."""
-    cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects, max_keypoints,
-                                     mask_bytes)
+    total_bytes, as en_ring_compute_layout places them, for a record of ``sizes`` (those
+    of :data:`ROW_KINDS`, 0 where not given); ValueError for a geometry it refuses."""
+    cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, sizes)
     return _layout_dict(&l)
 
 
@@ -347,10 +384,10 @@ cdef class Segment:
         pass
 
     def ring_init(self, nslots, batch, sample_bytes, uint64_t first_ticket, uint32_t owner_pid,
-                  max_objects=0, max_keypoints=0, mask_bytes=0):
-        """Write a new ring's header into this (fresh) segment; returns the layout dict."""
-        cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, max_objects, max_keypoints,
-                                         mask_bytes)
+                  **sizes):
+        """Write a new ring's header into this (fresh) segment, for a record of ``sizes``
+        (see :func:`layout`); returns the layout dict."""
+        cdef en_ring_layout l = _compute(nslots, batch, sample_bytes, sizes)
         if en_ring_init(self._addr, self._size, &l, first_ticket, owner_pid) != 0:
             raise ValueError(f"a {self._size}-byte segment cannot hold a "
                              f"{l.total_bytes}-byte ring")

@@ -32,8 +32,7 @@
 
 const en_ring_field en_ring_header_fields[] = {
     H(magic, 8), H(version, 4), H(owner_pid, 4), H(nslots, 4), H(batch, 4),
-    H(sample_bytes, 8), H(slot_bytes, 8), H(closed, 4), H(max_objects, 4), H(next_ticket, 8), H(max_keypoints, 4),
-    H(mask_bytes, 4),
+    H(sample_bytes, 8), H(slot_bytes, 8), H(closed, 4), H(next_ticket, 8), H(record, 4),
     H(claims, 8),
     H(reading, 8), H(reading_ms, 8), END};
 
@@ -54,6 +53,12 @@ const en_ring_field en_ring_failure_fields[] = {
 const en_ring_column en_ring_columns[] = {EN_RING_COLUMNS(EN_RING_COLUMN) {NULL, NULL, 0, 0, 0}};
 #undef EN_RING_COLUMN
 
+#define EN_RING_ROW_KIND(kind, parent, size, limit) \
+    {#kind, EN_RING_ROWS_##parent, #size, limit, offsetof(en_ring_record, size)},
+const en_ring_row_kind en_ring_row_kinds[] = {EN_RING_ROW_KINDS(EN_RING_ROW_KIND)
+                                              {NULL, 0, NULL, 0, 0}};
+#undef EN_RING_ROW_KIND
+
 /* *at = align(*at, a) + n * width, refusing overflow; returns the aligned start. */
 static int place(size_t *at, size_t align, size_t n, size_t width, size_t *start) {
     size_t s, bytes;
@@ -66,23 +71,22 @@ static int place(size_t *at, size_t align, size_t n, size_t width, size_t *start
 }
 
 int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                           uint32_t max_objects, uint32_t max_keypoints, uint32_t mask_bytes,
-                           en_ring_layout *out) {
-    if (nslots == 0 || batch == 0 || sample_bytes > SIZE_MAX ||
-        max_objects > EN_RING_MAX_OBJECTS || max_keypoints > EN_RING_MAX_KEYPOINTS)
-        return -1;
+                           const en_ring_record *record, en_ring_layout *out) {
+    if (nslots == 0 || batch == 0 || sample_bytes > SIZE_MAX) return -1;
     en_ring_layout l = {.nslots = nslots, .batch = batch, .sample_bytes = sample_bytes,
-                        .max_objects = max_objects, .max_keypoints = max_keypoints,
-                        .mask_bytes = mask_bytes};
-    size_t at = sizeof(en_ring_slot), end, objects, keypoints, masks;
-    if (__builtin_mul_overflow((size_t)batch, (size_t)max_objects, &objects) ||
-        __builtin_mul_overflow(objects, (size_t)max_keypoints, &keypoints) ||
-        __builtin_mul_overflow(objects, (size_t)mask_bytes, &masks))
+                        .record = *record};
+    size_t at = sizeof(en_ring_slot), end;
+    /* Each kind's rows in a slot: its parent's times its size (kinds follow their parents). */
+    size_t rows[EN_RING_NROWS] = {[EN_RING_ROWS_SAMPLE] = batch};
+#define EN_RING_ROWS_OF(kind, parent, size, limit)                                    \
+    if (record->size > (limit) ||                                                   \
+        __builtin_mul_overflow(rows[EN_RING_ROWS_##parent], (size_t)record->size,   \
+                               &rows[EN_RING_ROWS_##kind]))                          \
         return -1;
+    EN_RING_ROW_KINDS(EN_RING_ROWS_OF)
+#undef EN_RING_ROWS_OF
     /* The record's columns in their order, each on its alignment; pixels on a page
      * so that they can be pinned or mapped for a device on their own. */
-    const size_t rows[] = {[EN_RING_ROWS_SAMPLE] = batch, [EN_RING_ROWS_OBJECT] = objects,
-                           [EN_RING_ROWS_KEYPOINT] = keypoints, [EN_RING_ROWS_MASK] = masks};
 #define EN_RING_PLACE(name, type, dtype, align, r, width) \
     if (place(&at, align, rows[EN_RING_ROWS_##r], (width) * sizeof(type), &l.name)) return -1;
     EN_RING_COLUMNS(EN_RING_PLACE)
@@ -109,9 +113,7 @@ int en_ring_init(void *mem, size_t size, const en_ring_layout *layout, uint64_t 
     h->nslots = layout->nslots;
     h->batch = layout->batch;
     h->sample_bytes = layout->sample_bytes;
-    h->max_objects = layout->max_objects;
-    h->max_keypoints = layout->max_keypoints;
-    h->mask_bytes = layout->mask_bytes;
+    h->record = layout->record;
     h->slot_bytes = layout->slot_bytes;
     __atomic_store_n(&h->closed, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&h->next_ticket, first_ticket, __ATOMIC_RELAXED);
@@ -133,8 +135,8 @@ int en_ring_check(const void *mem, size_t size, en_ring_layout *out) {
         return EN_RING_NOT_A_RING;
     if (h->version != EN_RING_VERSION) return EN_RING_BAD_VERSION;
     en_ring_layout l;
-    if (en_ring_compute_layout(h->nslots, h->batch, h->sample_bytes, h->max_objects,
-                               h->max_keypoints, h->mask_bytes, &l) != 0 ||
+    en_ring_record record = h->record;  /* a copy: the segment is another process's too */
+    if (en_ring_compute_layout(h->nslots, h->batch, h->sample_bytes, &record, &l) != 0 ||
         l.slot_bytes != h->slot_bytes || l.total_bytes > size)
         return EN_RING_BAD_GEOMETRY;
     *out = l;

@@ -21,10 +21,9 @@
  *   then nslots slots of en_ring_layout.slot_bytes each (page multiples):
  *     en_ring_slot (sequence word, metadata, failure records)
  *     a sample's record: the columns of EN_RING_COLUMNS below, each at its
- *     en_ring_layout offset ([B] rows, [B][M] for an object column, M =
- *     max_objects per sample, 0 without targets, [B][M][K] for a keypoint
- *     column, K = max_keypoints per object, 0 without keypoints, [B][M][Q]
- *     for a mask column, Q = mask_bytes per object, 0 without masks)
+ *     en_ring_layout offset, with the rows of its kind (EN_RING_ROW_KINDS: [B]
+ *     for a sample column, [B][M] for an object column, M = max_objects,
+ *     [B][M][K] for a keypoint column, K = max_keypoints, ...)
  *     then (page-aligned) pixels u8[B][S]
  *
  * All fields are native-endian: a segment never leaves the machine.
@@ -37,14 +36,17 @@
 #include <stdint.h>
 
 #ifdef __cplusplus
-#define _Static_assert static_assert /* C++ spells C11's keyword this way */
+#define _Static_assert static_assert /* C++ spells C11's keywords this way */
+#define EN_RING_ALIGNAS(n) alignas(n)
 extern "C" {
+#else
+#define EN_RING_ALIGNAS(n) _Alignas(n)
 #endif
 
 #define EN_RING_MAGIC UINT64_C(0x31474E4952484345) /* "ECHRING1" as little-endian bytes */
 /* Bumped whenever a byte moves, so that a process built from other sources
  * refuses a segment instead of misreading it. */
-#define EN_RING_VERSION 6u
+#define EN_RING_VERSION 7u
 #define EN_RING_PAGE 4096u
 #define EN_RING_HEADER_BYTES EN_RING_PAGE
 /* Claim words in the header; worker indexes run 0 .. EN_RING_MAX_WORKERS-1. */
@@ -59,6 +61,44 @@ extern "C" {
 #define EN_RING_MAX_OBJECTS 65535u
 /* Keypoints per object: COCO-WholeBody has 133; a skeleton of thousands is no pose. */
 #define EN_RING_MAX_KEYPOINTS 1024u
+
+/* The row kinds of a sample's record.  A column (EN_RING_COLUMNS below) has one
+ * row per sample, or rows of one of these kinds: `size` rows per row of its parent
+ * kind, `size` a field of en_ring_record, at most `limit`, 0 where the record does
+ * not carry the kind.  The one place a kind is defined: the record's sizes, the
+ * header, the layout and the bindings iterate it.
+ *
+ *   X(KIND, PARENT, size, limit) */
+#define EN_RING_ROW_KINDS(X)                                                        \
+    X(OBJECT,   SAMPLE, max_objects,   EN_RING_MAX_OBJECTS)   /* detection targets */ \
+    X(KEYPOINT, OBJECT, max_keypoints, EN_RING_MAX_KEYPOINTS) /* a pose's points */    \
+    X(MASK,     OBJECT, mask_bytes,    UINT32_MAX)           /* a bit-packed mask */
+
+enum {
+    EN_RING_ROWS_SAMPLE = 0,
+#define EN_RING_ROWS_ENUM(kind, parent, size, limit) EN_RING_ROWS_##kind,
+    EN_RING_ROW_KINDS(EN_RING_ROWS_ENUM)
+#undef EN_RING_ROWS_ENUM
+    EN_RING_NROWS
+};
+
+/* A record's sizes: the rows per parent row of each kind of EN_RING_ROW_KINDS. */
+typedef struct en_ring_record {
+#define EN_RING_RECORD_FIELD(kind, parent, size, limit) uint32_t size;
+    EN_RING_ROW_KINDS(EN_RING_RECORD_FIELD)
+#undef EN_RING_RECORD_FIELD
+} en_ring_record;
+
+/* One kind of EN_RING_ROW_KINDS, for bindings: its name, its parent kind
+ * (EN_RING_ROWS_*), its size's name and limit, and where en_ring_record keeps it. */
+typedef struct en_ring_row_kind {
+    const char *name;
+    uint32_t parent;
+    const char *size;
+    uint32_t limit;
+    size_t record_field;   /* offsetof(en_ring_record, <size>) */
+} en_ring_row_kind;
+extern const en_ring_row_kind en_ring_row_kinds[];   /* the kinds after SAMPLE; ends with a NULL name */
 
 /* en_ring_slot.error */
 enum { EN_RING_ERR_NONE = 0, EN_RING_ERR_WORKER = 1, EN_RING_ERR_DECODE = 2 };
@@ -81,13 +121,12 @@ typedef struct en_ring_header {
     uint64_t sample_bytes; /* pixel bytes reserved per sample */
     uint64_t slot_bytes;
     uint32_t closed;       /* futex word: non-zero once the consumer closes */
-    uint32_t max_objects;  /* object slots per sample (detection targets), or 0 */
     uint64_t next_ticket;  /* fetch-add counter */
-    uint32_t max_keypoints; /* keypoints per object (pose targets), or 0 */
-    uint32_t mask_bytes;   /* bytes of one object's bit-packed mask (masks), or 0 */
+    en_ring_record record; /* the sizes of a sample's record (EN_RING_ROW_KINDS) */
     /* claims[w]: what worker w holds (0, t + 1, or EN_RING_CLAIM_PENDING), so
-     * the consumer can tell which tickets a dead worker lost. */
-    uint64_t claims[EN_RING_MAX_WORKERS];
+     * the consumer can tell which tickets a dead worker lost.  On a cache line of
+     * their own, however many row kinds the record has. */
+    EN_RING_ALIGNAS(64) uint64_t claims[EN_RING_MAX_WORKERS];
     /* reading[w]: sample id + 1 that worker w is reading and decoding (0: none),
      * since reading_ms[w] (CLOCK_MONOTONIC, shared by every process of a boot),
      * so the consumer can fail a sample whose read has stalled and replace its
@@ -98,7 +137,8 @@ typedef struct en_ring_header {
 
 _Static_assert(sizeof(en_ring_header) <= EN_RING_HEADER_BYTES,
                "the ring header must fit its page: lower EN_RING_MAX_WORKERS");
-_Static_assert(sizeof(en_ring_header) == 64 + 3 * 8 * EN_RING_MAX_WORKERS,
+_Static_assert(sizeof(en_ring_header) ==
+                   offsetof(en_ring_header, claims) + 3 * 8 * EN_RING_MAX_WORKERS,
                "unexpected padding in en_ring_header");
 /* Futex words are 32-bit and 4-aligned; 64-bit atomics must be 8-aligned
  * (a split word is not atomic, and the page start is the only alignment a
@@ -106,7 +146,7 @@ _Static_assert(sizeof(en_ring_header) == 64 + 3 * 8 * EN_RING_MAX_WORKERS,
 _Static_assert(offsetof(en_ring_header, closed) % 4 == 0, "closed must be a futex word");
 _Static_assert(offsetof(en_ring_header, next_ticket) % 8 == 0, "next_ticket must be 8-aligned");
 _Static_assert(offsetof(en_ring_header, claims) % 8 == 0, "claims must be 8-aligned");
-_Static_assert(offsetof(en_ring_header, claims) == 64, "claims start on their own cache line");
+_Static_assert(offsetof(en_ring_header, claims) % 64 == 0, "claims start on their own cache line");
 
 /* The start of every slot (slots start on page boundaries). */
 typedef struct en_ring_slot {
@@ -166,10 +206,10 @@ _Static_assert(EN_RING_REPORT_BYTES % EN_RING_FAILURE_ALIGN == 0, "records stay 
  *
  *   X(name, C type, NumPy dtype, alignment, rows, width)
  *
- * rows: SAMPLE (one row per sample of the batch), OBJECT (max_objects rows per
- * sample), KEYPOINT (max_keypoints rows per object) or MASK (mask_bytes rows per
- * object: its mask, bit-packed, at the stored image's size); width: elements of the
- * type per row.  Alignment is the array's: boxes on 16 bytes, for SIMD loads of a whole box.  Pixels (page-aligned, sample_bytes a
+ * rows: SAMPLE (one row per sample of the batch) or a kind of EN_RING_ROW_KINDS
+ * (OBJECT: max_objects rows per sample, KEYPOINT: max_keypoints rows per object, MASK:
+ * mask_bytes rows per object, its mask bit-packed at the stored image's size); width:
+ * elements of the type per row.  Alignment is the array's: boxes on 16 bytes, for SIMD loads of a whole box.  Pixels (page-aligned, sample_bytes a
  * sample) follow the columns. */
 #define EN_RING_COLUMNS(X) \
     X(labels,       int64_t,  "i8", 8,  SAMPLE, 1) /* the sample's class */            \
@@ -188,18 +228,13 @@ _Static_assert(EN_RING_REPORT_BYTES % EN_RING_FAILURE_ALIGN == 0, "records stay 
     X(obj_keypoints, float,   "f4", 4,  KEYPOINT, 3) /* x, y, visibility, source px */ \
     X(obj_masks,    uint8_t,  "u1", 1,  MASK, 1) /* np.packbits rows of the image */
 
-enum { EN_RING_ROWS_SAMPLE = 0, EN_RING_ROWS_OBJECT = 1, EN_RING_ROWS_KEYPOINT = 2,
-       EN_RING_ROWS_MASK = 3 };
-
 /* Where the per-sample arrays of a slot lie, for one geometry.  Offsets are
  * from the start of a slot. */
 typedef struct en_ring_layout {
     uint32_t nslots;
     uint32_t batch;
     uint64_t sample_bytes;
-    uint32_t max_objects;
-    uint32_t max_keypoints;
-    uint32_t mask_bytes;
+    en_ring_record record;
 #define EN_RING_OFFSET_FIELD(name, type, dtype, align, rows, width) size_t name;
     EN_RING_COLUMNS(EN_RING_OFFSET_FIELD)
 #undef EN_RING_OFFSET_FIELD
@@ -220,12 +255,10 @@ typedef struct en_ring_column {
 extern const en_ring_column en_ring_columns[];   /* ends with a NULL name */
 
 /* Fill *out for a geometry; 0 on success, -1 (out untouched) for one that
- * cannot exist: no slots, an empty batch, more than EN_RING_MAX_OBJECTS
- * objects per sample or EN_RING_MAX_KEYPOINTS keypoints per object, or sizes that
- * overflow (mask_bytes: a mask's bytes per object, up to UINT32_MAX). */
+ * cannot exist: no slots, an empty batch, a record size over its kind's limit,
+ * or sizes that overflow. */
 int en_ring_compute_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                           uint32_t max_objects, uint32_t max_keypoints, uint32_t mask_bytes,
-                           en_ring_layout *out);
+                           const en_ring_record *record, en_ring_layout *out);
 
 /* Write the header of a new, zero-filled segment of at least
  * layout->total_bytes and free slot t % nslots for ticket t, for the nslots

@@ -6,7 +6,7 @@
  *                                    check every ticket in order; exit 0 if all good
  *   ring_demo produce NAME TICKETS   attach to a ring made elsewhere (echo_native's
  *                                    Ring.create) and fill tickets 0..TICKETS-1
- *   ring_demo layout NSLOTS BATCH SAMPLE_BYTES
+ *   ring_demo layout NSLOTS BATCH SAMPLE_BYTES SIZE...
  *                                    print the struct offsets and the layout as JSON
  *
  * What a ticket holds is a function of the ticket (see fill()), so the
@@ -129,7 +129,8 @@ static int check(en_ring_slot *s, const en_ring_layout *l, uint64_t t) {
 static int demo(void) {
     enum { NSLOTS = 3, BATCH = 4, SAMPLE_BYTES = 100, TICKETS = 11 }; /* several laps */
     en_ring_layout l;
-    if (en_ring_compute_layout(NSLOTS, BATCH, SAMPLE_BYTES, 0, 0, 0, &l) != 0) return 1;
+    const en_ring_record plain = {0};   /* pixels and per-sample columns only */
+    if (en_ring_compute_layout(NSLOTS, BATCH, SAMPLE_BYTES, &plain, &l) != 0) return 1;
     char name[64], err[256];
     snprintf(name, sizeof name, "/echo_native_demo-%ld", (long)getpid());
     void *mem;
@@ -184,17 +185,15 @@ static int produce_into(const char *name, uint64_t tickets) {
 #define FIELD(out, type, f) fprintf(out, "\"%s\": %zu, ", #f, offsetof(type, f))
 
 static int print_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
-                        uint32_t max_objects, uint32_t max_keypoints, uint32_t mask_bytes) {
+                        const en_ring_record *record) {
     en_ring_layout l;
-    int ok = en_ring_compute_layout(nslots, batch, sample_bytes, max_objects, max_keypoints,
-                                    mask_bytes, &l) == 0;
+    int ok = en_ring_compute_layout(nslots, batch, sample_bytes, record, &l) == 0;
     printf("{\"header\": {");
     FIELD(stdout, en_ring_header, magic); FIELD(stdout, en_ring_header, version);
     FIELD(stdout, en_ring_header, owner_pid); FIELD(stdout, en_ring_header, nslots);
     FIELD(stdout, en_ring_header, batch); FIELD(stdout, en_ring_header, sample_bytes);
     FIELD(stdout, en_ring_header, slot_bytes); FIELD(stdout, en_ring_header, closed);
-    FIELD(stdout, en_ring_header, max_objects); FIELD(stdout, en_ring_header, next_ticket);
-    FIELD(stdout, en_ring_header, max_keypoints); FIELD(stdout, en_ring_header, mask_bytes);
+    FIELD(stdout, en_ring_header, next_ticket); FIELD(stdout, en_ring_header, record);
     FIELD(stdout, en_ring_header, claims);
     FIELD(stdout, en_ring_header, reading); FIELD(stdout, en_ring_header, reading_ms);
     printf("\"sizeof\": %zu}, \"slot\": {", sizeof(en_ring_header));
@@ -217,9 +216,11 @@ static int print_layout(uint32_t nslots, uint32_t batch, uint64_t sample_bytes,
     printf("\"layout\": {");
     for (const en_ring_column *c = en_ring_columns; c->name != NULL; c++)
         printf("\"%s\": %zu, ", c->name, *(const size_t *)((const char *)&l + c->layout_field));
-    printf("\"max_objects\": %u, \"max_keypoints\": %u, \"mask_bytes\": %u, \"pixels\": %zu, "
-           "\"slot_bytes\": %zu, \"total_bytes\": %zu}}\n",
-           l.max_objects, l.max_keypoints, l.mask_bytes, l.pixels, l.slot_bytes, l.total_bytes);
+    for (const en_ring_row_kind *k = en_ring_row_kinds; k->name != NULL; k++)
+        printf("\"%s\": %u, ", k->size,
+               *(const uint32_t *)((const char *)&l.record + k->record_field));
+    printf("\"pixels\": %zu, \"slot_bytes\": %zu, \"total_bytes\": %zu}}\n", l.pixels,
+           l.slot_bytes, l.total_bytes);
     return 0;
 }
 
@@ -227,14 +228,18 @@ int main(int argc, char **argv) {
     if (argc == 1) return demo();
     if (argc == 4 && strcmp(argv[1], "produce") == 0)
         return produce_into(argv[2], strtoull(argv[3], NULL, 10));
-    if (argc == 8 && strcmp(argv[1], "layout") == 0)
+    if (argc == 5 + EN_RING_NROWS - 1 && strcmp(argv[1], "layout") == 0) {
+        /* layout NSLOTS BATCH SAMPLE_BYTES, then each record size in the table's order */
+        en_ring_record record;
+        for (int k = 0; en_ring_row_kinds[k].name != NULL; k++)
+            *(uint32_t *)((char *)&record + en_ring_row_kinds[k].record_field) =
+                (uint32_t)strtoul(argv[5 + k], NULL, 10);
         return print_layout((uint32_t)strtoul(argv[2], NULL, 10),
                             (uint32_t)strtoul(argv[3], NULL, 10), strtoull(argv[4], NULL, 10),
-                            (uint32_t)strtoul(argv[5], NULL, 10),
-                            (uint32_t)strtoul(argv[6], NULL, 10),
-                            (uint32_t)strtoul(argv[7], NULL, 10));
+                            &record);
+    }
     fprintf(stderr, "usage: %s | %s produce NAME TICKETS | "
-            "%s layout NSLOTS BATCH SAMPLE_BYTES MAX_OBJECTS MAX_KEYPOINTS MASK_BYTES\n",
+            "%s layout NSLOTS BATCH SAMPLE_BYTES SIZE... (the record's, en_ring_row_kinds)\n",
             argv[0], argv[0], argv[0]);
     return 2;
 }
