@@ -4,9 +4,10 @@ A source with pose targets (``CocoDetection(..., keypoints=True)``) gives each
 object ``K`` keypoints ``(x, y, visibility)`` in source pixels, COCO's
 convention: visibility 0 (not labelled, and then x = y = 0), 1 (labelled, not
 visible) or 2 (visible).  They ride in the sample's record beside the boxes
-(the ring's ``obj_keypoints`` column, :data:`KEYPOINTS` the field) and follow the same geometry, a window of
-the source, a flip and a resize, with torchvision v2's ``KeyPoints``
-arithmetic (float32, step by step as ``transforms.v2.functional`` applies it):
+(the ring's ``obj_keypoints`` column; :data:`KEYPOINTS` is the field) and follow
+the same geometry, a window of the source, a flip and a resize, with torchvision
+v2's ``KeyPoints`` arithmetic (float32, step by step as ``transforms.v2.functional``
+applies it):
 
 1. crop: ``points - (left, top)``;
 2. flip, in the window: ``x = (width - 1) - x``, and each point takes its
