@@ -7,7 +7,8 @@ Jobs (images/s after the first batch and images per CPU second, two epochs, 2 wo
 RandomResizedCrop 224):
 Loader, EchoRing(echo=1), echo 2 before augmentation, echo 2 after augmentation; then
 detection on the folder's images as a COCO folder (2-4 boxes each, written once beside
-it, FOLDER.coco): SSD geometry at 300 px, echo 2 before and after augmentation.
+it, FOLDER.coco): SSD geometry at 300 px, echo 2 before and after augmentation; the
+same with each object's mask (a polygon in its box) and its 5 keypoints.
 docs/results.md ("The house, round two/three: before and after") used it."""
 import json, os, resource, sys, time
 import numpy as np
@@ -51,8 +52,9 @@ out["after_e2"] = rate(lambda: en.EchoRing(folder, 64, image_size=224, workers=2
                                            placement="after_augment", seed=0))
 
 def coco_folder(folder):
-    """FOLDER's JPEGs as a COCO folder with 2-4 random boxes each (made once)."""
-    root = folder.rstrip("/") + ".coco"
+    """FOLDER's JPEGs as a COCO folder with 2-4 random boxes each, each with a polygon
+    and 5 keypoints inside it (made once)."""
+    root = folder.rstrip("/") + ".coco2"
     ann = os.path.join(root, "instances.json")
     if os.path.exists(ann):
         return root, ann
@@ -73,17 +75,35 @@ def coco_folder(folder):
             x, y = float(rng.uniform(0, w - bw)), float(rng.uniform(0, h - bh))
             anns.append({"id": len(anns) + 1, "image_id": i + 1, "category_id": 1,
                          "bbox": [x, y, bw, bh], "iscrowd": 0})
+    # Masks and keypoints from a second stream: the boxes are those of earlier runs.
+    extra = np.random.default_rng(1)
+    for a in anns:
+        x, y, bw, bh = a["bbox"]
+        angles = np.sort(extra.uniform(0, 2 * np.pi, 8))
+        radii = extra.uniform(0.3, 0.5, 8)
+        a["segmentation"] = [np.column_stack([x + bw * (0.5 + radii * np.cos(angles)),
+                                              y + bh * (0.5 + radii * np.sin(angles))])
+                             .ravel().round(2).tolist()]
+        points = extra.uniform(0, 1, (5, 2)) * (bw, bh) + (x, y)
+        a["keypoints"] = np.column_stack([points.round(2), np.full(5, 2)]).ravel().tolist()
+        a["num_keypoints"] = 5
     with open(ann + ".tmp", "w") as f:
         json.dump({"images": images, "annotations": anns,
-                   "categories": [{"id": 1, "name": "thing"}]}, f)
+                   "categories": [{"id": 1, "name": "thing", "keypoints": POINTS}]}, f)
     os.replace(ann + ".tmp", ann)
     return root, ann
 
 
+POINTS = ["nose", "left_eye", "right_eye", "left_ear", "right_ear"]
 coco = en.CocoDetection(*coco_folder(folder))
 ssd = [en.RandomZoomOut(fill=(124, 116, 104), side_range=(1.0, 4.0)), en.RandomIoUCrop(),
        en.RandomHorizontalFlip(), en.Resize((300, 300)), en.SanitizeBoundingBoxes()]
 for placement in ("before_augment", "after_augment"):
     out[f"detect_{placement.split('_')[0]}_e2"] = rate(lambda: en.EchoRing(
+        coco, 32, augment=ssd, workers=2, echo=en.Echo(2, placement=placement), seed=0))
+# Each object's mask (rasterised in the workers) and keypoints, through the same jobs.
+coco = en.CocoDetection(*coco_folder(folder), keypoints=True, masks=True)
+for placement in ("before_augment", "after_augment"):
+    out[f"fields_{placement.split('_')[0]}_e2"] = rate(lambda: en.EchoRing(
         coco, 32, augment=ssd, workers=2, echo=en.Echo(2, placement=placement), seed=0))
 print(json.dumps(out))
