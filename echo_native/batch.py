@@ -13,8 +13,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native.boxes import SourceObjects
-from echo_native.ring import COLUMNS, Record
+from echo_native.ring import COLUMNS, ROW_KINDS, Record
 from echo_native.targets import OBJECT_FIELDS
+
+
+def _per_object():
+    parent = {kind: p for kind, p, _, _ in ROW_KINDS}
+
+    def under_objects(kind):
+        while kind != "object" and kind in parent:
+            kind = parent[kind]
+        return kind == "object"
+
+    return frozenset(name for name, _, rows, _ in COLUMNS if under_objects(rows))
+
+
+#: The columns whose axis 1 is a sample's object slots (objects, and the rows of each
+#: object's fields): only a row's first ``obj_count`` slots hold its objects.
+PER_OBJECT = _per_object()
 
 
 class Columns:
@@ -26,6 +42,10 @@ class Columns:
     ``Columns.allocate(capacity, record)``, filled with :meth:`put`; an emission
     takes its rows (:meth:`take`, a copy its crop spec then redraws).  A new per-sample
     field is a row of the C table, and every holder of a record follows it.
+
+    Copies move only the object slots in use (up to the most objects a row holds): a
+    record has room for ``max_objects``, a mask's bytes each, and most samples hold a
+    few; the slots past a row's ``obj_count`` are never read.
     """
 
     __slots__ = ("arrays",)
@@ -59,17 +79,30 @@ class Columns:
     def max_objects(self):
         return self.arrays["obj_boxes"].shape[1]
 
+    def _used(self, counts):
+        """Object slots worth copying for rows of ``counts`` objects: the most a row
+        holds, at least one where the record has slots (its batches have objects)."""
+        return min(self.max_objects, max(int(np.max(counts, initial=0)), 1))
+
     def take(self, rows):
         """Rows ``rows`` (indices or a mask) of every column, copied."""
-        return Columns({name: a[rows] for name, a in self.arrays.items()})
+        m = self._used(self.arrays["obj_count"][rows])
+        return Columns({name: a[rows, :m] if name in PER_OBJECT else a[rows]
+                        for name, a in self.arrays.items()})
 
     def put(self, rows, other):
         """Write ``other``'s rows into rows ``rows``, column by column."""
+        m = other._used(other.arrays["obj_count"])
         for name, a in self.arrays.items():
-            a[rows] = other.arrays[name]
+            if name in PER_OBJECT:
+                a[rows, :m] = other.arrays[name][:, :m]
+            else:
+                a[rows] = other.arrays[name]
 
     def copy(self):
-        return Columns({name: a.copy() for name, a in self.arrays.items()})
+        m = self._used(self.arrays["obj_count"])
+        return Columns({name: a[:, :m].copy() if name in PER_OBJECT else a.copy()
+                        for name, a in self.arrays.items()})
 
     def to(self, xp):
         """The columns as arrays of the array module ``xp`` (NumPy, CuPy)."""

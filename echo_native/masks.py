@@ -346,8 +346,16 @@ def _fill(parts, h, w):
         rows = _ranges(r0, n)
         x = x0[e] + (rows + 0.5 - y0[e]) * (x1[e] - x0[e]) / (y1[e] - y0[e])
         first = np.clip(np.floor(x + 0.5), 0, w).astype(np.int64)
-        toggles = np.bincount(rows * (w + 1) + first, minlength=h * (w + 1))
-        out |= (np.cumsum(toggles.reshape(h, w + 1)[:, :w], axis=1) & 1).astype(bool)
+        if not len(rows):
+            continue
+        # Only the part's box is counted: left of its first toggle and from its last on
+        # a row has an even count (a closed part crosses each centre line evenly).
+        r_lo, r_hi = int(rows.min()), int(rows.max()) + 1
+        c_lo, c_hi = int(first.min()), int(first.max())
+        span = c_hi - c_lo + 1
+        toggles = np.bincount((rows - r_lo) * span + (first - c_lo),
+                              minlength=(r_hi - r_lo) * span).reshape(r_hi - r_lo, span)
+        out[r_lo:r_hi, c_lo:c_hi] |= (np.cumsum(toggles[:, :-1], axis=1) & 1).astype(bool)
     return out
 
 
