@@ -356,6 +356,21 @@ def test_a_path_is_refused_at_construction_naming_echo_ring(path, tmp_path):
         en.EchoLoader(path)
 
 
+@pytest.mark.parametrize("which", ["Loader", "EchoRing"])
+def test_an_echo_native_loader_is_refused_at_construction_naming_echo_ring(which, tmp_path):
+    """The library's own loaders yield views of ring slots (objects padded per batch):
+    EchoLoader refuses them before a worker starts, pointing to EchoRing, which runs the
+    same echo on the slots."""
+    from sources_helpers import photo_jpegs, write_folder
+
+    folder = write_folder(tmp_path, photo_jpegs(4), [0, 1, 0, 1])
+    loader = getattr(en, which)(folder, 2, image_size=32, workers=1)
+    with pytest.raises(TypeError, match=rf"echo_native {which} .*en\.EchoRing\(source"):
+        en.EchoLoader(loader, echo=2)
+    inner = loader if which == "Loader" else loader.loader
+    assert inner.ring is None and inner.worker_pids() == []
+
+
 @pytest.mark.parametrize("kind", ["Dataset", "IterableDataset"])
 def test_a_hugging_face_dataset_of_examples_is_refused_at_construction(kind):
     """A dataset yields single examples (its 'idx' one int each), not batches: refused

@@ -271,6 +271,13 @@ def _refuse_non_loader(iterable):
                         f"generator of batches), got the path {os.fsdecode(iterable)!r}: for "
                         f"a folder or file list of images use en.EchoRing(path)")
     cls = type(iterable)
+    if cls.__module__.split(".")[0] == "echo_native" and cls.__name__ in ("Loader", "EchoRing"):
+        # Its batches are views of ring slots whose objects are padded per batch:
+        # EchoRing runs the same echo stages on the slots themselves.
+        raise TypeError(f"EchoLoader wraps another library's loader; an echo_native "
+                        f"{cls.__name__} echoes its own batches: use en.EchoRing(source, "
+                        f"batch_size, echo=...) (the same stages on the ring's slots, "
+                        f"zero-copy, each echo re-augmented)")
     if cls.__module__.split(".")[0] != "datasets":
         return
     if cls.__name__ in ("DatasetDict", "IterableDatasetDict"):
