@@ -12,6 +12,7 @@ lose a sample.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -76,9 +77,16 @@ def _script(folder, body="", mode="process", echo=2, slow=0.0, workers=2):
     """)
 
 
+def _as_in_a_terminal():
+    """A script started from a terminal gets Ctrl-C at its default; a background job of a
+    non-interactive shell (how some CI runners start the tests) inherits it ignored, and
+    Python then installs no KeyboardInterrupt handler at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(args, cwd, stdin=None, **kw):
     proc = subprocess.run(args, cwd=cwd, input=stdin, capture_output=True, text=True,
-                          timeout=240, **kw)
+                          timeout=240, preexec_fn=_as_in_a_terminal, **kw)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     return proc.stdout
