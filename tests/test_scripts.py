@@ -227,8 +227,10 @@ def test_uncaught_ctrl_c_cleans_up(folder, tmp_path):
                         "    print(ring.loader.ring_name, *pids, flush=True)")
     (tmp_path / "train.py").write_text(code)
     proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, start_new_session=True)
-    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+                          text=True, timeout=120, start_new_session=True,
+                          preexec_fn=_as_in_a_terminal)
+    assert proc.returncode != 0
+    assert proc.stderr.rstrip().splitlines()[-1] == "KeyboardInterrupt", proc.stderr[-2000:]
     import ring_helpers as rh
 
     words = proc.stdout.split()
