@@ -480,7 +480,7 @@ class RayLoader(Loader):
         first = max(self._ticket, epoch * bpe) if epoch == self.epoch else epoch * bpe
         return build_dataset(self._work, self.source, [first], (epoch + 1) * bpe - first,
                              concurrency=_concurrency(self.concurrency),
-                             max_objects=self.max_objects)
+                             max_objects=self.record.max_objects)
 
     def stats(self):
         out = super().stats()

@@ -353,9 +353,19 @@ def test_exception_inside_with_removes_segment(corpus_root, exc):
     _gone(name, pids)
 
 
+@pytest.fixture
+def terminal_ctrl_c():
+    """Ctrl-C raising KeyboardInterrupt, as in a terminal, for the test's duration: a test
+    run started as a background job of a non-interactive shell inherits SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)   # hang guard: a worker that kept reading would run past it
-def test_ctrl_c_while_waiting_for_a_batch_removes_segment(corpus_root, tmp_path):
+def test_ctrl_c_while_waiting_for_a_batch_removes_segment(corpus_root, tmp_path,
+                                                           terminal_ctrl_c):
     """A real SIGINT while blocked in next_batch raises KeyboardInterrupt and cleans up:
     the workers finish the batch in hand and take no new ticket from the closed ring.
 
