@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo_native._ring import OBJ_CROWD, OBJ_DROPPED
-from echo_native.targets import FIELDS
+from echo_native.targets import FIELDS, given_fields
 
 __all__ = ["map_boxes", "sanitize", "pack", "SourceObjects", "Objects"]
 
@@ -185,12 +185,7 @@ class Objects:
     fields: dict = None
 
     def __post_init__(self):
-        fields = {k: v for k, v in (self.fields or {}).items() if v is not None}
-        unknown = sorted(set(fields) - set(FIELDS))
-        if unknown:
-            raise TypeError(f"Objects got unknown fields {unknown}: objects carry "
-                            f"{list(FIELDS)}")
-        self.fields = fields
+        self.fields = given_fields("Objects", self.fields or {})
 
     def __getattr__(self, name):  # a field: its array, None where the source has none
         if name in FIELDS:

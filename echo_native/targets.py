@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+
 import numpy as np
 
 from echo_native._checks import numbers, read_only, shown
@@ -46,6 +47,15 @@ OBJECT_FIELDS = (KEYPOINTS, MASKS)
 FIELDS = {f.name: f for f in OBJECT_FIELDS}
 
 
+def given_fields(owner, fields):
+    """``fields`` (name -> value) without the None values; TypeError naming ``owner``
+    for a name that is no object field."""
+    unknown = sorted(set(fields) - set(FIELDS))
+    if unknown:
+        raise TypeError(f"{owner} got unknown fields {unknown}: objects carry {list(FIELDS)}")
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 class Targets:
     """The objects of one image: ``boxes`` (N, 4) float32 xyxy in source pixels,
     ``labels`` (N,) int64, ``iscrowd`` (N,) bool (read-only arrays), ``image_hw``,
@@ -63,11 +73,8 @@ class Targets:
     __slots__ = ("boxes", "labels", "iscrowd", "image_hw", "fields")
 
     def __init__(self, boxes, labels, iscrowd=None, image_hw=None, **fields):
-        unknown = sorted(set(fields) - set(FIELDS))
-        if unknown:
-            raise TypeError(f"Targets got unknown fields {unknown}: objects carry "
-                            f"{list(FIELDS)}")
-        _set(self, *_checked(boxes, labels, iscrowd, image_hw, "Targets", fields))
+        _set(self, *_checked(boxes, labels, iscrowd, image_hw, "Targets",
+                             given_fields("Targets", fields)))
 
     def __getattr__(self, name):  # a field: its value, None where the objects lack it
         if name in FIELDS:
@@ -117,7 +124,7 @@ def _trusted(boxes, labels, iscrowd, image_hw=None, fields=None):
                 read_only(np.asarray(labels, np.int64).view()),
                 read_only(np.asarray(iscrowd, bool).view()),
                 None if image_hw is None else (int(image_hw[0]), int(image_hw[1])),
-                {k: _view(v) for k, v in (fields or {}).items() if v is not None})
+                {k: _view(v) for k, v in given_fields("Targets", fields or {}).items()})
 
 
 def _image_hw(hw, where):

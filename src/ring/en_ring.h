@@ -98,7 +98,8 @@ typedef struct en_ring_row_kind {
     uint32_t limit;
     size_t record_field;   /* offsetof(en_ring_record, <size>) */
 } en_ring_row_kind;
-extern const en_ring_row_kind en_ring_row_kinds[];   /* the kinds after SAMPLE; ends with a NULL name */
+/* The kinds after SAMPLE, in order; ends with a NULL name. */
+extern const en_ring_row_kind en_ring_row_kinds[];
 
 /* en_ring_slot.error */
 enum { EN_RING_ERR_NONE = 0, EN_RING_ERR_WORKER = 1, EN_RING_ERR_DECODE = 2 };
