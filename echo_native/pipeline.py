@@ -118,10 +118,11 @@ class EchoRing(Started):
         crop = specs.crop
         seed, batch_size, shuffle_buffer = check_stage_args(seed, batch_size,
                                                             echo.shuffle_buffer)
-        if isinstance(crop, CenterCrop) and not echo.off and echo.flip and \
-                echo.placement == "after_augment":
-            raise ValueError("CenterCrop draws no flip, so Echo(flip=True) would redraw none: "
-                             "leave flip=False, or use RandomResizedCrop(flip_p=...)")
+        if not echo.off and echo.flip and crop.flip_p == 0:   # flip: after_augment only
+            raise ValueError(f"{type(crop).__name__} draws no flip (flip_p=0), so "
+                             f"Echo(flip=True) would redraw none: leave flip=False, or use "
+                             f"a crop that flips (RandomResizedCrop(flip_p=...), "
+                             f"RandomHorizontalFlip())")
         if isinstance(crop, CenterCrop) and not echo.off and echo.placement == "before_augment":
             raise ValueError("CenterCrop is deterministic: echoing it before augmentation would "
                              "repeat identical images at the cost of a canvas each; use echo=1 "

@@ -43,11 +43,12 @@ except ImportError as _e:  # pragma: no cover - the extra is missing
     raise ImportError("echo_native.ray needs Ray Data: pip install 'echo_native[ray]' "
                       "(or pip install 'ray[data]>=2.60')") from _e
 
+from echo_native._checks import positive_int
 from echo_native.batch import Fresh
 from echo_native.loader import Loader, WorkerError, _shutdown
 from echo_native.pipeline import EchoRing as _LocalEchoRing
 from echo_native.pool import ship
-from echo_native.ring import OK, WAIT_CLOSED, WAIT_OK, WAIT_TIMEOUT
+from echo_native.ring import OK, WAIT_CLOSED, WAIT_OK, WAIT_TIMEOUT, Record
 from echo_native.ray_decode import COLUMNS, OBJECT_COLUMNS, HostSlot, TicketDecoder, meta_of
 
 __all__ = ["EchoRing", "RayLoader", "Split", "dataset", "split"]
@@ -65,17 +66,11 @@ MAX_TICKETS_PER_BLOCK = 8
 AHEAD_BLOCKS = 4
 
 
-def _positive(name, value, what=""):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer{what}, got {value!r}")
-    return int(value)
-
-
 def _concurrency(concurrency):
     """Decoding actors: as given, else one per CPU of the cluster ``ray.init()`` joined."""
     if concurrency is not None:
-        return _positive("concurrency", concurrency, " (decoding actors) or None (one per "
-                         "CPU of the cluster)")
+        # None: one actor per CPU of the cluster.
+        return positive_int("echo_native.ray", "concurrency", concurrency)
     if not ray.is_initialized():
         ray.init()
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
@@ -87,7 +82,7 @@ def tickets_per_block(plan):
     return max(1, min(MAX_TICKETS_PER_BLOCK, -(-BLOCK_IMAGES // plan.batch_size)))
 
 
-def build_dataset(plan, source, starts, length, *, concurrency, max_objects=0, trainer=False,
+def build_dataset(plan, source, starts, length, *, concurrency, record=Record(), trainer=False,
                   job=None, ahead_bytes=None, shared=False):
     """The Dataset of ``length`` tickets of ``plan`` from each of ``starts`` (one
     stream: one start; a stream shared by ranks: each rank's, its rows dealt in turn
@@ -112,7 +107,7 @@ def build_dataset(plan, source, starts, length, *, concurrency, max_objects=0, t
     ds = ray.data.from_items(rows, override_num_blocks=len(rows))
     ds = ds.map_batches(TicketDecoder, batch_size=1,
                         compute=ray.data.ActorPoolStrategy(size=concurrency), num_cpus=1,
-                        fn_constructor_kwargs=dict(job=job, max_objects=max_objects,
+                        fn_constructor_kwargs=dict(job=job, record=record,
                                                    trainer=trainer),
                         batch_format="numpy", zero_copy_batch=True)
     ds.context.execution_options.preserve_order = True
@@ -148,10 +143,10 @@ class RayStream:
     def __init__(self, loader, first, nslots, concurrency, start=True, split=None):
         self.plan, self.source = loader._work, loader.source
         self.bpe, self.first = self.plan.batches_per_epoch, int(first)
-        self.concurrency, self.max_objects = concurrency, loader.record.max_objects
+        self.concurrency, self.record = concurrency, loader.record
         transform = self.plan.transform
         self.fixed = getattr(transform, "size", None) is not None
-        self.layout = SimpleNamespace(nslots=int(nslots), record=loader.record)
+        self.layout = SimpleNamespace(nslots=int(nslots), record=self.record)
         self.name = f"ray-stream-{os.getpid()}-{id(self):x}"
         B = self.plan.batch_size
         # What Ray may hold decoded ahead: twice the trainer's slots, or four blocks
@@ -161,7 +156,7 @@ class RayStream:
         self.ahead_tickets = max(2 * int(nslots),
                                  AHEAD_BLOCKS * concurrency * tickets_per_block(self.plan))
         self.ahead_bytes = self.ahead_tickets * B * transform.sample_bytes
-        self._free = [HostSlot(B, transform.sample_bytes, loader.record)
+        self._free = [HostSlot(B, transform.sample_bytes, self.record)
                       for _ in range(int(nslots))]
         self._cond = threading.Condition()
         self._partial = {}     # ticket -> [slot, rows seen (bool[B]), meta or None, bytes]
@@ -197,7 +192,7 @@ class RayStream:
                 epochs = max(1, TICKETS_PER_DATASET // self.bpe)
                 end = (ticket // self.bpe + epochs) * self.bpe
                 ds = build_dataset(self.plan, self.source, [ticket], end - ticket,
-                                   concurrency=self.concurrency, max_objects=self.max_objects,
+                                   concurrency=self.concurrency, record=self.record,
                                    trainer=True, job=self.job, ahead_bytes=self.ahead_bytes)
                 self.reading = (ticket, end)
                 if not self._read(ds):
@@ -285,7 +280,7 @@ class RayStream:
     def _copy(self, cols, sel, r, slot):
         slot.sample_ids[r] = cols["sample_id"][sel]
         slot.labels[r] = cols["label"][sel]
-        for name in COLUMNS[2:] + (OBJECT_COLUMNS if self.max_objects else ()):
+        for name in COLUMNS[2:] + (OBJECT_COLUMNS if self.record.max_objects else ()):
             getattr(slot, name)[r] = cols[name][sel]
         if self.fixed:
             slot.pixels[r] = np.asarray(cols["image"][sel]).reshape(len(sel), -1)
@@ -480,7 +475,7 @@ class RayLoader(Loader):
         first = max(self._ticket, epoch * bpe) if epoch == self.epoch else epoch * bpe
         return build_dataset(self._work, self.source, [first], (epoch + 1) * bpe - first,
                              concurrency=_concurrency(self.concurrency),
-                             max_objects=self.record.max_objects)
+                             record=self.record)
 
     def stats(self):
         out = super().stats()
@@ -612,7 +607,8 @@ def split(source, batch_size=256, world_size=2, *, epochs=1, state=None, concurr
     ``state``: what every rank's ring loads (the list of every saved rank's state,
     any world size: the elastic rules), so that the stream starts where they stand.
     The ranks must stand level; make a new split after ``epochs`` (docs/ray.md)."""
-    n, epochs = _positive("world_size", world_size), _positive("epochs", epochs)
+    n = positive_int("echo_native.ray.split", "world_size", world_size)
+    epochs = positive_int("echo_native.ray.split", "epochs", epochs)
     kwargs.setdefault("device", "cpu")
     rings = [EchoRing(source, batch_size, rank=r, world_size=n, concurrency=concurrency,
                       **kwargs) for r in range(n)]
@@ -637,7 +633,7 @@ def split(source, batch_size=256, world_size=2, *, epochs=1, state=None, concurr
         slots = loaders[0].slots
         ahead = n * 2 * int(slots) + AHEAD_BLOCKS * concurrency * tickets_per_block(plan)
         ds = build_dataset(plan, source, firsts, length, shared=True,
-                           concurrency=concurrency, max_objects=loaders[0].record.max_objects,
+                           concurrency=concurrency, record=loaders[0].record,
                            trainer=True, job=job,
                            ahead_bytes=ahead * plan.batch_size * plan.transform.sample_bytes)
         iterators = ds.streaming_split(n, equal=True)

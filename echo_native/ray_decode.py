@@ -63,11 +63,6 @@ class _OneSlot:
         self.slots = [HostSlot(*self.shape)]
         self.meta = None
 
-    def fresh_slot(self):
-        # The batch a slot becomes may be a view of it (Arrow takes NumPy memory as it
-        # is): each ticket gets its own, never one an earlier batch still points into.
-        self.slots[0] = HostSlot(*self.shape)
-
     def write_meta(self, ticket, count, error, failures_total, records=(), fill_s=0.0,
                    warned=0):
         report, dropped = encode_failures(records, REPORT_BYTES)
@@ -89,8 +84,9 @@ class TicketDecoder:
         shard, ``on_error``, decode limits) and the source, as every worker gets them.
         For a stream shared by ranks (:func:`echo_native.ray.split`), ``plan`` is a
         tuple of every rank's plan, and the input rows name their ``rank``.
-    max_objects : int
-        Object slots per sample (a detection source), else 0.
+    record : Record
+        The sizes of a sample's record (the loader's: object slots for a detection
+        source; echo_native.ray refuses other object fields).
     trainer : bool
         True: every ticket also carries its meta (count, error kind, failure
         records, fill time), at least one row per ticket, for the trainer's
@@ -98,7 +94,7 @@ class TicketDecoder:
         the samples (the public :func:`echo_native.ray.dataset`).
     """
 
-    def __init__(self, job, max_objects=0, trainer=True):
+    def __init__(self, job, record=Record(), trainer=True):
         plan, self.source = pickle.loads(job)
         # One plan per rank of a shared stream; its tickets always ship the batch's
         # full rows (padding past the samples kept), so that Ray's split, which deals
@@ -109,10 +105,8 @@ class TicketDecoder:
         self.trainer = bool(trainer)
         transform = self.plan.transform
         self.size = getattr(transform, "size", None)   # None: a canvas, variable size
-        # The Ray path carries boxes (echo_native.ray refuses other object fields).
-        self.ring = _OneSlot(self.plan.batch_size, transform.sample_bytes,
-                             Record(max_objects=max_objects))
-        self.max_objects = int(max_objects)
+        self.ring = _OneSlot(self.plan.batch_size, transform.sample_bytes, record)
+        self.max_objects = record.max_objects
         self.filler = _Filler(self.ring, self.plan, self.source)
         self._fillers = {0: self.filler}
         # This instance, on every row it sends: a restarted or replaced actor is a new
@@ -127,14 +121,13 @@ class TicketDecoder:
         return filler
 
     def fill(self, ticket, rank=0, slot=None):
-        """Fill one ticket (of ``rank``'s plan) into ``slot`` (default: a new one):
+        """Fill one ticket (of ``rank``'s plan) into ``slot`` (default: the actor's own,
+        reused: a canvas ticket, whose rows are copied out):
         ``(slot, meta)``, meta as :meth:`_OneSlot.write_meta` keeps it.  A source
         that raises (a bug, not a bad sample) becomes the ticket's worker error with
         its traceback, as a local worker reports it."""
         if slot is not None:
             self.ring.slots[0] = slot
-        elif self.size is not None:
-            self.ring.fresh_slot()
         self.ring.meta = None
         filler = self._filler(rank)
         t0 = time.perf_counter()
@@ -163,6 +156,8 @@ class TicketDecoder:
                 for i in range(int(c))]
         B, group = self.plan.batch_size, None
         if self.size is not None:   # crops: every ticket into its rows of one block
+            # A new block each call: the batch it becomes may be a view of it (Arrow
+            # takes NumPy memory as it is), never memory an earlier batch points into.
             group = HostSlot(B * len(work), *self.ring.shape[1:])
         parts = [self._rows(t, r, None if group is None else _Rows(group, k * B, (k + 1) * B))
                  for k, (t, r) in enumerate(work)]

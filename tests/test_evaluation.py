@@ -217,6 +217,9 @@ def test_center_crop_refuses_echo_before_augmentation(val_folder):
     with pytest.raises(ValueError, match="CenterCrop draws no flip"):
         en.EchoRing(src, 2, augment=en.CenterCrop(32),
                     echo=en.Echo(2, placement="after_augment", flip=True))
+    with pytest.raises(ValueError, match=r"RandomResizedCrop draws no flip \(flip_p=0\)"):
+        en.EchoRing(src, 2, augment=en.RandomResizedCrop(32, flip_p=0),
+                    echo=en.Echo(2, placement="after_augment", flip=True))
     ring = en.EchoRing(src, 2, augment=en.CenterCrop(32),
                        echo=en.Echo(2, placement="after_augment"), workers=1)
     with ring:

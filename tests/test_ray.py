@@ -1,8 +1,8 @@
 """echo_native.ray: decode on a Ray cluster, echo on the trainer, resume exactly.
 
-Every test but the first starts (or reuses) a local Ray instance and is marked
-slow: ``python -m pytest -n 0 tests/test_ray.py -m "slow or not slow"``.  Each
-compares the Ray ring with a local ring of the same seed, batch for batch: the
+The tests that start (or reuse) a local Ray instance are marked slow (``python -m
+pytest -n 0 tests/test_ray.py -m "slow or not slow"``); the others check the decoding
+actor and the refusals without a cluster.  Each cluster test compares the Ray ring with a local ring of the same seed, batch for batch: the
 pixels, ids and order must be the same, which is what makes switching one import
 safe.  Everything skips where Ray is not installed.
 """
@@ -661,7 +661,7 @@ def test_two_ranks_share_one_stream_through_streaming_split(corpus, cluster):
 
 
 @pytest.mark.parametrize("field", ["keypoints", "masks"])
-def test_a_source_with_keypoints_is_refused_with_what_to_use(field):
+def test_a_source_with_keypoints_or_masks_is_refused_with_what_to_use(field):
     """The Ray path carries boxes only: a source whose objects carry keypoints or masks
     is refused at construction, naming the field, not half-delivered."""
     from test_keypoints import SSD, Poses
